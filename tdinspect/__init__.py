@@ -1,0 +1,71 @@
+"""tdinspect: find the first operator where two runs of a PyTorch model part.
+
+Capture (torch and the standard library only, safe on an engine's hot path)::
+
+    with tdinspect.capture(model, "dumps/run_a") as dump:
+        model(batch); dump.step()
+
+Analysis (xarray, loaded on first use)::
+
+    div = tdinspect.DumpSet.open("dumps/run_a").diff("dumps/run_b").first_divergence()
+
+In Jupyter: ``%load_ext tdinspect``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .config import ConfigError, DumpConfig
+from .dumper.modules import ModuleCapture, capture
+from .dumper.writer import CaptureWriteError
+from .format import DumpFormatError, load_pass
+from .naming import KeyParts, parse_key
+
+__version__ = "0.1.0"
+
+# Analysis and views load lazily (PEP 562): importing tdinspect must not import
+# xarray, pandas, matplotlib, IPython or dask.
+_LAZY = {
+    "capture_ops": ("tdinspect.dumper.ops", "capture_ops"),
+    "OpCapture": ("tdinspect.dumper.ops", "OpCapture"),
+    "replay": ("tdinspect.replay", "replay"),
+    "DumpSet": ("tdinspect.dumpset", "DumpSet"),
+    "Diff": ("tdinspect.diff", "Diff"),
+    "Divergence": ("tdinspect.diff", "Divergence"),
+    "explore": ("tdinspect.jupyter.widgets", "explore"),
+    "plot": ("tdinspect.jupyter.plots", None),
+}
+
+__all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
+           "CaptureWriteError", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
+           "replay", "DumpSet", "Diff", "Divergence", "explore", "plot",
+           "load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = importlib.import_module(module)
+        value = value if attr is None else getattr(value, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tdinspect' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext tdinspect``: register the ``%tdi_*`` magics."""
+    from .jupyter.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext tdinspect``: remove the magics again."""
+    from .jupyter.magics import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,218 @@
+"""Command line: ``tdinspect ls|stats|diff|first-divergence|demo``.
+
+Exit status: 0 when nothing diverges, 1 when something does, 2 on error, so
+``tdinspect first-divergence ref/ new/`` can gate a CI pipeline. Every command
+maps onto the Python API (DumpSet.open, Diff.first_divergence, ...); ``--json``
+prints machine-readable output.
+
+Examples
+--------
+::
+
+    tdinspect ls dumps/run_a
+    tdinspect stats dumps/run_a --op 'layers\\.0\\.'
+    tdinspect diff dumps/run_a dumps/run_b --metric rel_diff --threshold 1e-3
+    tdinspect first-divergence dumps/run_a dumps/run_b --threshold 'attn=1e-2' --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from .metrics import METRICS
+from .report import fmt, text_table
+
+
+class _Fail(Exception):
+    pass
+
+
+def _threshold(values: list[str] | None):
+    """``--threshold 1e-3`` or repeated ``--threshold REGEX=VALUE``."""
+    if not values:
+        return None
+    plain = [v for v in values if "=" not in v]
+    named = [v for v in values if "=" in v]
+    try:
+        if plain and not named and len(plain) == 1:
+            return float(plain[0])
+        out = {}
+        for v in named:
+            pattern, _, number = v.rpartition("=")
+            out[pattern] = float(number)
+        if plain:
+            out[".*"] = float(plain[-1])
+        return out
+    except ValueError:
+        raise _Fail(f"--threshold: expected a number or REGEX=NUMBER, got {values}") from None
+
+
+def _json_default(o: Any):
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return None
+    return str(o)
+
+
+def _dump(obj: Any) -> str:
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if hasattr(v, "item"):
+            return clean(v.item())
+        return v
+    return json.dumps(clean(obj), indent=2, default=_json_default)
+
+
+def cmd_ls(args) -> int:
+    from .dumpset import DumpSet
+
+    ds = DumpSet.open(args.path, on_error=args.on_error)
+    s = ds.summary()
+    if args.json:
+        print(_dump({**s, "passes": ds.passes, "ops": ds.ops}))
+        return 0
+    print(repr(ds))
+    first = ds.pass_indexes()[0]
+    calls: dict[str, int] = {}
+    from .naming import split_call
+    for k in first.keys:
+        base, call = split_call(k)
+        calls[base] = max(calls.get(base, 0), call + 1)
+    rows = [[k, calls.get(k, 0), first.dtype[first.position[k]] if k in first.position else "",
+             str(first.shape[first.position[k]]) if k in first.position else ""]
+            for k in ds.ops]
+    print(text_table(["op", f"calls in pass {first.index}", "dtype", "shape"], rows))
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from .dumpset import DumpSet
+
+    ds = DumpSet.open(args.path, on_error=args.on_error)
+    if args.op:
+        ds = ds.filter(args.op)
+    df = ds.entries(progress=False)
+    if args.pass_ is not None:
+        df = df[df["pass"] == args.pass_]
+    cols = ["rank", "pass", "key", "dtype", "shape", "min", "max", "mean", "std", "absmax", "nan",
+            "inf"]
+    if args.json:
+        print(_dump(df[cols].to_dict("records")))
+    else:
+        print(text_table(cols, df[cols].values.tolist()))
+    return 0
+
+
+def _diff(args):
+    from .dumpset import DumpSet
+
+    a = DumpSet.open(args.a, on_error=args.on_error)
+    b = DumpSet.open(args.b, on_error=args.on_error)
+    return a.diff(b, align=args.align)
+
+
+def cmd_first_divergence(args) -> int:
+    diff = _diff(args)
+    summary = diff.summary(_threshold(args.threshold), args.metric)
+    div = summary["first_divergence"]
+    if args.json:
+        print(_dump(summary))
+    elif div is None:
+        print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}")
+    else:
+        where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
+        print(f"first divergence: {div['key']} ({where}, call {div['call']})\n  {div['reason']}")
+    return 0 if div is None else 1
+
+
+def cmd_diff(args) -> int:
+    diff = _diff(args)
+    thr = _threshold(args.threshold)
+    metric = args.metric or diff.default_metric
+    df = diff.divergences(thr, metric)
+    summary = diff.summary(thr, metric)
+    if args.json:
+        summary["divergences"] = df[["rank", "pass", "key", "reason", metric, "why"]].head(
+            args.limit).to_dict("records")
+        summary["n_divergences"] = int(len(df))
+        print(_dump(summary))
+        return 0 if df.empty else 1
+    print(repr(diff))
+    if df.empty:
+        print(f"no divergence ({metric})")
+        return 0
+    cols = ["pass", "rank", "key", metric, "why"]
+    print(f"{len(df)} divergent entries ({metric}); first {min(len(df), args.limit)}:")
+    print(text_table(cols, df[cols].head(args.limit).values.tolist()))
+    div = summary["first_divergence"]
+    print(f"first divergence: {div['key']} (pass {div['pass']}): {div['reason']}")
+    return 1
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tdinspect", description="Inspect and compare tensor dumps.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p, two=False):
+        if two:
+            p.add_argument("a", help="reference dump (folder, rank folder or pass file)")
+            p.add_argument("b", help="compared dump")
+            p.add_argument("--metric", choices=sorted(METRICS), default=None,
+                           help="divergence metric (default rel_diff; stats_rel for stats-only)")
+            p.add_argument("--threshold", action="append", metavar="T|REGEX=T",
+                           help="threshold, or per-name thresholds (repeatable)")
+            p.add_argument("--align", choices=["name", "sequence"], default="name")
+        else:
+            p.add_argument("path", help="dump folder, rank folder or pass file")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--on-error", choices=["raise", "warn"], default="raise",
+                       help="on an unreadable pass: stop (default) or skip it with a warning")
+
+    common(sub.add_parser("ls", help="what a dump holds"))
+    p = sub.add_parser("stats", help="per-entry statistics")
+    common(p)
+    p.add_argument("--op", help="regex on entry names")
+    p.add_argument("--pass", dest="pass_", type=int, help="one pass only")
+    p = sub.add_parser("diff", help="all divergences between two dumps")
+    common(p, two=True)
+    p.add_argument("--limit", type=int, default=20, help="rows shown")
+    common(sub.add_parser("first-divergence", help="the first divergent entry"), two=True)
+    p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
+    p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
+    return parser
+
+
+COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
+            "first-divergence": cmd_first_divergence, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tdinspect`` command; returns the exit status."""
+    from .config import ConfigError
+    from .format import DumpFormatError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (_Fail, DumpFormatError, ConfigError, ValueError, KeyError, OSError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"tdinspect {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

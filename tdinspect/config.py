@@ -1,0 +1,199 @@
+"""Capture configuration, the environment overlay, and filter resolution.
+
+Dumping is off unless a dump directory is given, in code or in the environment.
+Environment variables always overlay what the code passed, so a program with a
+hard-coded config can be switched to dumping for one run:
+
+=================================  ==============================  =========================================
+documented engine name             tdinspect name                  meaning
+=================================  ==============================  =========================================
+``PHYAI_DEBUG_TENSOR_DUMP_DIR``    ``TDINSPECT_DUMP_DIR``          output directory; setting it enables dumping
+``PHYAI_DEBUG_TENSOR_DUMP_FILTER``  ``TDINSPECT_DUMP_FILTER``      JSON array of regexes, or one bare pattern
+``PHYAI_DEBUG_TENSOR_DUMP_FILTER_FN`` ``TDINSPECT_DUMP_FILTER_FN``  ``"pkg.module:func"`` or ``"/path/file.py:func"``
+=================================  ==============================  =========================================
+
+Setting a FILTER and a FILTER_FN together is an error, and so is setting the
+same switch in both families to different values.
+
+Examples
+--------
+>>> cfg = DumpConfig(dump_dir="/tmp/run_a", filter=[r"layers\\.0\\."])
+>>> cfg.with_env({"TDINSPECT_DUMP_DIR": "/tmp/run_b"}).dump_dir
+'/tmp/run_b'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+FilterSpec = Union[None, str, "re.Pattern[str]", Sequence[str], Callable[[str, Any], bool]]
+Predicate = Callable[[str, Any], bool]
+
+_FAMILIES = ("PHYAI_DEBUG_TENSOR_DUMP_", "TDINSPECT_DUMP_")
+
+
+class ConfigError(ValueError):
+    """A capture setting (argument, config field or environment variable) is invalid."""
+
+
+def _env(environ: Mapping[str, str], suffix: str) -> tuple[str, str] | None:
+    """The value of one switch across both families, as ``(variable, value)``."""
+    found = [(fam + suffix, environ[fam + suffix]) for fam in _FAMILIES
+             if environ.get(fam + suffix, "") != ""]
+    if len(found) == 2 and found[0][1] != found[1][1]:
+        raise ConfigError(f"{found[0][0]}={found[0][1]!r} and {found[1][0]}={found[1][1]!r} "
+                          "disagree; set one of them")
+    return found[-1] if found else None
+
+
+def parse_filter_env(value: str, variable: str = "TDINSPECT_DUMP_FILTER") -> list[str]:
+    """Patterns from a FILTER variable: a JSON array of regexes, or one bare pattern."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            patterns = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{variable}: not a valid JSON array of regexes ({exc}): {value!r}") from None
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            raise ConfigError(f"{variable}: expected a JSON array of strings, got {value!r}")
+        return patterns
+    return [value]
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpConfig:
+    """Where and what to dump; an engine can keep one in its runtime config.
+
+    Parameters
+    ----------
+    dump_dir : str or Path, optional
+        Output directory. ``None`` means dumping is off.
+    filter : str, regex, list of str, or callable, optional
+        ``None`` keeps every selected module; regexes keep names that any of
+        them ``re.search``-matches; a callable ``(name, module) -> bool`` decides.
+    filter_fn : str, optional
+        A predicate named as ``"pkg.module:func"`` or ``"/path/file.py:func"``.
+        Exclusive with ``filter``.
+
+    Examples
+    --------
+    >>> DumpConfig().enabled
+    False
+    >>> DumpConfig("/tmp/d", filter=r"o_proj$").predicate()("model.layers.0.o_proj", None)
+    True
+    """
+
+    dump_dir: str | os.PathLike | None = None
+    filter: FilterSpec = None
+    filter_fn: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.filter is not None and self.filter_fn is not None:
+            raise ConfigError("filter and filter_fn are exclusive: pass one of them")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether dumping is on (a dump directory is set)."""
+        return self.dump_dir is not None and str(self.dump_dir) != ""
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> "DumpConfig":
+        """This config overlaid by the environment (``os.environ`` by default)."""
+        environ = os.environ if environ is None else environ
+        directory = _env(environ, "DIR")
+        flt = _env(environ, "FILTER")
+        fn = _env(environ, "FILTER_FN")
+        if flt and fn:
+            raise ConfigError(f"{flt[0]} and {fn[0]} are exclusive: set one of them")
+        changes: dict[str, Any] = {}
+        if directory:
+            changes["dump_dir"] = directory[1]
+        if flt:
+            changes.update(filter=parse_filter_env(flt[1], flt[0]), filter_fn=None)
+        if fn:
+            changes.update(filter=None, filter_fn=fn[1])
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def use_cuda_graph(self, requested: bool) -> bool:
+        """Whether an engine may use CUDA graphs: forced off (with a warning) while dumping.
+
+        Hooks do not run when a captured CUDA graph is replayed, so a dump taken
+        under graphs would silently miss every op.
+        """
+        if requested and self.enabled:
+            warnings.warn("tensor dump is enabled: forcing use_cuda_graph=False so that hooks run "
+                          "(CUDA-graph replay never re-enters Python)", stacklevel=2)
+            return False
+        return requested
+
+    def predicate(self) -> Predicate:
+        """The resolved filter as a ``(name, module) -> bool`` callable.
+
+        Raises
+        ------
+        ConfigError
+            For an invalid regex or a predicate that cannot be loaded.
+        """
+        if self.filter_fn is not None:
+            return load_predicate(self.filter_fn)
+        return resolve_filter(self.filter)
+
+
+def resolve_filter(spec: FilterSpec) -> Predicate:
+    """Turn ``None``, a regex, a list of regexes or a callable into a predicate."""
+    if spec is None:
+        return lambda name, module: True
+    if callable(spec) and not isinstance(spec, (str, re.Pattern)):
+        return spec
+    patterns = [spec] if isinstance(spec, (str, re.Pattern)) else list(spec)
+    if not patterns:
+        raise ConfigError("filter is an empty list: it would capture nothing; pass None to keep all")
+    compiled = []
+    for p in patterns:
+        if isinstance(p, re.Pattern):
+            compiled.append(p)
+            continue
+        if not isinstance(p, str):
+            raise ConfigError(f"filter entries must be regex strings, got {p!r}")
+        try:
+            compiled.append(re.compile(p))
+        except re.error as exc:
+            raise ConfigError(f"invalid filter regex {p!r}: {exc}") from None
+    return lambda name, module: any(c.search(name) for c in compiled)
+
+
+def load_predicate(ref: str) -> Predicate:
+    """Load a predicate named ``"pkg.module:func"`` or ``"/path/file.py:func"``.
+
+    Only the named module or file is imported.
+    """
+    if not isinstance(ref, str) or ":" not in ref:
+        raise ConfigError(f"filter_fn {ref!r}: expected 'pkg.module:func' or '/path/file.py:func'")
+    target, _, attr = ref.rpartition(":")
+    try:
+        if target.endswith(".py") or os.sep in target or "/" in target:
+            path = Path(target)
+            if not path.is_file():
+                raise ConfigError(f"filter_fn {ref!r}: no such file {str(path)!r}")
+            spec = importlib.util.spec_from_file_location(f"_tdinspect_filter_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"filter_fn {ref!r}: importing {target!r} failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"filter_fn {ref!r}: {target!r} has no callable {attr!r}")
+    return fn

@@ -1,0 +1,43 @@
+"""``tdinspect demo``: capture two runs of the bundled model, find where they part, plot it."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def run_demo(out: str | None = None) -> int:
+    """Capture a float32 run and one with a deliberately wrong layer, diff, plot.
+
+    Prints the first divergence and the entries that add the most error, and
+    writes ``divergence.png``. Returns 0.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from .dumpset import DumpSet
+    from .jupyter.plots import divergence
+    from .samples import capture_model_run
+
+    root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tdinspect-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("reference", "wrong_layer"):  # a rerun replaces its own runs, nothing else
+        shutil.rmtree(root / name, ignore_errors=True)
+    print(f"capturing two runs of TinyTransformer into {root} ...")
+    capture_model_run(root / "reference")
+    capture_model_run(root / "wrong_layer", perturb="layers.2.mlp.down.weight")
+    ref = DumpSet.open(root / "reference")
+    print(ref)
+    diff = ref.diff(root / "wrong_layer")
+    div = diff.first_divergence(threshold=1e-3, metric="rel_diff")
+    print(f"first divergence: {div.key} (pass {div.pass_}, call {div.call})\n  {div.reason}"
+          if div else "no divergence")
+    growth = diff.growth().query("`pass` == 0").sort_values("growth", ascending=False).head(3)
+    print("entries that add the most error in pass 0 (growth = error / largest error before):")
+    for row in growth.itertuples():
+        print(f"  {row.key:40s} error {row.error:.3g}  growth {row.growth:.3g}")
+    png = root / "divergence.png"
+    divergence(diff, threshold=1e-3).savefig(png, dpi=110)
+    print(f"wrote {png}")
+    return 0

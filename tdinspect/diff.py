@@ -1,0 +1,455 @@
+"""Diff: two dumps compared entry by entry, and the first place they part.
+
+The first run is the reference (``y`` in relative metrics, and the execution
+order that "first" refers to). Entries are matched by (rank, pass, op, call),
+or, with ``align="sequence"``, by a sequence alignment of their signatures
+(op, shape) within each pass, for op streams that do not line up by name
+(a fused kernel on one side, its unfused ops on the other).
+
+Structural divergences (present on one side only, shape mismatch, NaN/Inf
+where the other side is finite, a rank or pass on one side only) always count
+as divergences and carry a ``reason``; a dtype difference does not (that is
+what precision comparisons are), and is shown with the ``_cast`` metrics.
+
+Examples
+--------
+>>> d = DumpSet.open("runs/fp32").diff("runs/bf16")            # doctest: +SKIP
+>>> d.first_divergence(threshold=1e-3, metric="rel_diff")      # doctest: +SKIP
+Divergence(model.layers.2.mlp.down call 0 pass 0: rel_diff=3.2e-02 > 0.001)
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from .dumpset import DumpSet
+from .metrics import METRICS, TENSOR_METRICS, compare_tensors, metric, stats_rel
+from .naming import parse_key, split_call
+from .parallel import map_in_waves
+from .passindex import PassIndex
+
+ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
+
+
+@dataclass
+class Divergence:
+    """The first entry (in the reference's execution order) past a threshold.
+
+    Attributes
+    ----------
+    op : str
+        Entry name without ``::callN``.
+    call, pass_, rank : int
+        Where it is (0-based call).
+    key : str
+        The on-disk key (with ``::callN``).
+    metric : str
+    value : float
+        The metric's value (NaN for a structural divergence without one).
+    threshold : float
+    reason : str
+        Why it counts: ``"rel_diff 3.2e-02 > 1e-03"``, ``"shape [2, 3] vs [3, 2]"``,
+        ``"only in B"``, ``"NaN/Inf on one side (12 elements)"``...
+    order : float
+        Its position in the reference pass.
+    before : list of (key, value)
+        The entries just before it in the same pass and their metric values.
+    """
+
+    op: str
+    call: int
+    pass_: int
+    rank: int
+    key: str
+    metric: str
+    value: float
+    threshold: float
+    reason: str
+    order: float
+    structural: bool = False
+    before: list[tuple[str, float]] = field(default_factory=list)
+    row: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __repr__(self) -> str:
+        return (f"Divergence({self.key} pass {self.pass_}" + (f" rank {self.rank}" if self.rank else "")
+                + f": {self.reason})")
+
+    def _repr_html_(self) -> str:
+        from .report import divergence_html
+
+        return divergence_html(self)
+
+
+def _signature(pi: PassIndex, i: int) -> tuple:
+    key = pi.keys[i]
+    try:
+        parts = parse_key(key)
+        name = parts.op or (pi.module_type[i] or parts.module.rsplit(".", 1)[-1])
+        labels = parts.labels
+    except ValueError:
+        name, labels = split_call(key)[0], ()
+    return (name, labels, tuple(pi.shape[i] or ()))
+
+
+def _pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str):
+    """``(i_a, i_b, order)`` triples: matched, A-only (i_b None), B-only (i_a None)."""
+    ka = [i for i, k in enumerate(pa.keys) if keep(k)] if pa else []
+    kb = [j for j, k in enumerate(pb.keys) if keep(k)] if pb else []
+    if pa is None or pb is None:
+        return [(i, None, float(i)) for i in ka] + [(None, j, float(j)) for j in kb]
+    if align == "sequence":
+        sa = [_signature(pa, i) for i in ka]
+        sb = [_signature(pb, j) for j in kb]
+        matcher = difflib.SequenceMatcher(None, sa, sb, autojunk=False)
+        matched = {}
+        for block in matcher.get_matching_blocks():
+            for t in range(block.size):
+                matched[kb[block.b + t]] = ka[block.a + t]
+        out = [(i, None, float(i)) for i in ka if i not in matched.values()]
+        out += [(matched[j], j, float(matched[j])) for j in kb if j in matched]
+    else:
+        out = [(i, pb.position.get(pa.keys[i]), float(i)) for i in ka]
+        matched = {pb.position[pa.keys[i]]: i for i in ka if pa.keys[i] in pb.position}
+    last = -0.5
+    for j in kb:  # B-only entries go just after the reference entry that precedes them in B
+        if j in matched:
+            last = float(matched[j])
+        else:
+            out.append((None, j, last + 0.5))
+    return sorted(out, key=lambda t: t[2])
+
+
+@dataclass
+class PassJob:
+    """One pass pair to compare (picklable: it travels to dask workers)."""
+
+    rank: int
+    pass_: int
+    a: PassIndex | None
+    b: PassIndex | None
+    pattern: Any
+    align: str
+    mode: str
+    chunk: int
+    missing_reason: str = ""
+
+    def keep(self, key: str) -> bool:
+        return self.pattern is None or bool(self.pattern.search(split_call(key)[0]))
+
+
+def compare_pass(job: PassJob) -> list[dict[str, Any]]:
+    """Rows (one per matched or unmatched entry) for one pass pair."""
+    pa, pb = job.a, job.b
+    la = lb = None
+    rows = []
+    for ia, ib, order in _pairs(pa, pb, job.keep, job.align):
+        ref, idx = (pa, ia) if ia is not None else (pb, ib)
+        key = ref.keys[idx]
+        op, call = split_call(key)
+        row: dict[str, Any] = {"rank": job.rank, "pass": job.pass_, "op": op, "call": call,
+                               "key": key, "key_b": pb.keys[ib] if ib is not None else "",
+                               "order": order, "reason": "", "structural": False,
+                               "dtype_a": pa.dtype[ia] if ia is not None else "",
+                               "dtype_b": pb.dtype[ib] if ib is not None else "",
+                               "shape": str(ref.shape[idx])}
+        for m in ROW_METRICS:
+            row[m] = math.nan
+        rows.append(row)
+        if ia is None or ib is None:
+            side = "A" if ib is None else "B"
+            row.update(structural=True, reason=job.missing_reason or (
+                f"unmatched in {side}" if job.align == "sequence" else f"only in {side}"))
+            continue
+        if pa.uninitialized[ia] or pb.uninitialized[ib]:
+            row["reason"] = "uninitialized (never compared)"
+            continue
+        if list(pa.shape[ia] or []) != list(pb.shape[ib] or []):
+            row.update(structural=True, reason=f"shape {pa.shape[ia]} vs {pb.shape[ib]}")
+            continue
+        sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
+        if job.mode == "stats":
+            row["stats_rel"] = stats_rel(sb, sa)
+            if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
+                row.update(structural=True, reason="NaN/Inf on one side")
+            continue
+        if la is None:
+            la, lb = pa.load(), pb.load()
+        ya, xb = pa.tensor(pa.keys[ia], la), pb.tensor(pb.keys[ib], lb)
+        finite = (pa.finite(ia) and pb.finite(ib)) or None
+        row.update(compare_tensors(xb, ya, chunk=job.chunk, finite=finite))
+        bad = row.pop("nonfinite_mismatch", 0)
+        if bad:
+            row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
+    return rows
+
+
+class Diff:
+    """Two dumps compared; the first is the reference.
+
+    Parameters
+    ----------
+    a, b : DumpSet
+        Reference and compared dump.
+    align : {"name", "sequence"}
+        Match entries by name, or by a sequence alignment of (op, shape)
+        signatures per pass (honest lists of what did not match).
+    client : dask.distributed.Client, optional
+        Run the per-pass comparisons on this cluster (default: ``a.client``,
+        else dask's local threads).
+    chunk : int
+        Elements compared at a time (bounds memory for huge tensors).
+    mode : {"auto", "tensor", "stats"}
+        ``"stats"`` compares statistics only (the only choice when a side is
+        statistics-only): relative difference of min, max, mean and l2.
+
+    Examples
+    --------
+    >>> d = Diff(DumpSet.open("a"), DumpSet.open("b"))   # doctest: +SKIP
+    >>> d.first_divergence()                              # doctest: +SKIP
+    """
+
+    def __init__(self, a: DumpSet, b: DumpSet, *, align: str = "name", client: Any = None,
+                 chunk: int = 1 << 20, mode: str = "auto"):
+        if align not in ("name", "sequence"):
+            raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
+        if mode not in ("auto", "tensor", "stats"):
+            raise ValueError(f"mode={mode!r}: expected 'auto', 'tensor' or 'stats'")
+        self.a, self.b = a, b
+        self.align = align
+        self.client = client if client is not None else a.client
+        self.chunk = chunk
+        self.mode = "stats" if (a.stats_only or b.stats_only or mode == "stats") else "tensor"
+        if self.mode == "stats" and mode == "tensor":
+            raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
+        self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
+        self._results: dict[tuple[int, int], list[dict]] = {}
+        self.passes_read: list[tuple[int, int]] = []
+
+    # -- jobs ---------------------------------------------------------------------------
+    def _jobs(self) -> list[PassJob]:
+        keys = sorted(set(self.a._passes) | set(self.b._passes), key=lambda k: (k[1], k[0]))
+        ranks_a, ranks_b = set(self.a.ranks), set(self.b.ranks)
+        jobs = []
+        for rank, p in keys:
+            pa, pb = self.a._passes.get((rank, p)), self.b._passes.get((rank, p))
+            reason = ""
+            if rank not in ranks_b:
+                reason = f"rank {rank} only in A"
+            elif rank not in ranks_a:
+                reason = f"rank {rank} only in B"
+            elif pa is None or pb is None:
+                reason = f"pass {p} only in {'A' if pb is None else 'B'}"
+            jobs.append(PassJob(rank, p, pa, pb, self.a._op_pattern, self.align, self.mode,
+                                self.chunk, reason))
+        return jobs
+
+    def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], list[dict]]]:
+        """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached."""
+        jobs = self._jobs()
+        todo = [j for j in jobs if (j.rank, j.pass_) not in self._results]
+        computed = self._compute(todo, growing)
+        for job in jobs:
+            k = (job.rank, job.pass_)
+            if k not in self._results:
+                self._results[k] = next(computed)
+                self.passes_read.append(k)
+            yield k, self._results[k]
+
+    def _compute(self, jobs: list[PassJob], growing: bool) -> Iterator[list[dict]]:
+        if not growing:
+            yield from map_in_waves(compare_pass, jobs, client=self.client)
+            return
+        start, wave = 0, 1  # 1, 2, 4, ... passes: an early divergence reads little
+        while start < len(jobs):
+            yield from map_in_waves(compare_pass, jobs[start:start + wave], client=self.client,
+                                    wave=wave)
+            start += wave
+            wave *= 2
+
+    # -- thresholds ---------------------------------------------------------------------
+    def _threshold_fn(self, threshold, metric_name: str):
+        m = metric(metric_name)
+        if threshold is None or isinstance(threshold, (int, float)):
+            value = m.default_threshold if threshold is None else float(threshold)
+            return lambda op: value
+        if isinstance(threshold, dict):
+            compiled = [(re.compile(k), float(v)) for k, v in threshold.items()]
+
+            def per_name(op):
+                for pattern, v in compiled:
+                    if pattern.search(op):
+                        return v
+                return m.default_threshold
+            return per_name
+        raise TypeError(f"threshold must be a number or a {{regex: number}} dict, got {threshold!r}")
+
+    def _verdict(self, row, m, thr_fn) -> tuple[bool, str]:
+        if row["structural"]:
+            return True, row["reason"]
+        if row["reason"]:
+            return False, row["reason"]
+        value = row.get(m.name, math.nan)
+        thr = thr_fn(row["op"])
+        if m.diverges(value, thr):
+            return True, f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
+        return False, ""
+
+    def _check_metric(self, metric_name):
+        metric_name = metric_name or self.default_metric
+        if self.mode == "stats" and metric_name != "stats_rel":
+            raise ValueError(f"this diff compares statistics only (a side is stats_only): "
+                             f"use metric='stats_rel', not {metric_name!r}")
+        return metric(metric_name)
+
+    # -- answers ------------------------------------------------------------------------
+    def first_divergence(self, threshold: float | dict | None = None,
+                         metric: str | None = None) -> Divergence | None:
+        """The earliest entry, in the reference's (pass, order), past ``threshold``.
+
+        Passes are compared in order and the search stops at the first pass
+        that diverges: a divergence in pass 0 reads pass 0 only.
+
+        Parameters
+        ----------
+        threshold : float or {regex: float}, optional
+            Default: the metric's (1e-3 for ``rel_diff``). A dict sets
+            thresholds by entry name (first matching regex wins).
+        metric : str, optional
+            ``rel_diff`` (default), ``max_abs``, ``mean_abs``, ``max_rel``,
+            ``cosine`` and ``sqnr_db`` (diverge below), ``mismatch``,
+            ``equal`` (diverges when 0); ``stats_rel`` for statistics-only.
+
+        Returns
+        -------
+        Divergence or None
+        """
+        m = self._check_metric(metric)
+        thr_fn = self._threshold_fn(threshold, m.name)
+        best = None
+        remaining: dict[int, int] = {}  # pass -> ranks not yet seen
+        for job in self._jobs():
+            remaining[job.pass_] = remaining.get(job.pass_, 0) + 1
+        for (rank, p), rows in self.iter_passes(growing=True):
+            remaining[p] -= 1
+            for n, row in enumerate(rows):
+                hit, reason = self._verdict(row, m, thr_fn)
+                if hit:
+                    cand = (row["order"], rank, n, rows, reason)
+                    if best is None or cand[:2] < best[:2]:
+                        best = cand
+                    break
+            if best is not None and remaining[p] == 0:
+                break  # every rank of the first divergent pass is in: later passes stay unread
+        if best is None:
+            return None
+        order, rank, n, rows, reason = best
+        row = rows[n]
+        before = [(r["key"], r.get(m.name, math.nan)) for r in rows[max(0, n - 5):n]]
+        return Divergence(row["op"], row["call"], row["pass"], row["rank"], row["key"], m.name,
+                          row.get(m.name, math.nan), thr_fn(row["op"]), reason, row["order"],
+                          row["structural"], before, row)
+
+    def table(self, progress: bool = True):
+        """Every compared entry as a ``pandas.DataFrame`` (reads every pass)."""
+        import pandas as pd
+        from tqdm.auto import tqdm
+
+        jobs = len(self._jobs())
+        rows = [r for _, rs in tqdm(self.iter_passes(), total=jobs, desc="diff", leave=False,
+                                    disable=not progress) for r in rs]
+        cols = ["rank", "pass", "op", "call", "order", "key", "key_b", "dtype_a", "dtype_b",
+                "shape", "structural", "reason", *ROW_METRICS]
+        return pd.DataFrame(rows, columns=cols)
+
+    def divergences(self, threshold: float | dict | None = None, metric: str | None = None):
+        """All divergent entries in execution order, with their reasons (a DataFrame)."""
+        m = self._check_metric(metric)
+        thr_fn = self._threshold_fn(threshold, m.name)
+        df = self.table()
+        verdicts = [self._verdict(r, m, thr_fn) for r in df.to_dict("records")]
+        df["diverges"] = [v[0] for v in verdicts]
+        df["why"] = [v[1] for v in verdicts]
+        return df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
+
+    def growth(self, metric: str | None = None):
+        """How much each entry's error grows over the largest error before it (per pass).
+
+        ``growth = error / max(error of earlier entries)``: an op that
+        *introduces* error stands out (large growth) from those that inherit
+        it (growth near 1). ``cosine`` and ``sqnr_db`` are turned into errors
+        (``1 - cosine``, ``10**(-sqnr/10)``) first.
+        """
+        m = self._check_metric(metric)
+        df = self.table().sort_values(["rank", "pass", "order"]).reset_index(drop=True)
+        err = df[m.name].astype(float)
+        if m.name == "cosine":
+            err = 1 - err
+        elif m.name == "sqnr_db":
+            err = 10 ** (-err / 10)
+        elif m.name == "equal":
+            err = 1 - err
+        df["error"] = err
+        prev = df.groupby(["rank", "pass"])["error"].transform(
+            lambda s: s.cummax().shift(1).fillna(0.0))
+        df["prev_max"] = prev
+        df["growth"] = np.where(prev > 0, err / prev.where(prev > 0, 1.0),
+                                np.where(err > 0, np.inf, 1.0))
+        df["added"] = err - prev
+        return df[["rank", "pass", "order", "key", "error", "prev_max", "growth", "added"]]
+
+    def to_xarray(self) -> xr.Dataset:
+        """Metrics as a Dataset with the reference cube's dims (``op``, ``call``, ``pass``[, ``rank``])."""
+        df = self.table()
+        ops = list(dict.fromkeys(df["op"]))
+        ranks = sorted(df["rank"].unique().tolist()) or [0]
+        passes = sorted(df["pass"].unique().tolist())
+        ncall = int(df["call"].max()) + 1 if len(df) else 1
+        shape = (len(ranks), len(ops), ncall, len(passes))
+        ix = (df["rank"].map({r: i for i, r in enumerate(ranks)}).to_numpy(),
+              df["op"].map({o: i for i, o in enumerate(ops)}).to_numpy(),
+              df["call"].to_numpy(), df["pass"].map({p: i for i, p in enumerate(passes)}).to_numpy())
+        dims = ("rank", "op", "call", "pass")
+        variables = {}
+        for name in (*ROW_METRICS, "order"):
+            arr = np.full(shape, np.nan)
+            arr[ix] = df[name].to_numpy(dtype=float)
+            variables[name] = (dims, arr)
+        for name in ("reason", "dtype_a", "dtype_b"):
+            arr = np.full(shape, "", dtype=object)
+            arr[ix] = df[name].to_numpy(dtype=object)
+            variables[name] = (dims, arr)
+        ds = xr.Dataset(variables, coords={"rank": ranks, "op": ops, "call": np.arange(ncall),
+                                           "pass": passes},
+                        attrs={"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode,
+                               "align": self.align})
+        return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
+
+    def summary(self, threshold=None, metric=None) -> dict[str, Any]:
+        div = self.first_divergence(threshold, metric)
+        return {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
+                "metric": div.metric if div else (metric or self.default_metric),
+                "first_divergence": None if div is None else {
+                    "op": div.op, "call": div.call, "pass": div.pass_, "rank": div.rank,
+                    "key": div.key, "value": _num(div.value), "threshold": div.threshold,
+                    "reason": div.reason, "structural": div.structural}}
+
+    def __repr__(self) -> str:
+        return (f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, mode={self.mode}, "
+                f"align={self.align})")
+
+    def _repr_html_(self) -> str:
+        from .report import diff_html
+
+        return diff_html(self)
+
+
+def _num(v: float):
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v

@@ -1,0 +1,281 @@
+"""Module-level capture: forward hooks on selected modules, one pass file per step.
+
+Usage::
+
+    import tdinspect
+    with tdinspect.capture(model, "dumps/run_a", filter=[r"layers\\.0\\.", r"\\.heads\\."]) as dump:
+        for batch in batches:
+            model(batch)
+            dump.step()            # writes rank0_pid<P>/pass00000.pt (+ .json sidecar)
+
+Each selected module's output is detached, copied to the host and stored
+under its dotted name rooted at ``model``; structured outputs (tuples, lists,
+dicts, dataclasses, HF ``ModelOutput``) store each tensor under
+``name[label]...`` (see :mod:`tdinspect.naming`). A module called several
+times in one step stores ``name``, ``name::call1``, ``name::call2``...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path
+
+from ..config import ConfigError, DumpConfig, FilterSpec
+from ..naming import CALL_SEP, label
+from .recorder import Recorder
+
+
+def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` for every tensor in a module's output, in a stable order.
+
+    Examples
+    --------
+    >>> [k for k, _ in flatten_output((torch.ones(1), None, {"h": torch.ones(1)}))]
+    ['[0]', '[2][h]']
+    """
+    if isinstance(output, torch.Tensor):
+        yield prefix, output
+        return
+    leaves, _ = tree_flatten_with_path(output)
+    for path, leaf in leaves:
+        sub = prefix + "".join(label(k.idx if isinstance(k, SequenceKey) else
+                                     k.key if isinstance(k, MappingKey) else
+                                     k.name if isinstance(k, GetAttrKey) else k) for k in path)
+        if isinstance(leaf, torch.Tensor):
+            yield sub, leaf
+        elif isinstance(leaf, Mapping):  # mapping types pytree does not know (ModelOutput-like)
+            for k, v in leaf.items():
+                yield from flatten_output(v, sub + label(k))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for f in dataclasses.fields(leaf):
+                yield from flatten_output(getattr(leaf, f.name), sub + label(f.name))
+
+
+def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner, True
+    return model, False
+
+
+def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list[tuple[str, nn.Module]]:
+    """The ``(dotted name, module)`` pairs to hook: leaves (or all) that pass the filter."""
+    if modules not in ("leaves", "all"):
+        raise ConfigError(f"modules={modules!r}: expected 'leaves' or 'all'")
+    chosen = []
+    for name, mod in model.named_modules():
+        full = f"{root}.{name}" if name else root
+        if modules == "leaves" and next(mod.children(), None) is not None:
+            continue
+        try:
+            keep = predicate(full, mod)
+        except Exception as exc:
+            raise ConfigError(f"filter raised {type(exc).__name__} on module {full!r}: {exc}") from exc
+        if keep:
+            chosen.append((full, mod))
+    return chosen
+
+
+class ModuleCapture:
+    """A running module-level capture; made by :func:`capture`.
+
+    Use it as a context manager, or call :meth:`close` yourself. When dumping
+    is off (no directory in the arguments, config or environment) it installs
+    nothing and every method is a no-op, so it can stay in an engine loop.
+
+    Attributes
+    ----------
+    enabled : bool
+        Whether hooks are installed and passes are written.
+    folder : Path or None
+        This process's ``rank<R>_pid<P>`` folder.
+    names : list of str
+        The hooked module names.
+    """
+
+    def __init__(self, model: nn.Module | None, config: DumpConfig, *, root: str = "model",
+                 modules: str = "leaves", stats_only: bool = False,
+                 max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True):
+        self.config = config
+        self.enabled = config.enabled
+        self.folder = None
+        self.names: list[str] = []
+        self._handles: list[Any] = []
+        self._fired: set[str] = set()
+        self._stance = None
+        self._warn_unfired = warn_unfired
+        self._graph_warned = False
+        self.recorder: Recorder | None = None
+        if not self.enabled:
+            return
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"capture(model=...) needs an nn.Module, got {type(model).__name__}")
+        model, compiled = _unwrap_compiled(model)
+        chosen = select_modules(model, config.predicate(), root, modules)
+        if not chosen:
+            sample = [f"{root}.{n}" if n else root for n, _ in list(model.named_modules())[:6]]
+            raise ConfigError(f"the filter selects no module of {type(model).__name__}, so nothing "
+                              f"would be captured (filter={config.filter!r}, "
+                              f"filter_fn={config.filter_fn!r}); names look like {sample}")
+        if compiled:
+            warnings.warn("tdinspect: the model is torch.compile'd; running it eagerly while "
+                          "capturing (hooks do not fire inside compiled graphs)", stacklevel=3)
+            self._stance = torch.compiler.set_stance("force_eager")
+            self._stance.__enter__()
+        self.recorder = Recorder(config.dump_dir, level="module", stats_only=stats_only,
+                                 max_pending_bytes=max_pending_bytes, fsync=fsync)
+        self.folder = self.recorder.folder
+        for name, mod in chosen:
+            self.names.append(name)
+            self._handles.append(mod.register_forward_hook(self._make_hook(name, type(mod).__name__)))
+
+    def _make_hook(self, name: str, module_type: str):
+        rec, fired = self.recorder, self._fired
+
+        def hook(module, args, output):
+            if self._under_graph_capture(output):
+                return None
+            call = rec.next_call(name)
+            suffix = "" if call == 0 else f"{CALL_SEP}{call}"
+            for sub, tensor in flatten_output(output):
+                rec.record(name + sub + suffix, tensor, module_type=module_type)
+            fired.add(name)
+            return None
+
+        return hook
+
+    def _under_graph_capture(self, output: Any) -> bool:
+        t = output if isinstance(output, torch.Tensor) else None
+        if t is None or not t.is_cuda or not torch.cuda.is_current_stream_capturing():
+            return False
+        if not self._graph_warned:
+            self._graph_warned = True
+            warnings.warn("tdinspect: hooks are running inside CUDA-graph capture; graph replays "
+                          "will not be dumped. Run eagerly while dumping "
+                          "(DumpConfig.use_cuda_graph).", RuntimeWarning, stacklevel=3)
+        return True
+
+    # -- public API -----------------------------------------------------------------------
+    def step(self):
+        """End the current pass and write it (always, even when empty).
+
+        Returns
+        -------
+        Path or None
+            The pass file being written, or ``None`` when dumping is off.
+        """
+        if not self.enabled:
+            return None
+        self.recorder.warn_if_empty("no hook fired during this step. Was model.forward() called "
+                                    "directly (hooks need model(...)), or did the model run under "
+                                    "CUDA-graph replay or torch.compile?")
+        return self.recorder.step()
+
+    @property
+    def unfired(self) -> list[str]:
+        """Selected modules whose hook has not fired so far (work they did was not captured).
+
+        ``nn.MultiheadAttention`` uses its ``out_proj`` weights without calling
+        it, for example; capture with ``modules="all"`` to see such parents.
+        """
+        return [n for n in self.names if n not in self._fired]
+
+    def close(self, write_pending: bool = True) -> None:
+        """Write a pending non-empty pass, remove every hook, wait for the writer."""
+        if not self.enabled or self.recorder is None:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
+        rec, self.recorder = self.recorder, None
+        unfired = self.unfired
+        rec.close(write_pending=write_pending)
+        if self._warn_unfired and unfired and rec.pass_index:
+            shown = ", ".join(unfired[:5]) + (" ..." if len(unfired) > 5 else "")
+            warnings.warn(f"tdinspect: {len(unfired)} selected module(s) never ran a hooked forward: "
+                          f"{shown}", RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> "ModuleCapture":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return "ModuleCapture(disabled)"
+        return f"ModuleCapture({len(self.names)} modules -> {self.folder})"
+
+
+def resolve_config(dump_dir, filter, filter_fn, config, environ) -> DumpConfig:
+    """Arguments over ``config``, then the environment over both."""
+    base = config if config is not None else DumpConfig()
+    changes = {}
+    if dump_dir is not None:
+        changes["dump_dir"] = dump_dir
+    if filter is not None or filter_fn is not None:
+        changes.update(filter=filter, filter_fn=filter_fn)
+    cfg = dataclasses.replace(base, **changes) if changes else base
+    return cfg.with_env(os.environ if environ is None else environ)
+
+
+def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None = None, *,
+            filter: FilterSpec = None, filter_fn: str | None = None,
+            config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
+            stats_only: bool = False, max_pending_bytes: int = 2 << 30, fsync: bool = False,
+            warn_unfired: bool = True, environ=None) -> ModuleCapture:
+    """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model; a ``torch.compile``'d model is unwrapped and run eagerly.
+    dump_dir : str or Path, optional
+        Output directory. Without it (and without ``TDINSPECT_DUMP_DIR`` /
+        ``PHYAI_DEBUG_TENSOR_DUMP_DIR``) capture is off and costs nothing.
+    filter : regex, list of regexes, or callable, optional
+        Which modules to record (``re.search`` on the dotted name, or
+        ``(name, module) -> bool``). ``None`` records all.
+    filter_fn : str, optional
+        The predicate named as ``"pkg.mod:func"`` or ``"/path/file.py:func"``.
+    config : DumpConfig, optional
+        Settings kept by an engine; explicit arguments override its fields.
+    root : str
+        Name of the top module (``"model"``).
+    modules : {"leaves", "all"}
+        Hook leaf modules only (the documented behaviour) or every module.
+    stats_only : bool
+        Write statistics (sidecar) without tensors, for dumps too big for disk.
+    max_pending_bytes : int
+        Host memory that queued passes may hold before ``step()`` waits.
+    fsync : bool
+        ``fsync`` each file before publishing it.
+    warn_unfired : bool
+        Warn at the end about selected modules that never ran.
+    environ : mapping, optional
+        The environment to overlay (``os.environ`` by default).
+
+    Returns
+    -------
+    ModuleCapture
+
+    Examples
+    --------
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    >>> with capture(model, "/tmp/tdi_doc", filter=r"\\.0$") as dump:  # doctest: +SKIP
+    ...     model(torch.randn(2, 4))
+    ...     dump.step()
+    """
+    cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
+    return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
+                         max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired)

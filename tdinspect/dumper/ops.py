@@ -1,0 +1,379 @@
+"""Op-level capture: a ``TorchDispatchMode`` that records every aten op, forward and backward.
+
+Usage::
+
+    with tdinspect.capture_ops("dumps/ln_cpu", model=model, inputs=True) as dump:
+        loss = model(x).sum(); loss.backward()
+        dump.step()
+
+Every aten op that runs inside the block (factory ops, copies, autograd's
+backward ops) is recorded in execution order under the key
+``<module>/<overload>[outN]`` (and ``[inN]`` for inputs with ``inputs=True``),
+where ``<module>`` is the innermost module running it: during forward, the
+module whose ``forward`` is on the stack; during backward, the module whose
+forward created the autograd node being executed. Ops outside any module go
+under the root (``model``). Repeated calls of the same op in the same module
+are ``::call1``, ``::call2``... as in module-level capture.
+
+What is stored (the sidecar says which, see :mod:`tdinspect.format`):
+
+- outputs of every op; inputs too with ``inputs=True``, copied *before* the op
+  runs, so in-place ops (``add_``) show the value they read;
+- an input that is the output (or input) of an op already recorded in the
+  same pass, unchanged since, is a reference (``ref = {"kind": "same"}``);
+  a view op's output of a recorded tensor is a reference too
+  (``{"kind": "view"}``), rebuilt on load by re-running the view op;
+- outputs of ``empty``-like ops are marked ``uninitialized`` and not stored;
+- non-tensor arguments go in the sidecar (``call_args``) so an op can be
+  rebuilt and re-run by :func:`tdinspect.replay`.
+
+``trace=True`` prints one line per op as it runs::
+
+    model.ln/aten.native_layer_norm.default  in: bf16[1,64,32] [-4.81, 4.91] ...  ->  out: bf16[1,64,32] [-4.78, 4.81] f32[1,64,1] [...] ...
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, treespec_dumps
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ..config import ConfigError, DumpConfig, FilterSpec
+from ..format import encode_arg
+from ..naming import CALL_SEP
+from .modules import resolve_config
+from .recorder import Recorder
+
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                  "empty_permuted"}
+_META_KEY = "tdinspect_module"
+_SHORT_DTYPE = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
+                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+
+
+def _short(t: torch.Tensor) -> str:
+    return f"{_SHORT_DTYPE.get(t.dtype, str(t.dtype).removeprefix('torch.'))}{list(t.shape)}"
+
+
+def _range(t: torch.Tensor) -> str:
+    if t.numel() == 0:
+        return "(empty)"
+    v = t.detach()
+    if v.is_complex():
+        v = v.abs()
+    if not v.is_floating_point():
+        v = v.to(torch.float64)
+    elif v.element_size() < 2 or v.dtype in (torch.float16, torch.bfloat16):
+        v = v.float()
+    lo, hi = torch.aminmax(v.reshape(-1))
+    return f"[{lo.item():.4g}, {hi.item():.4g}]"
+
+
+class _ModuleTracker:
+    """Names the module running now: a forward stack, and autograd-node labels for backward."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.stack: list[tuple[str, nn.Module]] = []
+        self.types: dict[str, str] = {root: ""}
+        self.handles: list[Any] = []
+        self._names: dict[int, str] = {}
+        self._pending_inputs: list[set] = []
+
+    def attach(self, model: nn.Module | None) -> None:
+        if model is not None:
+            for name, mod in model.named_modules():
+                self._names[id(mod)] = f"{self.root}.{name}" if name else self.root
+            self.types.update({self._names[id(m)]: type(m).__name__ for m in model.modules()})
+        reg = nn.modules.module
+        self.handles = [reg.register_module_forward_pre_hook(self._pre),
+                        reg.register_module_forward_hook(self._post)]
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _name_of(self, mod: nn.Module) -> str:
+        name = self._names.get(id(mod))
+        if name is None:  # a module outside the given model: name it by class under its parent
+            parent = self.stack[-1][0] if self.stack else self.root
+            name = f"{parent}.{type(mod).__name__}"
+            self.types[name] = type(mod).__name__
+        return name
+
+    def _pre(self, mod, args):
+        self.stack.append((self._name_of(mod), mod))
+        self._pending_inputs.append({t.grad_fn for t in tree_flatten(args)[0]
+                                     if isinstance(t, torch.Tensor) and t.grad_fn is not None})
+
+    def _post(self, mod, args, output):
+        if not self.stack:
+            return None
+        name, _ = self.stack.pop()
+        inputs = self._pending_inputs.pop()
+        if torch.is_grad_enabled():
+            self._label_graph(name, output, inputs)
+        return None
+
+    @staticmethod
+    def _label_graph(name: str, output: Any, stop: set) -> None:
+        """Label the autograd nodes this module created, for backward attribution."""
+        todo = [t.grad_fn for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set()
+        inner = name + "."
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node in stop:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            label = node.metadata.get(_META_KEY)
+            if label is None:
+                node.metadata[_META_KEY] = name
+            elif label != name and not label.startswith(inner):
+                continue  # created by an earlier, unrelated module
+            todo.extend(n for n, _ in node.next_functions)
+
+    def current(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return node.metadata.get(_META_KEY, self.root)
+        return self.stack[-1][0] if self.stack else self.root
+
+
+class _OpRecorderMode(TorchDispatchMode):
+    def __init__(self, owner: "OpCapture"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.owner._dispatch(func, args, kwargs or {})
+
+
+class OpCapture:
+    """A running op-level capture; made by :func:`capture_ops`.
+
+    Push it with ``with`` (or :meth:`start` / :meth:`close`). When dumping is
+    off it records nothing and costs nothing.
+    """
+
+    def __init__(self, config: DumpConfig, *, model: nn.Module | None = None, root: str = "model",
+                 inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
+                 max_pending_bytes: int = 2 << 30, fsync: bool = False):
+        self.config = config
+        self.enabled = config.enabled or bool(trace)
+        self.inputs = inputs
+        self.trace = (sys.stdout if trace is True else trace) or None
+        self._write = config.enabled
+        self._predicate = config.predicate() if self.enabled else None
+        self._keep: dict[str, bool] = {}
+        self._seen: dict[tuple, tuple[Any, int, str, bool]] = {}
+        self._mode: _OpRecorderMode | None = None
+        self._tracker = _ModuleTracker(root)
+        self._model = model
+        self.recorder = None
+        self.folder = None
+        self._stats_only = stats_only
+        self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "OpCapture":
+        """Begin recording (``with`` calls this)."""
+        if not self.enabled or self._mode is not None:
+            return self
+        if self._write:
+            self.recorder = Recorder(self.config.dump_dir, level="op", stats_only=self._stats_only,
+                                     **self._writer_args)
+            self.folder = self.recorder.folder
+        self._tracker.attach(self._model)
+        self._mode = _OpRecorderMode(self)
+        self._mode.__enter__()
+        return self
+
+    def step(self):
+        """End the pass and write it (always, even when empty); returns its path."""
+        if self.recorder is None:
+            return None
+        self.recorder.warn_if_empty("no aten op ran inside the capture block")
+        self._seen.clear()
+        with _disable_current_modes():  # the recorder's own ops are not the model's
+            return self.recorder.step()
+
+    def close(self, write_pending: bool = True) -> None:
+        """Stop recording, write a pending non-empty pass, wait for the writer."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+            self._tracker.detach()
+        rec, self.recorder = self.recorder, None
+        if rec is not None:
+            rec.close(write_pending=write_pending)
+
+    def __enter__(self) -> "OpCapture":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"OpCapture({'-> ' + str(self.folder) if self.enabled else 'disabled'})"
+
+    # -- recording ------------------------------------------------------------------------
+    def _selected(self, site: str, module_name: str) -> bool:
+        keep = self._keep.get(site)
+        if keep is None:
+            try:
+                keep = bool(self._predicate(site, None))
+            except Exception as exc:
+                raise ConfigError(f"filter raised {type(exc).__name__} on op {site!r}: {exc}") from exc
+            self._keep[site] = keep
+        return keep
+
+    @staticmethod
+    def _identity(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                t.dtype, t.device)
+
+    def _lookup(self, t: torch.Tensor) -> tuple[str, bool] | None:
+        """``(key, uninitialized)`` of the recorded entry ``t`` still equals, else ``None``."""
+        if t.device.type == "meta":
+            return None
+        hit = self._seen.get(self._identity(t))
+        if hit is None:
+            return None
+        ref, version, key, uninit = hit
+        return (key, uninit) if ref() is not None and t._version == version else None
+
+    def _remember(self, t: torch.Tensor, key: str, uninitialized: bool = False) -> None:
+        if t.device.type != "meta":
+            # a weak reference to the storage: a freed and reused address is no match
+            self._seen[self._identity(t)] = (weakref.ref(t.untyped_storage()), t._version, key,
+                                             uninitialized)
+
+    def _dispatch(self, func, args, kwargs):
+        module = self._tracker.current()
+        site = f"{module}/{func}"
+        if not self._selected(site, module):
+            return func(*args, **kwargs)
+        rec = self.recorder
+        call = rec.next_call(site) if rec is not None else 0
+        suffix = "" if call == 0 else f"{CALL_SEP}{call}"
+        mtype = self._tracker.types.get(module, "")
+        leaves, spec = tree_flatten((args, kwargs))
+        in_keys: list[str | None] = [None] * len(leaves)
+        if self.inputs and rec is not None:
+            tensor_i = 0
+            for i, leaf in enumerate(leaves):
+                if not isinstance(leaf, torch.Tensor):
+                    continue
+                key = f"{site}[in{tensor_i}]{suffix}"
+                tensor_i += 1
+                earlier = self._lookup(leaf)
+                if earlier is not None:
+                    rec.record(key, leaf, module_type=mtype, store=False, aten=str(func),
+                               ref={"kind": "same", "of": earlier[0]},
+                               uninitialized=earlier[1] or None)
+                    in_keys[i] = earlier[0]
+                else:
+                    rec.record(key, leaf, module_type=mtype, aten=str(func))
+                    self._remember(leaf, key)
+                    in_keys[i] = key
+        traced_in = self._describe([x for x in leaves if isinstance(x, torch.Tensor)]) \
+            if self.trace is not None else None
+        out = func(*args, **kwargs)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        uninitialized = func._overloadpacket.__name__ in _UNINITIALIZED
+        if traced_in is not None:
+            outs_s = (" ".join(f"{_short(t)} (uninitialized)" for t in outs) if uninitialized
+                      else self._describe(outs))
+            print(f"{site + suffix}  in: {traced_in}  ->  out: {outs_s}", file=self.trace)
+        if rec is None or not outs:
+            return out
+        view_base = self._view_base(func, args)
+        base = self._lookup(view_base) if view_base is not None else None
+        base_key = base[0] if base is not None and not base[1] else None
+        for i, o in enumerate(outs):
+            key = f"{site}[out{i}]{suffix}"
+            if uninitialized:
+                rec.record(key, o, module_type=mtype, store=False, aten=str(func), uninitialized=True)
+                self._remember(o, key, uninitialized=True)
+                continue
+            call_args = None
+            if (self.inputs and i == 0) or base_key is not None:
+                keys = in_keys if self.inputs else [base_key if leaf is view_base else None
+                                                    for leaf in leaves]
+                call_args = {"aten": str(func), "spec": treespec_dumps(spec),
+                             "leaves": [encode_arg(v, k) for v, k in zip(leaves, keys)]}
+            if base_key is not None:
+                rec.record(key, o, module_type=mtype, store=False, aten=str(func),
+                           ref={"kind": "view", "of": base_key}, call_args=call_args)
+            else:
+                rec.record(key, o, module_type=mtype, aten=str(func), call_args=call_args)
+            self._remember(o, key)
+        return out
+
+    @staticmethod
+    def _view_base(func, args) -> torch.Tensor | None:
+        """The input a pure view op aliases (its ``self``), else ``None``."""
+        returns = func._schema.returns
+        if not func.is_view or not returns or len(returns) != 1:
+            return None
+        alias = returns[0].alias_info
+        if alias is None or alias.is_write:
+            return None
+        base = args[0] if args else None
+        return base if isinstance(base, torch.Tensor) else None
+
+    @staticmethod
+    def _describe(tensors: list) -> str:
+        return " ".join(f"{_short(t)} {_range(t)}" for t in tensors) or "-"
+
+
+def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: FilterSpec = None,
+                filter_fn: str | None = None, config: DumpConfig | None = None, root: str = "model",
+                inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
+                max_pending_bytes: int = 2 << 30, fsync: bool = False, environ=None) -> OpCapture:
+    """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
+
+    Parameters
+    ----------
+    dump_dir : str or Path, optional
+        Output directory (or ``TDINSPECT_DUMP_DIR`` / ``PHYAI_DEBUG_TENSOR_DUMP_DIR``).
+    model : nn.Module, optional
+        Names ops by the module running them (``model.layers.0.ln1/aten...``);
+        without it, modules are named by class under their parent.
+    filter, filter_fn
+        As for :func:`tdinspect.capture`, matched against ``module/op``
+        (``"model.layers.0.ln1/aten.native_layer_norm.default"``).
+    inputs : bool
+        Also record inputs (before in-place ops mutate them) and the
+        non-tensor arguments, so :func:`tdinspect.replay` can re-run ops.
+    trace : bool or file
+        Print one line per op (op, dtypes, shapes, input and output ranges).
+        Tracing works without a dump directory.
+    stats_only : bool
+        Statistics only, no tensors.
+
+    Returns
+    -------
+    OpCapture
+
+    Examples
+    --------
+    >>> from tdinspect.examples import layernorm_test
+    >>> with capture_ops("/tmp/tdi_ln") as dump:          # doctest: +SKIP
+    ...     layernorm_test(torch.bfloat16)
+    ...     dump.step()
+    """
+    cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
+    return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
+                     max_pending_bytes=max_pending_bytes, fsync=fsync)

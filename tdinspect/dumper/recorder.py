@@ -1,0 +1,167 @@
+"""The recorder: one pass of entries, call numbering, host copies, hand-off to the writer.
+
+Module-level and op-level capture both record through a :class:`Recorder`, so
+naming, layout, statistics, ``stats_only`` and the writer are one mechanism.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..format import rank_dirname
+from ..stats import tensor_stats
+from .writer import AsyncWriter, PendingPass
+
+
+def current_rank() -> int:
+    """The process's rank: ``torch.distributed`` when initialised, else ``$RANK``, else 0."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A private, compact CPU copy of ``t`` and whether it is still in flight.
+
+    CPU tensors are cloned (the model may later modify the original in place);
+    a view is copied to its own compact storage, never saved with its whole
+    base. CUDA tensors go to pinned memory with ``non_blocking=True``: the
+    caller synchronises once per step.
+    """
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format), False
+    if t.device.type == "cuda":
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        return buf, True
+    return t.to("cpu"), False
+
+
+class Recorder:
+    """Entries of the current pass of one capture, written on :meth:`step`.
+
+    Parameters
+    ----------
+    dump_dir : Path
+        The dump directory; this process writes into ``rank<R>_pid<P>/`` below it.
+    level : {"module", "op"}
+        Recorded in each sidecar.
+    stats_only : bool
+        Record statistics (computed at capture time) and no tensors.
+    max_pending_bytes : int
+        Cap on host memory held by passes waiting for the writer.
+    fsync : bool
+        ``fsync`` files before renaming them.
+    """
+
+    def __init__(self, dump_dir: str | os.PathLike, *, level: str, stats_only: bool = False,
+                 max_pending_bytes: int = 2 << 30, fsync: bool = False):
+        self.rank = current_rank()
+        self.folder = Path(dump_dir) / rank_dirname(self.rank, os.getpid())
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.level = level
+        self.stats_only = stats_only
+        self.writer = AsyncWriter(max_pending_bytes, fsync)
+        self.pass_index = 0
+        self.total_entries = 0
+        self._calls: dict[str, int] = {}
+        self._new_pass()
+
+    def _new_pass(self) -> None:
+        self._pass = PendingPass(self.pass_index, self.folder,
+                                 {"rank": self.rank, "pid": os.getpid(), "level": self.level,
+                                  "stats_only": self.stats_only},
+                                 columns={"module_type": [], "shape": [], "dtype": [], "stored": []})
+        self._in_flight = False
+        self._calls = {}
+
+    def __len__(self) -> int:
+        return len(self._pass.keys)
+
+    def next_call(self, site: str) -> int:
+        """0-based call number of ``site`` (a module name, or module/op) in this pass."""
+        n = self._calls.get(site, -1) + 1
+        self._calls[site] = n
+        return n
+
+    def record(self, key: str, tensor: torch.Tensor | None, *, module_type: str,
+               store: bool = True, **extra: Any) -> None:
+        """Add one entry; ``tensor`` is copied (or reduced to statistics) now.
+
+        ``store=False`` keeps only metadata (an uninitialised output, or a
+        reference to a tensor already recorded). ``extra`` becomes sidecar
+        columns (missing values are ``null``).
+        """
+        p = self._pass
+        shape = list(tensor.shape) if tensor is not None else None
+        dtype = str(tensor.dtype) if tensor is not None else None
+        copy = stat = None
+        if tensor is not None and store:
+            if self.stats_only:
+                stat = tensor_stats(tensor)
+            else:
+                copy, in_flight = host_copy(tensor)
+                self._in_flight |= in_flight
+                p.nbytes += copy.numel() * copy.element_size()
+        elif tensor is not None and extra.get("ref") is not None and not extra.get("uninitialized"):
+            stat = tensor_stats(tensor)  # a reference still gets its own statistics
+        n = len(p.keys)
+        p.keys.append(key)
+        p.tensors.append(copy)
+        p.stats.append(stat)
+        cols = p.columns
+        cols["module_type"].append(module_type)
+        cols["shape"].append(shape)
+        cols["dtype"].append(dtype)
+        cols["stored"].append(copy is not None)
+        for name, value in extra.items():
+            cols.setdefault(name, [None] * n).append(value)
+        for name, values in cols.items():
+            if len(values) == n:
+                values.append(None)
+
+    def step(self) -> Path:
+        """End the pass: hand it to the writer (empty or not); returns its file's path."""
+        p = self._pass
+        if any(s is not None for s in p.stats):
+            stacked = torch.stack([s.to(torch.float64) for s in p.stats if s is not None])
+            if stacked.device.type == "cuda":
+                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                p.host_stats, self._in_flight = host, True
+            else:
+                p.host_stats = stacked.cpu()
+        if self._in_flight:
+            p.ready = torch.cuda.Event()
+            p.ready.record()
+        self.writer.submit(p)
+        self.total_entries += len(p.keys)
+        path = self.folder / (f"pass{self.pass_index:05d}" + (".json" if self.stats_only else ".pt"))
+        self.pass_index += 1
+        self._new_pass()
+        return path
+
+    def close(self, write_pending: bool = True) -> None:
+        """Write a pending non-empty pass (if asked), wait for the writer, stop it."""
+        try:
+            if write_pending and len(self):
+                self.step()
+        finally:
+            self.writer.close()
+
+    def warn_if_empty(self, what: str) -> None:
+        if not len(self):
+            warnings.warn(f"tdinspect: pass {self.pass_index} captured nothing: {what}",
+                          RuntimeWarning, stacklevel=3)

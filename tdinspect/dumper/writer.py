@@ -1,0 +1,132 @@
+"""Background writer: passes are written while the next step computes.
+
+One thread per capture takes finished passes from a queue, waits for their
+device-to-host copies (one CUDA event per pass), computes the statistics that
+capture left to it, and writes the sidecar and then the pass file, each
+atomically. Memory held by queued passes is bounded: at the cap, ``submit``
+waits for the writer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..format import pass_filename, save_pass, sidecar_filename, write_sidecar
+from ..stats import tensor_stats
+
+
+class CaptureWriteError(RuntimeError):
+    """Writing a pass failed (full disk, permissions...); capture has stopped."""
+
+
+@dataclass
+class PendingPass:
+    """One finished step, waiting to be written."""
+
+    index: int
+    folder: Path
+    header: dict[str, Any]
+    keys: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    stats: list[torch.Tensor | None] = field(default_factory=list)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    ready: Any = None  # a CUDA event to wait on before reading host copies
+    host_stats: torch.Tensor | None = None  # stats gathered on device, copied once per step
+    nbytes: int = 0
+
+    def write(self, fsync: bool) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        gathered = iter(self.host_stats.tolist()) if self.host_stats is not None else None
+        rows = []
+        for tensor, stat in zip(self.tensors, self.stats):
+            if stat is not None:
+                rows.append(next(gathered))
+            elif tensor is not None:
+                rows.append(tensor_stats(tensor).tolist())
+            else:
+                rows.append(None)
+        entries = {"key": self.keys, **self.columns, "stats": rows}
+        write_sidecar(self.folder / sidecar_filename(self.index), {**self.header, "pass": self.index,
+                                                                   "entries": entries}, fsync=fsync)
+        if not self.header.get("stats_only"):
+            stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"])
+                      if keep}
+            save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync)
+
+
+class AsyncWriter:
+    """A writer thread with a byte cap on what waits in its queue.
+
+    Parameters
+    ----------
+    max_pending_bytes : int
+        ``submit`` blocks while more than this many bytes wait (a single pass
+        larger than the cap is still accepted when the queue is empty).
+    fsync : bool
+        ``fsync`` each file before its rename (survives power loss, slower).
+    """
+
+    def __init__(self, max_pending_bytes: int = 2 << 30, fsync: bool = False):
+        self.max_pending_bytes = max_pending_bytes
+        self.fsync = fsync
+        self.error: CaptureWriteError | None = None
+        self._queue: queue.Queue[PendingPass | None] = queue.Queue()
+        self._pending = 0  # bytes queued or being written
+        self._items = 0  # passes queued or being written
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tdinspect-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if self.error is None:
+                    item.write(self.fsync)
+            except BaseException as exc:  # noqa: BLE001 - reported to the capturing thread
+                self.error = CaptureWriteError(
+                    f"writing pass {item.index} into {item.folder} failed: "
+                    f"{type(exc).__name__}: {exc}; capture stopped, earlier passes are complete")
+                self.error.__cause__ = exc
+            finally:
+                with self._cond:
+                    self._pending -= item.nbytes
+                    self._items -= 1
+                    self._cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, item: PendingPass) -> None:
+        """Queue a pass; waits while the queue holds more than the byte cap."""
+        self.raise_if_failed()
+        with self._cond:
+            while self._pending > 0 and self._pending + item.nbytes > self.max_pending_bytes:
+                self._cond.wait()
+            self._pending += item.nbytes
+            self._items += 1
+        self._queue.put(item)
+
+    def flush(self) -> None:
+        """Wait until everything queued is written; raise a write error if one happened."""
+        with self._cond:
+            while self._items > 0:
+                self._cond.wait()
+        self.raise_if_failed()
+
+    def close(self) -> None:
+        """Write what is queued and stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self.raise_if_failed()

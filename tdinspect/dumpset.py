@@ -1,0 +1,391 @@
+"""DumpSet: a dump (many ranks, many passes) as an xarray cube ``op × call × pass``.
+
+.. warning::
+   ``call`` is 0-based: the bare key (``model.expert``) is call 0 and
+   ``model.expert::call2`` is call 2. ``pass`` is the step number
+   (``pass00003.pt`` is pass 3). ``order`` is the position of an entry inside
+   its pass: the true execution order, since calls of different ops
+   interleave. Combinations that never ran are NaN, not errors.
+
+Examples
+--------
+>>> ds = DumpSet.open("sample_dumps/float32")                 # doctest: +SKIP
+>>> ds.to_xarray()["absmax"].sel(op="model.lm_head")          # doctest: +SKIP
+>>> ds.tensor("model.expert", call=2, pass_=0)                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from .format import DumpFormatError, discover
+from .naming import parse_key, split_call, split_module_path
+from .parallel import map_in_waves
+from .passindex import PassIndex
+from .stats import STAT_NAMES
+
+
+def _stats_of(pi: PassIndex) -> np.ndarray:
+    return pi.ensure_stats()
+
+
+class DumpSet:
+    """One dump: its passes indexed, its tensors on disk until asked for.
+
+    Build with :meth:`open`. Select with :meth:`sel` and :meth:`filter`,
+    compare with :meth:`diff`.
+
+    Attributes
+    ----------
+    path : Path
+        What was opened.
+    """
+
+    def __init__(self, path: Path, passes: dict[tuple[int, int], PassIndex], *,
+                 op_pattern: re.Pattern | None = None, client: Any = None, skipped=()):
+        self.path = Path(path)
+        self._passes = dict(sorted(passes.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+        self._op_pattern = op_pattern
+        self.client = client
+        self.skipped = list(skipped)
+        self._cube: xr.Dataset | None = None
+
+    # -- opening -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, on_error: str = "raise", client: Any = None) -> "DumpSet":
+        """Open a dump folder, a rank folder, or one pass file; reads metadata only.
+
+        Parameters
+        ----------
+        path : str or Path
+        on_error : {"raise", "warn"}
+            What to do with a pass that cannot be read: stop with an error
+            naming the file, or skip it with a warning (listed in ``skipped``).
+        client : dask.distributed.Client, optional
+            Run per-pass work (statistics, diffs) on this cluster.
+
+        Raises
+        ------
+        DumpFormatError
+            For a missing or empty path, a folder that is not a dump, two
+            folders of one rank, or (``on_error="raise"``) a damaged pass.
+
+        Examples
+        --------
+        >>> ds = DumpSet.open("sample_dumps/float32")   # doctest: +SKIP
+        >>> ds.ops[:2]                                  # doctest: +SKIP
+        ['model.embed', 'model.layers.0.ln1']
+        """
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'warn'")
+        folders = discover(path)
+        passes: dict[tuple[int, int], PassIndex] = {}
+        skipped = []
+        for folder in folders:
+            for idx, files in folder.passes.items():
+                if files.tensors is None and not _is_stats_only(files):
+                    continue  # sidecar written, pass file not yet: a pass in progress
+                try:
+                    passes[(folder.rank, idx)] = PassIndex.read(folder.rank, files)
+                except DumpFormatError as exc:
+                    if on_error == "raise":
+                        raise
+                    skipped.append(str(exc))
+                    warnings.warn(f"skipping unreadable pass: {exc}", RuntimeWarning, stacklevel=2)
+        if not passes:
+            raise DumpFormatError(f"{path}: no readable pass" + (f" ({len(skipped)} skipped)"
+                                                                  if skipped else ""))
+        return cls(Path(path), passes, client=client, skipped=skipped)
+
+    # -- what is in it -------------------------------------------------------------------
+    def _keep(self, key: str) -> bool:
+        return self._op_pattern is None or bool(self._op_pattern.search(split_call(key)[0]))
+
+    def pass_indexes(self) -> list[PassIndex]:
+        """The indexed passes, ordered by (pass, rank)."""
+        return list(self._passes.values())
+
+    def get_pass(self, pass_: int, rank: int | None = None) -> PassIndex:
+        rank = self.ranks[0] if rank is None else rank
+        try:
+            return self._passes[(rank, pass_)]
+        except KeyError:
+            raise KeyError(f"{self.path}: no pass {pass_} for rank {rank} "
+                           f"(passes: {self.passes}, ranks: {self.ranks})") from None
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks present, sorted."""
+        return sorted({r for r, _ in self._passes})
+
+    @property
+    def passes(self) -> list[int]:
+        """Pass numbers present, sorted."""
+        return sorted({p for _, p in self._passes})
+
+    @property
+    def ops(self) -> list[str]:
+        """Entry names (keys without ``::callN``) in execution order of first appearance."""
+        seen: dict[str, None] = {}
+        for pi in self._passes.values():
+            for key in pi.keys:
+                base = split_call(key)[0]
+                if base not in seen and self._keep(key):
+                    seen[base] = None
+        return list(seen)
+
+    @property
+    def level(self) -> str:
+        """``"module"`` or ``"op"`` (``"mixed"`` if passes differ)."""
+        levels = {pi.level for pi in self._passes.values()}
+        return levels.pop() if len(levels) == 1 else "mixed"
+
+    @property
+    def stats_only(self) -> bool:
+        """Whether any pass holds statistics without tensors."""
+        return any(pi.stats_only for pi in self._passes.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the dump describes (stored entries)."""
+        total = 0
+        for pi in self._passes.values():
+            for shape, dtype, stored in zip(pi.shape, pi.dtype, pi.stored):
+                if stored and shape is not None and dtype:
+                    total += int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        return total
+
+    def n_entries(self) -> int:
+        return sum(sum(1 for k in pi.keys if self._keep(k)) for pi in self._passes.values())
+
+    # -- tensors --------------------------------------------------------------------------
+    def tensor(self, op: str, call: int = 0, pass_: int = 0, rank: int | None = None):
+        """The tensor of one entry, read lazily (memory-mapped) from its pass file.
+
+        Parameters
+        ----------
+        op : str
+            The entry name without ``::callN`` (``"model.layers.0.attn"``);
+            a full key with ``::callN`` also works.
+        call : int
+            0-based call number.
+        pass_ : int
+            Pass (step) number.
+        rank : int, optional
+            Needed when the dump has several ranks.
+        """
+        base, key_call = split_call(op)
+        call = key_call or call
+        key = base if call == 0 else f"{base}::call{call}"
+        if rank is None and len(self.ranks) > 1:
+            raise ValueError(f"{self.path} has ranks {self.ranks}: pass rank=")
+        return self.get_pass(pass_, rank).tensor(key)
+
+    # -- selection -----------------------------------------------------------------------
+    def sel(self, *, op: str | Iterable[str] | None = None, pass_: int | Iterable[int] | None = None,
+            rank: int | Iterable[int] | None = None) -> "DumpSet":
+        """A smaller DumpSet: some ops (exact names), passes and/or ranks."""
+        def as_set(v):
+            return None if v is None else ({v} if isinstance(v, (int, str)) else set(v))
+        ops, ps, rs = as_set(op), as_set(pass_), as_set(rank)
+        passes = {k: v for k, v in self._passes.items()
+                  if (ps is None or k[1] in ps) and (rs is None or k[0] in rs)}
+        if not passes:
+            raise KeyError(f"{self.path}: selection matches no pass (passes {self.passes}, "
+                           f"ranks {self.ranks})")
+        pattern = self._op_pattern
+        if ops is not None:
+            pattern = re.compile("^(?:" + "|".join(re.escape(o) for o in ops) + ")$")
+            if self._op_pattern is not None:
+                pattern = _both(self._op_pattern, pattern)
+        return DumpSet(self.path, passes, op_pattern=pattern, client=self.client)
+
+    def filter(self, regex: str) -> "DumpSet":
+        """A DumpSet keeping entries whose name ``re.search``-matches ``regex``."""
+        try:
+            pattern = re.compile(regex)
+        except re.error as exc:
+            raise ValueError(f"invalid regex {regex!r}: {exc}") from None
+        if self._op_pattern is not None:
+            pattern = _both(self._op_pattern, pattern)
+        return DumpSet(self.path, self._passes, op_pattern=pattern, client=self.client)
+
+    # -- the cube -----------------------------------------------------------------------
+    def ensure_stats(self, progress: bool = True) -> None:
+        """Compute statistics for passes without sidecars (with a progress bar)."""
+        todo = [pi for pi in self._passes.values() if pi.stats is None]
+        if not todo:
+            return
+        from tqdm.auto import tqdm
+
+        results = map_in_waves(_stats_of, todo, client=self.client)
+        for pi, stats in tqdm(zip(todo, results), total=len(todo), desc="statistics",
+                              disable=not progress, leave=False):
+            pi.stats = stats
+
+    def entries(self, progress: bool = True):
+        """A long-format ``pandas.DataFrame``: one row per entry of every pass."""
+        import pandas as pd
+
+        self.ensure_stats(progress)
+        rows = []
+        for (rank, p), pi in self._passes.items():
+            for i, key in enumerate(pi.keys):
+                if not self._keep(key):
+                    continue
+                base, call = split_call(key)
+                rows.append((rank, p, base, call, i, key, pi.dtype[i], _shape_str(pi.shape[i]),
+                             pi.module_type[i], *pi.stats[i].tolist()))
+        return pd.DataFrame(rows, columns=["rank", "pass", "op", "call", "order", "key", "dtype",
+                                           "shape", "module_type", *STAT_NAMES])
+
+    def to_xarray(self, progress: bool = True) -> xr.Dataset:
+        """The cube: dims ``op``, ``call``, ``pass`` (and ``rank`` when several).
+
+        Variables are the statistics of :mod:`tdinspect.stats` and ``order``;
+        coordinates along ``op`` are parsed from the names (``module``,
+        ``aten``, ``stack``, ``layer``, ``leaf``, ``module_type``, ``level``,
+        ``dtype``, ``shape``).
+        """
+        if self._cube is None:
+            self.ensure_stats(progress)
+            self._cube = self._build_cube()
+        return self._cube
+
+    def _build_cube(self) -> xr.Dataset:
+        ops = self.ops
+        op_ix = {o: i for i, o in enumerate(ops)}
+        ranks, passes = self.ranks, self.passes
+        r_ix = {r: i for i, r in enumerate(ranks)}
+        p_ix = {p: i for i, p in enumerate(passes)}
+        first: dict[str, tuple] = {}
+        idx, rows, orders, ncall = [], [], [], 1
+        for (rank, p), pi in self._passes.items():
+            for i, key in enumerate(pi.keys):
+                base, call = split_call(key)
+                j = op_ix.get(base)
+                if j is None or not self._keep(key):
+                    continue
+                ncall = max(ncall, call + 1)
+                idx.append((r_ix[rank], j, call, p_ix[p]))
+                rows.append(i)
+                orders.append(pi)
+                first.setdefault(base, (pi, i))
+        shape = (len(ranks), len(ops), ncall, len(passes))
+        data = np.full((len(STAT_NAMES) + 1,) + shape, np.nan)
+        if idx:
+            ix = tuple(np.asarray(idx).T)
+            stats = np.stack([pi.stats[i] for pi, i in zip(orders, rows)])
+            data[(slice(None, len(STAT_NAMES)),) + ix] = stats.T
+            data[(len(STAT_NAMES),) + ix] = np.asarray(rows, dtype=np.float64)
+        dims = ("rank", "op", "call", "pass")
+        variables = {name: (dims, data[k]) for k, name in enumerate(STAT_NAMES)}
+        variables["order"] = (dims, data[len(STAT_NAMES)])
+        coords = {"rank": ranks, "op": ops, "call": np.arange(ncall), "pass": passes}
+        coords.update(_op_coords(ops, first))
+        ds = xr.Dataset(variables, coords=coords,
+                        attrs={"path": str(self.path), "level": self.level,
+                               "stats_only": int(self.stats_only)})
+        return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
+
+    # -- comparing ------------------------------------------------------------------------
+    def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> "Any":
+        """Compare against ``other``; this DumpSet is the reference (``y``).
+
+        See :class:`tdinspect.diff.Diff` for the keyword arguments.
+
+        Examples
+        --------
+        >>> div = DumpSet.open("a").diff("b").first_divergence()   # doctest: +SKIP
+        """
+        from .diff import Diff
+
+        if not isinstance(other, DumpSet):
+            other = DumpSet.open(other, client=self.client)
+        return Diff(self, other, **kwargs)
+
+    # -- display --------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        calls = max((split_call(k)[1] for pi in self._passes.values() for k in pi.keys), default=0)
+        return {"path": str(self.path), "level": self.level, "ops": len(self.ops),
+                "max_calls": calls + 1, "passes": len(self.passes), "ranks": self.ranks,
+                "entries": self.n_entries(), "bytes": self.nbytes, "stats_only": self.stats_only,
+                "skipped": len(self.skipped)}
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"DumpSet({s['path']!r}: {s['level']} level, {s['ops']} ops x up to "
+                f"{s['max_calls']} calls x {s['passes']} passes, ranks {s['ranks']}, "
+                f"{s['entries']} entries, {_human(s['bytes'])}"
+                + (", statistics only" if s["stats_only"] else "")
+                + (f", {s['skipped']} passes skipped" if s["skipped"] else "") + ")")
+
+    def _repr_html_(self) -> str:
+        from .report import dumpset_html
+
+        return dumpset_html(self)
+
+
+def _is_stats_only(files) -> bool:
+    """Whether a sidecar without a pass file is a statistics-only pass (not one in progress)."""
+    try:
+        return json.loads(files.sidecar.read_bytes()).get("stats_only") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _both(a: re.Pattern, b: re.Pattern) -> re.Pattern:
+    """One pattern that ``search``-matches where both do (picklable, unlike a closure)."""
+    return re.compile(rf"^(?=[\s\S]*?(?:{a.pattern}))(?=[\s\S]*?(?:{b.pattern}))")
+
+
+def _shape_str(shape) -> str:
+    return "" if shape is None else "[" + ",".join(str(int(v)) for v in shape) + "]"
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    dt = getattr(torch, dtype.removeprefix("torch."), None)
+    return dt.itemsize if isinstance(dt, torch.dtype) else 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:
+    cols: dict[str, list] = {k: [] for k in ("module", "aten", "stack", "layer", "leaf",
+                                             "module_type", "level", "dtype", "shape")}
+    for op in ops:
+        try:
+            parts = parse_key(op)
+            module, aten = parts.module, parts.op or ""
+        except ValueError:
+            module, aten = op, ""
+        stack, layer, leaf = split_module_path(module)
+        pi, i = first[op]
+        cols["module"].append(module)
+        cols["aten"].append(aten)
+        cols["stack"].append(stack)
+        cols["layer"].append(layer)
+        cols["leaf"].append(leaf)
+        cols["module_type"].append(pi.module_type[i] or "")
+        cols["level"].append("op" if aten else "module")
+        cols["dtype"].append((pi.dtype[i] or "").removeprefix("torch."))
+        cols["shape"].append(_shape_str(pi.shape[i]))
+    return {k: ("op", np.asarray(v, dtype=object if k != "layer" else np.int64))
+            for k, v in cols.items()}

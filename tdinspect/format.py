@@ -1,0 +1,348 @@
+"""The on-disk format: names, atomic writes, sidecars, :func:`load_pass`, layout discovery.
+
+Layout (the documented one, kept exactly)::
+
+    <dump_dir>/rank<R>_pid<P>/pass00000.pt     torch.save of {key: cpu_tensor}, in execution order
+                              pass00000.json   sidecar: per entry order, shape, dtype, statistics...
+                              pass00001.pt     one pass per step(), numbered by step
+
+Any tool that can ``torch.load`` a pass file keeps working: what tdinspect adds
+lives in the sidecar. A ``stats_only`` capture writes the sidecar alone.
+
+Sidecar schema (``"format": "tdinspect.pass"``, ``"version": 1``), columnar so
+that a 1,500-entry pass parses fast; the list index is the execution order::
+
+    {"format", "version", "pass", "rank", "pid", "level": "module"|"op", "stats_only",
+     "stat_names": [...],
+     "entries": {"key": [...], "module_type": [...], "shape": [[...]], "dtype": [...],
+                 "stats": [[min, max, mean, std, absmax, l2, nan, inf, numel] | null],
+                 "stored": [bool],                      # tensor present in the .pt file
+                 # op level only:
+                 "uninitialized": [bool],               # output of empty/empty_like/...
+                 "ref": [null | {"kind": "same"|"view", "of": key}],
+                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]}}
+
+Writes are atomic: a temporary name in the same folder, then ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SIDECAR_FORMAT = "tdinspect.pass"
+SIDECAR_VERSION = 1
+PASS_RE = re.compile(r"^pass(\d{5,})\.pt$")
+SIDECAR_RE = re.compile(r"^pass(\d{5,})\.json$")
+RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)$")
+
+
+class DumpFormatError(ValueError):
+    """A dump file or folder that cannot be read; the message names it."""
+
+
+def pass_filename(index: int) -> str:
+    """``pass00042.pt`` for pass 42."""
+    return f"pass{index:05d}.pt"
+
+
+def sidecar_filename(index: int) -> str:
+    """``pass00042.json`` for pass 42."""
+    return f"pass{index:05d}.json"
+
+
+def rank_dirname(rank: int, pid: int) -> str:
+    """``rank0_pid3069569``."""
+    return f"rank{rank}_pid{pid}"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync: bool = False) -> None:
+    """Write ``path`` through ``write(fileobj)`` so that it appears whole or not at all.
+
+    The data goes to a temporary file in the same folder, which is renamed over
+    ``path`` only once complete; on any error the temporary file is removed and
+    an existing ``path`` is left untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_sidecar(path: str | os.PathLike, meta: dict, *, fsync: bool = False) -> None:
+    """Atomically write a sidecar (NaN statistics become ``null``)."""
+    entries = dict(meta["entries"])
+    entries["stats"] = [None if s is None else _json_safe(list(s)) for s in entries["stats"]]
+    doc = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, **meta, "entries": entries}
+    data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    atomic_write(path, lambda f: f.write(data), fsync=fsync)
+
+
+def read_sidecar(path: str | os.PathLike) -> dict:
+    """Read and check a sidecar; ``null`` statistics come back as NaN.
+
+    Raises
+    ------
+    DumpFormatError
+        If the file is not a tdinspect sidecar of a known version, or its
+        columns disagree in length.
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise DumpFormatError(f"{path}: unreadable sidecar ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT:
+        raise DumpFormatError(f"{path}: not a tdinspect sidecar")
+    if doc.get("version") != SIDECAR_VERSION:
+        raise DumpFormatError(f"{path}: sidecar version {doc.get('version')!r} is not supported "
+                              f"(this tdinspect reads version {SIDECAR_VERSION})")
+    entries = doc.get("entries")
+    if not isinstance(entries, dict) or not isinstance(entries.get("key"), list):
+        raise DumpFormatError(f"{path}: sidecar has no entries.key column")
+    n = len(entries["key"])
+    for col, values in entries.items():
+        if not isinstance(values, list) or len(values) != n:
+            raise DumpFormatError(f"{path}: sidecar column {col!r} has {len(values)} values "
+                                  f"for {n} keys")
+    nan_row = [math.nan] * 9
+    entries["stats"] = [nan_row if s is None else [math.nan if v is None else v for v in s]
+                        for s in entries.get("stats", [None] * n)]
+    return doc
+
+
+def save_pass(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, fsync: bool = False) -> None:
+    """Atomically ``torch.save`` a pass dict."""
+    atomic_write(path, lambda f: torch.save(tensors, f), fsync=fsync)
+
+
+def load_pass(path: str | os.PathLike, *, mmap: bool = True) -> dict[str, torch.Tensor]:
+    """Read one pass file: ``{key: cpu_tensor}`` in execution order.
+
+    Reads with ``weights_only=True`` (a file that tries to run code on load is
+    refused and nothing runs) and memory-maps the file where its format allows,
+    so tensors are only read from disk when touched.
+
+    Parameters
+    ----------
+    path : str or Path
+        A ``passNNNNN.pt`` file.
+    mmap : bool
+        Memory-map the file (falls back to a plain read for legacy files).
+
+    Raises
+    ------
+    DumpFormatError
+        If the file is missing, damaged, refused by ``weights_only`` or is not
+        a dict of tensors; the message names the file (and the entry).
+
+    Examples
+    --------
+    >>> tensors = load_pass("dumps/run_a/rank0_pid1234/pass00000.pt")  # doctest: +SKIP
+    >>> tensors["model.layers.0.o_proj"].shape                          # doctest: +SKIP
+    torch.Size([8, 128, 256])
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DumpFormatError(f"{path}: no such pass file")
+    if path.stat().st_size == 0:
+        raise DumpFormatError(f"{path}: empty file (zero bytes), not a pass file")
+    use_mmap = mmap and zipfile.is_zipfile(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DumpFormatError(f"{path}: refused to load: the file holds objects other than tensors "
+                              f"and plain containers, which could run code "
+                              f"(weights_only=True): {first}") from None
+    except Exception as exc:  # torch raises RuntimeError, EOFError, zipfile errors...
+        raise DumpFormatError(f"{path}: unreadable pass file ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
+    if not isinstance(obj, dict):
+        raise DumpFormatError(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise DumpFormatError(f"{path}: key {key!r} is not a string")
+        if not isinstance(value, torch.Tensor):
+            raise DumpFormatError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
+    return obj
+
+
+def encode_arg(value: Any, tensor_key: str | None = None) -> Any:
+    """A JSON-safe description of one argument leaf (see :func:`decode_arg`)."""
+    if isinstance(value, torch.Tensor):
+        return {"t": tensor_key}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"f": repr(value)}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return encode_arg({torch.SymInt: int, torch.SymFloat: float,
+                            torch.SymBool: bool}[type(value)](value))
+    if isinstance(value, complex):
+        return {"complex": [value.real, value.imag]}
+    return {"repr": repr(value)}
+
+
+def decode_arg(value: Any, tensors: Callable[[str], torch.Tensor] | None = None) -> Any:
+    """Rebuild one argument leaf written by :func:`encode_arg`.
+
+    ``tensors(key)`` supplies recorded tensors; a tensor that was not recorded
+    (or an argument only kept as its ``repr``) raises ``DumpFormatError``.
+    """
+    if not isinstance(value, dict):
+        return value
+    if "t" in value:
+        if value["t"] is None or tensors is None:
+            raise DumpFormatError("this op's tensor argument was not recorded; capture with "
+                                  "inputs=True to rebuild it")
+        return tensors(value["t"])
+    if "f" in value:
+        return float(value["f"])
+    if "dtype" in value:
+        return getattr(torch, value["dtype"])
+    if "device" in value:
+        return torch.device(value["device"])
+    if "layout" in value:
+        return getattr(torch, value["layout"])
+    if "memory_format" in value:
+        return getattr(torch, value["memory_format"])
+    if "complex" in value:
+        return complex(*value["complex"])
+    raise DumpFormatError(f"argument {value.get('repr', value)!r} was recorded only as text")
+
+
+def resolve_aten(name: str):
+    """The ``torch.ops`` overload named like ``"aten.native_layer_norm.default"``."""
+    try:
+        namespace, op, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except (ValueError, AttributeError, RuntimeError):
+        raise DumpFormatError(f"unknown operator {name!r}") from None
+
+
+@dataclass
+class PassFiles:
+    """The files of one pass: the tensors (may be absent for stats-only) and the sidecar."""
+
+    index: int
+    tensors: Path | None = None
+    sidecar: Path | None = None
+
+
+@dataclass
+class RankFolder:
+    """One process's folder: its rank, pid and passes by number."""
+
+    path: Path
+    rank: int
+    pid: int | None
+    passes: dict[int, PassFiles] = field(default_factory=dict)
+
+
+def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
+    """List the complete passes of one folder (temporary files are ignored)."""
+    folder = RankFolder(path, rank, pid)
+    for entry in os.scandir(path):
+        m = PASS_RE.match(entry.name) or SIDECAR_RE.match(entry.name)
+        if not m:
+            continue
+        pf = folder.passes.setdefault(int(m.group(1)), PassFiles(int(m.group(1))))
+        if entry.name.endswith(".pt"):
+            pf.tensors = Path(entry.path)
+        else:
+            pf.sidecar = Path(entry.path)
+    folder.passes = dict(sorted(folder.passes.items()))
+    return folder
+
+
+def discover(path: str | os.PathLike) -> list[RankFolder]:
+    """Find the rank folders and passes under ``path``.
+
+    ``path`` may be a dump folder (holding ``rank*_pid*`` folders), one rank
+    folder (or any folder of pass files), or one pass file.
+
+    Raises
+    ------
+    DumpFormatError
+        If ``path`` does not exist, holds no pass, or holds two folders of the
+        same rank (a rerun into the same directory; the message lists them).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DumpFormatError(f"{path}: no such file or folder")
+    if path.is_file():
+        m = PASS_RE.match(path.name) or SIDECAR_RE.match(path.name)
+        if not m:
+            raise DumpFormatError(f"{path}: not a pass file (expected passNNNNN.pt)")
+        rm = RANK_DIR_RE.match(path.parent.name)
+        folder = RankFolder(path.parent, int(rm.group(1)) if rm else 0, int(rm.group(2)) if rm else None)
+        full = scan_rank_folder(path.parent, folder.rank, folder.pid)
+        folder.passes = {int(m.group(1)): full.passes[int(m.group(1))]}
+        return [folder]
+    rank_dirs = sorted((p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)),
+                       key=lambda p: p.name)
+    if not rank_dirs:
+        folder = scan_rank_folder(path, 0, None)
+        rm = RANK_DIR_RE.match(path.name)
+        if rm:
+            folder.rank, folder.pid = int(rm.group(1)), int(rm.group(2))
+        if not folder.passes:
+            raise DumpFormatError(f"{path}: no rank*_pid* folders and no pass files: not a dump")
+        return [folder]
+    by_rank: dict[int, list[Path]] = {}
+    for p in rank_dirs:
+        m = RANK_DIR_RE.match(p.name)
+        by_rank.setdefault(int(m.group(1)), []).append(p)
+    clashes = {r: ps for r, ps in by_rank.items() if len(ps) > 1}
+    if clashes:
+        lines = "; ".join(f"rank {r}: " + ", ".join(p.name for p in ps) for r, ps in clashes.items())
+        raise DumpFormatError(f"{path}: several folders for the same rank ({lines}); "
+                              "was a run repeated into the same directory? Open one folder.")
+    folders = []
+    for r in sorted(by_rank):
+        p = by_rank[r][0]
+        folders.append(scan_rank_folder(p, r, int(RANK_DIR_RE.match(p.name).group(2))))
+    if not any(f.passes for f in folders):
+        raise DumpFormatError(f"{path}: rank folders hold no pass files")
+    return folders

@@ -1,0 +1,1 @@
+"""Views: magics, widgets, plots (matplotlib, ipywidgets, IPython)."""

@@ -1,0 +1,124 @@
+"""The key grammar: how an entry of a pass file is named, and how to parse it back.
+
+A key names one captured tensor::
+
+    key     := base [ "::call" N ]            N >= 1; the bare key is call 0
+    base    := module [ "/" op ] { "[" label "]" }
+    module  := dotted module path rooted at the capture root ("model.layers.0.o_proj")
+    op      := aten overload name ("aten.native_layer_norm.default"), op-level capture only
+    label   := outN | inN                     op-level: N-th tensor output / input (pytree order)
+             | index | field                   module-level structured outputs
+
+Examples::
+
+    model.layers.0.o_proj                            a module's tensor output, first call
+    model.layers.0.attn::call2                       its third call in the same pass
+    model.layers.0.attn[0]                           element 0 of a tuple output
+    model.head[logits]                               field "logits" of a dict/dataclass output
+    model.layers.0.ln1/aten.native_layer_norm.default[out0]
+    model.layers.0.ln1/aten.native_layer_norm.default[in2]::call1
+
+Filters match ``base`` without the ``[label]`` part for module-level capture
+(the module name) and ``module/op`` for op-level capture.
+
+Examples
+--------
+>>> parse_key("model.layers.0.ln/aten.add.Tensor[in1]::call2")
+KeyParts(base='model.layers.0.ln/aten.add.Tensor[in1]', call=2, module='model.layers.0.ln', op='aten.add.Tensor', labels=('in1',))
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+CALL_SEP = "::call"
+_KEY_RE = re.compile(r"^(?P<base>.*?)(?:::call(?P<call>[1-9]\d*))?$", re.S)
+_BASE_RE = re.compile(r"^(?P<module>[^/\[\]]*)(?:/(?P<op>[^/\[\]]+))?(?P<labels>(?:\[[^\[\]]*\])*)$")
+_LABEL_RE = re.compile(r"\[([^\[\]]*)\]")
+_IO_RE = re.compile(r"^(out|in)(\d+)$")
+_UNSAFE_LABEL = re.compile(r"[\[\]/:]")
+
+
+class KeyParts(NamedTuple):
+    """A parsed key; see the module docstring for the grammar."""
+
+    base: str
+    call: int
+    module: str
+    op: str | None
+    labels: tuple[str, ...]
+
+    @property
+    def io(self) -> str | None:
+        """``"out"`` or ``"in"`` for op-level entries, else ``None``."""
+        m = _IO_RE.match(self.labels[-1]) if self.labels else None
+        return m.group(1) if m else None
+
+    @property
+    def index(self) -> int | None:
+        """Position of an op-level input or output, else ``None``."""
+        m = _IO_RE.match(self.labels[-1]) if self.labels else None
+        return int(m.group(2)) if m else None
+
+    @property
+    def level(self) -> str:
+        """``"op"`` for dispatch-level entries, ``"module"`` otherwise."""
+        return "module" if self.op is None else "op"
+
+
+class KeyGrammarError(ValueError):
+    """A key that does not follow the grammar."""
+
+
+def parse_key(key: str) -> KeyParts:
+    """Split a key into base, call, module, op and labels.
+
+    Raises
+    ------
+    ValueError
+        If ``key`` does not follow the grammar (the message quotes it).
+    """
+    if not isinstance(key, str) or not key:
+        raise KeyGrammarError(f"invalid key {key!r}: expected a non-empty string")
+    m = _KEY_RE.match(key)
+    base, call = m.group("base"), int(m.group("call") or 0)
+    b = _BASE_RE.match(base)
+    if b is None:
+        raise KeyGrammarError(f"invalid key {key!r}: expected 'module[/op][label]...[::callN]'")
+    labels = tuple(_LABEL_RE.findall(b.group("labels")))
+    return KeyParts(base, call, b.group("module"), b.group("op"), labels)
+
+
+def split_call(key: str) -> tuple[str, int]:
+    """``(base, call)`` of any key, even one that breaks the rest of the grammar."""
+    m = _KEY_RE.match(key)
+    return m.group("base"), int(m.group("call") or 0)
+
+
+def make_key(base: str, call: int) -> str:
+    """The on-disk key of call ``call`` (0-based) of ``base``."""
+    return base if call == 0 else f"{base}{CALL_SEP}{call}"
+
+
+def label(value: object) -> str:
+    """A safe ``[label]`` for a structured-output position or field name."""
+    return "[" + _UNSAFE_LABEL.sub("_", str(value)) + "]"
+
+
+def split_module_path(module: str) -> tuple[str, int, str]:
+    """``(stack, layer, leaf)`` of a dotted module path.
+
+    The layer is the last all-digit component; the stack is the path before it,
+    the leaf the path after it. Paths without a layer give ``("", -1, last)``.
+
+    Examples
+    --------
+    >>> split_module_path("model.expert_stack.layers.3.self_attn.o_proj")
+    ('model.expert_stack.layers', 3, 'self_attn.o_proj')
+    """
+    parts = module.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1:])
+    return "", -1, parts[-1]

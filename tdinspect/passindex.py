@@ -1,0 +1,168 @@
+"""What one pass holds: keys in execution order, metadata, statistics, and its tensors on demand.
+
+A :class:`PassIndex` reads the sidecar when there is one, else the pass file's
+keys, shapes and dtypes (a memory-mapped ``torch.load`` reads no tensor data).
+Tensors are read only when asked for, references (op-level de-duplication)
+are resolved, and statistics of dumps without sidecars are computed with the
+same :func:`tdinspect.stats.tensor_stats` that capture uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_unflatten, treespec_loads
+
+from .format import (DumpFormatError, PassFiles, decode_arg, load_pass, read_sidecar,
+                     resolve_aten)
+from .naming import parse_key
+from .stats import STAT_NAMES, tensor_stats
+
+
+@dataclass
+class PassIndex:
+    """Metadata of one pass of one rank; tensors stay on disk."""
+
+    rank: int
+    index: int
+    files: PassFiles
+    keys: list[str]
+    shape: list[Any]
+    dtype: list[Any]
+    module_type: list[Any]
+    stored: list[bool]
+    stats: np.ndarray | None
+    uninitialized: list[bool]
+    ref: list[Any]
+    call_args: list[Any]
+    aten: list[Any]
+    level: str = "module"
+    stats_only: bool = False
+    partial: bool = False
+    position: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.position = {k: i for i, k in enumerate(self.keys)}
+
+    # -- reading -----------------------------------------------------------------------
+    @classmethod
+    def read(cls, rank: int, files: PassFiles) -> "PassIndex":
+        """Index one pass from its sidecar, or from the pass file's metadata."""
+        if files.sidecar is not None:
+            doc = read_sidecar(files.sidecar)
+            e = doc["entries"]
+            n = len(e["key"])
+            stats = np.asarray(e["stats"], dtype=np.float64).reshape(n, len(STAT_NAMES))
+
+            def col(name, default=None):
+                return e.get(name) or [default] * n
+
+            return cls(rank, files.index, files, list(e["key"]), col("shape"), col("dtype"),
+                       col("module_type", ""), [bool(v) for v in col("stored", True)], stats,
+                       [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
+                       col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
+                       bool(doc.get("partial")))
+        tensors = load_pass(files.tensors)
+        keys = list(tensors)
+        n = len(keys)
+        aten = [parse_key(k).op if _parses(k) else None for k in keys]
+        return cls(rank, files.index, files, keys, [list(t.shape) for t in tensors.values()],
+                   [str(t.dtype) for t in tensors.values()], [""] * n, [True] * n, None,
+                   [False] * n, [None] * n, [None] * n, aten,
+                   "op" if any(a is not None for a in aten) else "module")
+
+    @property
+    def path(self):
+        """The file that names this pass in messages."""
+        return self.files.tensors or self.files.sidecar
+
+    def load(self) -> dict[str, torch.Tensor]:
+        """The pass file's tensors (memory-mapped), checked against the sidecar."""
+        if self.files.tensors is None:
+            raise DumpFormatError(f"{self.files.sidecar}: statistics-only pass, no tensors were saved")
+        tensors = load_pass(self.files.tensors)
+        expected = {k for k, s in zip(self.keys, self.stored) if s}
+        if expected != tensors.keys():
+            missing = sorted(expected - tensors.keys())[:3]
+            extra = sorted(tensors.keys() - expected)[:3]
+            raise DumpFormatError(f"{self.files.tensors}: sidecar and pass file disagree "
+                                  f"(in sidecar only: {missing}; in pass file only: {extra})")
+        return tensors
+
+    def tensor(self, key: str, loaded: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """One entry's tensor, references resolved; ``loaded`` reuses an open pass file."""
+        i = self.position.get(key)
+        if i is None:
+            raise KeyError(f"{self.path}: no entry {key!r}")
+        if self.uninitialized[i]:
+            raise DumpFormatError(f"{self.path}: entry {key!r} is the output of an uninitialised "
+                                  "allocation (empty/empty_like): its values mean nothing and were "
+                                  "not saved")
+        if loaded is None:
+            loaded = self.load()
+        if self.stored[i]:
+            return loaded[key]
+        ref = self.ref[i]
+        if not ref:
+            raise DumpFormatError(f"{self.path}: entry {key!r} has no stored tensor")
+        base = self.tensor(ref["of"], loaded)
+        if ref.get("kind") == "view":
+            return self.rebuild_call(i, loaded, override={ref["of"]: base})
+        return base
+
+    def rebuild_args(self, i: int, loaded, override=None, cast=None):
+        """``(op, args, kwargs)`` of the op call recorded at entry ``i``."""
+        spec = self.call_args[i]
+        if not spec:
+            raise DumpFormatError(f"{self.path}: entry {self.keys[i]!r} has no recorded call "
+                                  "(capture_ops(..., inputs=True) records them)")
+        override = override or {}
+
+        def fetch(key):
+            t = override[key] if key in override else self.tensor(key, loaded)
+            return cast(t) if cast is not None else t
+
+        leaves = [decode_arg(v, fetch) for v in spec["leaves"]]
+        args, kwargs = tree_unflatten(leaves, treespec_loads(spec["spec"]))
+        return resolve_aten(spec["aten"]), args, kwargs
+
+    def rebuild_call(self, i: int, loaded, override=None):
+        op, args, kwargs = self.rebuild_args(i, loaded, override)
+        out = op(*args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            out = out[parse_key(self.keys[i]).index or 0]
+        return out
+
+    # -- statistics --------------------------------------------------------------------
+    def ensure_stats(self) -> np.ndarray:
+        """Statistics of every entry (computed from the tensors when no sidecar had them)."""
+        if self.stats is None:
+            loaded = self.load()
+            rows = []
+            for i, key in enumerate(self.keys):
+                rows.append(tensor_stats(loaded[key]).tolist() if self.stored[i] else
+                            [math.nan] * len(STAT_NAMES))
+            self.stats = np.asarray(rows, dtype=np.float64).reshape(len(self.keys), len(STAT_NAMES))
+        return self.stats
+
+    def stat_dict(self, i: int) -> dict[str, float]:
+        return dict(zip(STAT_NAMES, self.ensure_stats()[i].tolist()))
+
+    def finite(self, i: int) -> bool | None:
+        """Whether entry ``i`` is known (from statistics) to hold no NaN/Inf."""
+        if self.stats is None:
+            return None
+        row = self.stats[i]
+        return bool(row[6] == 0 and row[7] == 0) if not math.isnan(row[8]) else None
+
+
+def _parses(key: str) -> bool:
+    try:
+        parse_key(key)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,90 @@
+"""The sample dumps: made from the bundled model, regenerated bit for bit.
+
+``python -m tdinspect.samples sample_dumps`` writes:
+
+==================  ================================================================
+``float32/``        TinyTransformer, float32, 2 steps (module level)
+``bfloat16/``       the same weights and tokens in bfloat16
+``wrong_layer/``    float32 with ``layers.2.mlp.down`` weights scaled by 1.2
+``ops_layernorm/``  op level, the LayerNorm example (forward and backward, bf16),
+                    with inputs, so ops can be replayed
+``ops_layernorm_f32/``  the same in float32
+==================  ================================================================
+
+Folders are named ``rank0_pid0`` and sidecars carry ``pid: 0`` so that the
+files do not depend on the process that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .dumper.modules import capture
+from .dumper.ops import capture_ops
+from .examples import layernorm_test, make_model, make_tokens
+from .format import SIDECAR_RE, atomic_write
+
+STEPS = 2
+PERTURB_SCALE = 1.2  # a 20% error in one weight: rel_diff of that layer near 1e-2
+
+
+def _normalise(run_dir: Path) -> None:
+    """Rename ``rank0_pid<P>`` to ``rank0_pid0`` and zero the pid in sidecars."""
+    (folder,) = [p for p in run_dir.iterdir() if p.is_dir()]
+    fixed = run_dir / "rank0_pid0"
+    folder.rename(fixed)
+    for f in fixed.iterdir():
+        if SIDECAR_RE.match(f.name):
+            doc = json.loads(f.read_bytes())
+            doc["pid"] = 0
+            data = json.dumps(doc, separators=(",", ":")).encode()
+            atomic_write(f, lambda fh: fh.write(data))
+
+
+def capture_model_run(out: Path, *, dtype=torch.float32, perturb: str | None = None,
+                      steps: int = STEPS, stats_only: bool = False) -> Path:
+    """Capture ``steps`` forwards of the bundled model into ``out``."""
+    model = make_model(seed=0, dtype=dtype)
+    if perturb:
+        with torch.no_grad():
+            model.get_parameter(perturb).mul_(PERTURB_SCALE)
+    with torch.no_grad(), capture(model, out, stats_only=stats_only, environ={}) as dump:
+        for step in range(steps):
+            model(make_tokens(seed=step))
+            dump.step()
+    return out
+
+
+def capture_layernorm(out: Path, dtype=torch.bfloat16) -> Path:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with capture_ops(out, inputs=True, environ={}) as dump:
+            layernorm_test(dtype)
+            dump.step()
+    return out
+
+
+def generate(root: str | Path) -> Path:
+    """(Re)write every sample dump under ``root``."""
+    root = Path(root)
+    runs = {"float32": lambda p: capture_model_run(p),
+            "bfloat16": lambda p: capture_model_run(p, dtype=torch.bfloat16),
+            "wrong_layer": lambda p: capture_model_run(p, perturb="layers.2.mlp.down.weight"),
+            "ops_layernorm": lambda p: capture_layernorm(p),
+            "ops_layernorm_f32": lambda p: capture_layernorm(p, torch.float32)}
+    for name, make in runs.items():
+        target = root / name
+        if target.exists():
+            shutil.rmtree(target)
+        make(target)
+        _normalise(target)
+    return root
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(generate(sys.argv[1] if len(sys.argv) > 1 else "sample_dumps"))
