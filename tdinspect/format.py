@@ -181,13 +181,17 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = True) -> dict[str, torch.
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DumpFormatError(f"{path}: refused to load: the file holds objects other than tensors "
-                              f"and plain containers, which could run code "
-                              f"(weights_only=True): {first}") from None
+        detail = [ln.strip() for ln in str(exc).splitlines()
+                  if "unsupported global" in ln.lower()]
+        if detail:
+            raise DumpFormatError(f"{path}: refused to load: the file holds objects other than "
+                                  f"tensors and plain containers, which could run code "
+                                  f"(read with weights_only=True): {detail[0]}") from None
+        raise DumpFormatError(f"{path}: unreadable pass file (damaged, or not written by "
+                              f"torch.save)") from None
     except Exception as exc:  # torch raises RuntimeError, EOFError, zipfile errors...
-        raise DumpFormatError(f"{path}: unreadable pass file ({type(exc).__name__}: "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise DumpFormatError(f"{path}: unreadable pass file ({type(exc).__name__}: {first})") from None
     if not isinstance(obj, dict):
         raise DumpFormatError(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
     for key, value in obj.items():
