@@ -176,7 +176,9 @@ class OpCapture:
         self._write = config.enabled
         self._predicate = config.predicate() if self.enabled else None
         self._keep: dict[str, bool] = {}
-        self._seen: dict[tuple, tuple[Any, int, str, bool]] = {}
+        self._seen: dict[tuple, tuple[Any, str, bool]] = {}
+        self._by_storage: dict[int, set] = {}
+        self._writes: dict[Any, list] = {}
         self._mode: _OpRecorderMode | None = None
         self._tracker = _ModuleTracker(root)
         self._model = model
@@ -205,6 +207,7 @@ class OpCapture:
             return None
         self.recorder.warn_if_empty("no aten op ran inside the capture block")
         self._seen.clear()
+        self._by_storage.clear()
         with _disable_current_modes():  # the recorder's own ops are not the model's
             return self.recorder.step()
 
@@ -250,14 +253,28 @@ class OpCapture:
         hit = self._seen.get(self._identity(t))
         if hit is None:
             return None
-        ref, version, key, uninit = hit
-        return (key, uninit) if ref() is not None and t._version == version else None
+        ref, key, uninit = hit
+        return (key, uninit) if ref() is not None else None
 
     def _remember(self, t: torch.Tensor, key: str, uninitialized: bool = False) -> None:
         if t.device.type != "meta":
+            ident = self._identity(t)
             # a weak reference to the storage: a freed and reused address is no match
-            self._seen[self._identity(t)] = (weakref.ref(t.untyped_storage()), t._version, key,
-                                             uninitialized)
+            self._seen[ident] = (weakref.ref(t.untyped_storage()), key, uninitialized)
+            self._by_storage.setdefault(ident[0], set()).add(ident)
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """Drop what an in-place op is about to change (every view of the written storage)."""
+        written = self._writes.get(func)
+        if written is None:
+            written = self._writes[func] = [
+                (i, a.name) for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write]
+        for i, name in written:
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                for ident in self._by_storage.pop(t.untyped_storage().data_ptr(), ()):
+                    self._seen.pop(ident, None)
 
     def _dispatch(self, func, args, kwargs):
         module = self._tracker.current()
@@ -287,6 +304,8 @@ class OpCapture:
                     rec.record(key, leaf, module_type=mtype, aten=str(func))
                     self._remember(leaf, key)
                     in_keys[i] = key
+        if self._seen:
+            self._forget_written(func, args, kwargs)
         traced_in = self._describe([x for x in leaves if isinstance(x, torch.Tensor)]) \
             if self.trace is not None else None
         out = func(*args, **kwargs)
