@@ -7,6 +7,7 @@ naming, layout, statistics, ``stats_only`` and the writer are one mechanism.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 from ..format import rank_dirname
 from ..stats import tensor_stats
 from .writer import AsyncWriter, PendingPass
+
+PASS_ANY_RE = re.compile(r"^pass(\d{5,})\.(?:pt|json)$")
 
 
 def current_rank() -> int:
@@ -74,7 +77,10 @@ class Recorder:
         self.level = level
         self.stats_only = stats_only
         self.writer = AsyncWriter(max_pending_bytes, fsync)
-        self.pass_index = 0
+        # a second capture of this process into the same folder continues the numbering:
+        # nothing already written is overwritten
+        self.pass_index = 1 + max((int(m.group(1)) for f in self.folder.iterdir()
+                                   if (m := PASS_ANY_RE.match(f.name))), default=-1)
         self.total_entries = 0
         self._calls: dict[str, int] = {}
         self._new_pass()

@@ -1,0 +1,44 @@
+"""The command line: exit codes 0/1/2, tables and JSON, same answers as the API."""
+
+from __future__ import annotations
+
+import json
+
+from tdinspect.cli import main
+
+
+def test_first_divergence_exit_codes_and_json(runs, capsys):
+    assert main(["first-divergence", str(runs["ref"]), str(runs["ref2"])]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    assert main(["first-divergence", str(runs["ref"]), str(runs["wrong"]), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_divergence"]["key"] == "model.layers.2.mlp.down"
+    assert out["first_divergence"]["pass"] == 0
+    assert main(["first-divergence", str(runs["ref"]), str(runs["wrong"]),
+                 "--threshold", r"layers\.2\.mlp\.down=1", "--threshold", "1e-5"]) == 1
+    assert "model.layers.3.ln1" in capsys.readouterr().out
+
+
+def test_diff_table_and_metric(runs, capsys):
+    assert main(["diff", str(runs["ref"]), str(runs["wrong"]), "--metric", "max_abs",
+                 "--threshold", "1e-4"]) == 1
+    out = capsys.readouterr().out
+    assert "divergent entries (max_abs)" in out and "model.layers.2.mlp.down" in out
+    assert main(["diff", str(runs["ref"]), str(runs["ref2"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_divergences"] == 0
+
+
+def test_ls_and_stats(runs, capsys):
+    assert main(["ls", str(runs["ref"])]) == 0
+    out = capsys.readouterr().out
+    assert "model.expert" in out and "3 passes" in out
+    assert main(["stats", str(runs["ref"]), "--op", r"lm_head", "--pass", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["key"] for r in rows] == ["model.lm_head"] and rows[0]["pass"] == 1
+
+
+def test_errors_exit_2_with_one_line(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tdinspect ls: error:") and "missing" in err and "Traceback" not in err
+    assert main(["first-divergence", str(tmp_path), str(tmp_path), "--threshold", "x=y"]) == 2

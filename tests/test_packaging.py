@@ -1,0 +1,47 @@
+"""Project files stay consistent: pyproject and environment.yml list the same stack; README commands."""
+
+from __future__ import annotations
+
+import re
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+from .conftest import ROOT
+
+CONDA_NAMES = {"torch": "pytorch", "dask[distributed]": "dask"}
+
+
+def _pyproject_names():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = list(data["project"]["dependencies"])
+    for extra, items in data["project"]["optional-dependencies"].items():
+        deps += [d for d in items if not d.startswith("tdinspect")]
+    names = set()
+    for d in deps:
+        name = re.match(r"[A-Za-z0-9_.\-\[\]]+", d).group(0).lower()
+        names.add(CONDA_NAMES.get(name, name))
+    return names
+
+
+def _environment_names():
+    names = set()
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        m = re.match(r"\s+-\s+([A-Za-z0-9_.\-]+)\s*(>=|==|$)", line)
+        if m and m.group(1) not in ("python", "pip", "distributed"):
+            names.add(m.group(1).lower())
+    return names
+
+
+def test_environment_yml_matches_pyproject():
+    assert _pyproject_names() == _environment_names()
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```(?:bash|sh)\n(.*?)\n```", readme, re.S)
+    assert len(commands) >= 2
+    assert "tdinspect demo" in commands[0]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1].strip() in ci
+    assert "torch==2.13.0" in commands[0] and "torch==2.13.0" in commands[1]
