@@ -186,10 +186,10 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 20,
         sdd += float(torch.sum(d * d, dtype=torch.float64))
         d.abs_()
         sabs += float(torch.sum(d, dtype=torch.float64))
-        yc.abs_()
+        ay = yc.abs()  # never in place on yc: it may be the caller's (or a mapped file's) memory
         max_abs = max(max_abs, float(d.max()))
-        mism += int((d > yc.mul(rtol).add_(atol)).sum())
-        max_rel = max(max_rel, float(d.div_(yc.clamp_min_(EPS)).max()))
+        mism += int((d > ay.mul(rtol).add_(atol)).sum())
+        max_rel = max(max_rel, float(d.div_(ay.clamp_min_(EPS)).max()))
     denom = sxx + syy
     out["rel_diff"] = sdd / denom if denom > 0 else 0.0
     out["max_abs"] = max_abs if m else 0.0

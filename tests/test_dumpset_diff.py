@@ -246,3 +246,11 @@ def test_metric_edge_cases():
     assert ints["max_abs"] == 1.0 and ints["equal"] == 0.0
     e = compare_tensors(torch.empty(0), torch.empty(0))
     assert e["equal"] == 1.0
+
+
+def test_compare_never_modifies_its_inputs():
+    y = torch.tensor([-1.0, 2.0]).expand(3, 2)  # a broadcast view: in-place ops would fail or corrupt
+    x = torch.tensor([[-1.5, 2.0]] * 3)
+    before = (x.clone(), y.clone())
+    compare_tensors(x, y)
+    assert torch.equal(x, before[0]) and torch.equal(y, before[1])
