@@ -26,7 +26,9 @@ def _pyproject_names():
 
 def _environment_names():
     names = set()
-    for line in (ROOT / "environment.yml").read_text().splitlines():
+    text = (ROOT / "environment.yml").read_text()
+    deps = text.split("dependencies:", 1)[1]
+    for line in deps.splitlines():
         m = re.match(r"\s+-\s+([A-Za-z0-9_.\-]+)\s*(>=|==|$)", line)
         if m and m.group(1) not in ("python", "pip", "distributed"):
             names.add(m.group(1).lower())
