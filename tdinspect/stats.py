@@ -50,10 +50,23 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _moments(v: torch.Tensor, count: torch.Tensor | int) -> list[torch.Tensor]:
-    var, mean = torch.var_mean(v, correction=0)
-    var, mean = var.double(), mean.double()
-    return [mean, var.sqrt(), (var + mean * mean).mul(count).sqrt()]
+def _finite_row_cpu(v: torch.Tensor, n: int) -> list[float] | None:
+    """The statistics row in plain floats when ``v`` is all finite, else ``None``.
+
+    Three vectorised reductions (aminmax, sum, norm) and scalar arithmetic in
+    Python: on CPU the per-call overhead of small tensor ops would cost more
+    than the reductions themselves.
+    """
+    lo, hi = (x.item() for x in torch.aminmax(v))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    total = v.sum(dtype=torch.float64 if v.dtype == torch.float64 else None).item()
+    l2 = torch.linalg.vector_norm(v).item()
+    mean = total / n
+    var = max(l2 * l2 / n - mean * mean, 0.0)
+    if mean * mean > 1e3 * var:  # cancellation: recompute from centred values
+        var = (v.double() - mean).square().mean().item()
+    return [lo, hi, mean, math.sqrt(var), max(abs(lo), abs(hi)), l2, 0.0, 0.0, float(n)]
 
 
 def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Tensor:
@@ -69,7 +82,7 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
     sync_free : bool, optional
         Compute without a host round trip (branch-free masked reductions).
         Defaults to ``True`` on accelerators and ``False`` on CPU, where the
-        fast path (two reductions when everything is finite) is cheaper.
+        fast path (three reductions when everything is finite) is cheaper.
 
     Examples
     --------
@@ -83,38 +96,32 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
     v = _as_real(t).reshape(-1)
     if sync_free is None:
         sync_free = v.device.type != "cpu"
-    lo, hi = torch.aminmax(v)
-    if not sync_free and math.isfinite(lo.item()) and math.isfinite(hi.item()):
-        zero = torch.zeros((), dtype=torch.float64, device=v.device)
-        lo, hi = lo.double(), hi.double()
-        rest = _moments(v, n)
-        return torch.stack([lo, hi, *rest[:2], torch.maximum(lo.abs(), hi.abs()), rest[2],
-                            zero, zero, zero + n])
+    if not sync_free:
+        fast = _finite_row_cpu(v, n)
+        if fast is not None:
+            return torch.tensor(fast, dtype=torch.float64)
     finite = torch.isfinite(v)
     n_finite = finite.sum()
     n_nan = torch.isnan(v).sum()
     n_inf = (n - n_finite - n_nan).double()
     if not sync_free:
         kept = v[finite]
-        if kept.numel() == 0:
-            row = torch.tensor(_NAN_ROW, dtype=torch.float64, device=v.device)
-            return torch.cat([row, torch.stack([n_nan.double(), n_inf,
-                                                torch.tensor(float(n), dtype=torch.float64)])])
-        lo, hi = torch.aminmax(kept)
-        mean, std, l2 = _moments(kept, kept.numel())
-    else:
-        inf = torch.tensor(math.inf, dtype=v.dtype, device=v.device)
-        lo = torch.where(finite, v, inf).min().double()
-        hi = torch.where(finite, v, -inf).max().double()
-        zeroed = torch.where(finite, v, torch.zeros((), dtype=v.dtype, device=v.device)).double()
-        cnt = n_finite.double()
-        mean = zeroed.sum() / cnt
-        sq = zeroed.square().sum()
-        var = (sq / cnt - mean * mean).clamp_min(0)
-        std, l2 = var.sqrt(), sq.sqrt()
-        empty = n_finite == 0
-        nan = torch.tensor(math.nan, dtype=torch.float64, device=v.device)
-        lo, hi, mean, std, l2 = (torch.where(empty, nan, x) for x in (lo, hi, mean, std, l2))
+        row = _finite_row_cpu(kept, kept.numel()) if kept.numel() else _NAN_ROW + [0.0] * 3
+        row[6:9] = [float(n_nan), float(n_inf), float(n)]
+        return torch.tensor(row, dtype=torch.float64)
+    # sync-free: masked reductions, no host round trip
+    inf = torch.tensor(math.inf, dtype=v.dtype, device=v.device)
+    lo = torch.where(finite, v, inf).min().double()
+    hi = torch.where(finite, v, -inf).max().double()
+    zeroed = torch.where(finite, v, torch.zeros((), dtype=v.dtype, device=v.device)).double()
+    cnt = n_finite.double()
+    mean = zeroed.sum() / cnt
+    sq = zeroed.square().sum()
+    var = (sq / cnt - mean * mean).clamp_min(0)
+    std, l2 = var.sqrt(), sq.sqrt()
+    empty = n_finite == 0
+    nan = torch.tensor(math.nan, dtype=torch.float64, device=v.device)
+    lo, hi, mean, std, l2 = (torch.where(empty, nan, x) for x in (lo, hi, mean, std, l2))
     lo, hi = lo.double(), hi.double()
     return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), l2,
                         n_nan.double(), n_inf, torch.tensor(float(n), dtype=torch.float64,

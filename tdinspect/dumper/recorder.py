@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,46 @@ def current_rank() -> int:
         return 0
 
 
-def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+class BufferPool:
+    """Host buffers recycled from written passes, by (shape, dtype).
+
+    A fresh 100 MB of copies per step costs page faults on every step (large
+    allocations are returned to the OS when freed); reusing the buffers of a
+    pass the writer has finished with avoids that. Holds at most ``limit``
+    bytes.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, shape, dtype) -> torch.Tensor | None:
+        with self._lock:
+            bufs = self._free.get((tuple(shape), dtype))
+            if not bufs:
+                return None
+            buf = bufs.pop()
+            self._bytes -= buf.numel() * buf.element_size()
+            return buf
+
+    def give(self, tensors) -> None:
+        with self._lock:
+            for t in tensors:
+                if t is None or t.device.type != "cpu" or t.is_pinned():
+                    continue
+                size = t.numel() * t.element_size()
+                if self._bytes + size > self.limit:
+                    return
+                self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                self._bytes += size
+
+
+def host_copy(t: torch.Tensor, pool: BufferPool | None = None) -> tuple[torch.Tensor, bool]:
     """A private, compact CPU copy of ``t`` and whether it is still in flight.
 
-    CPU tensors are cloned (the model may later modify the original in place);
+    CPU tensors are copied (the model may later modify the original in place);
     a view is copied to its own compact storage, never saved with its whole
     base. CUDA tensors go to pinned memory with ``non_blocking=True``: the
     caller synchronises once per step.
@@ -44,7 +81,10 @@ def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format), False
+        buf = pool.take(t.shape, t.dtype) if pool is not None else None
+        if buf is None:
+            return t.clone(memory_format=torch.contiguous_format), False
+        return buf.copy_(t), False
     if t.device.type == "cuda":
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         buf.copy_(t, non_blocking=True)
@@ -76,7 +116,8 @@ class Recorder:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.level = level
         self.stats_only = stats_only
-        self.writer = AsyncWriter(max_pending_bytes, fsync)
+        self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
+        self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give)
         # a second capture of this process into the same folder continues the numbering:
         # nothing already written is overwritten
         self.pass_index = 1 + max((int(m.group(1)) for f in self.folder.iterdir()
@@ -114,15 +155,14 @@ class Recorder:
         shape = list(tensor.shape) if tensor is not None else None
         dtype = str(tensor.dtype) if tensor is not None else None
         copy = stat = None
-        if tensor is not None and store:
-            if self.stats_only:
-                stat = tensor_stats(tensor)
-            else:
-                copy, in_flight = host_copy(tensor)
+        if tensor is not None and not extra.get("uninitialized"):
+            # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
+            # the writer thread, the bottleneck when full tensors go to disk, only writes
+            stat = tensor_stats(tensor)
+            if store and not self.stats_only:
+                copy, in_flight = host_copy(tensor, self.pool)
                 self._in_flight |= in_flight
                 p.nbytes += copy.numel() * copy.element_size()
-        elif tensor is not None and extra.get("ref") is not None and not extra.get("uninitialized"):
-            stat = tensor_stats(tensor)  # a reference still gets its own statistics
         n = len(p.keys)
         p.keys.append(key)
         p.tensors.append(copy)

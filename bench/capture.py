@@ -1,0 +1,72 @@
+"""Module-level capture overhead: median step time, capture / eager, on the benchmark transformer.
+
+Run: ``python bench/capture.py [--steps 20]``. Eager and captured steps are
+measured in the same run, interleaved block by block so both see the same
+machine state; "total" adds the final flush of the background writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tdinspect  # noqa: E402
+from common import bench_model, fmt_bytes, median_step, threads_note  # noqa: E402
+
+
+def run(steps: int, out: Path) -> dict:
+    model, tokens = bench_model()
+    with torch.no_grad():
+        for _ in range(3):
+            model(tokens)  # warm up
+        results = {}
+        eager, _ = median_step(lambda: model(tokens), steps)
+        for mode, kw in (("full", {}), ("stats_only", {"stats_only": True})):
+            target = out / mode
+            t0 = time.perf_counter()
+            with tdinspect.capture(model, target, warn_unfired=False, **kw) as dump:
+                def step():
+                    model(tokens)
+                    dump.step()
+                med, times = median_step(step, steps)
+            total = time.perf_counter() - t0
+            eager_again, _ = median_step(lambda: model(tokens), steps)
+            base = (eager + eager_again) / 2
+            files = list(target.rglob("pass*"))
+            size = sum(f.stat().st_size for f in files) / steps
+            results[mode] = dict(median_s=med, eager_s=base, ratio=med / base,
+                                 total_ratio=total / (base * steps), bytes_per_pass=size)
+            eager = eager_again
+            shutil.rmtree(target)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dir", default=None,
+                        help="where to write (default: a temporary folder on disk; pass /dev/shm "
+                             "to measure tdinspect without the disk)")
+    args = parser.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="tdinspect-bench-", dir=args.dir))
+    try:
+        res = run(args.steps, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"module capture, {args.steps} steps, {threads_note()}, writing to {out.parent}")
+    for mode, r in res.items():
+        target = 1.6 if mode == "full" else 1.25
+        print(f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
+              f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
+              f"  {fmt_bytes(r['bytes_per_pass'])}/pass")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Shared pieces of the benchmarks: the benchmark transformer and a side-by-side timer."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from tdinspect.examples import make_model, make_tokens
+
+SIZES = dict(d_model=256, n_layers=6, n_heads=4, mlp_ratio=4, vocab=1000, euler_steps=0)
+BATCH, SEQ = 8, 128
+
+
+def bench_model():
+    """The benchmark transformer (issue #2): d_model 256, 6 layers, 4 heads, MLP 4x, vocab 1000."""
+    return make_model(seed=0, **SIZES), make_tokens(BATCH, SEQ, SIZES["vocab"], seed=0)
+
+
+def median_step(fn, steps: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def threads_note() -> str:
+    return f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
