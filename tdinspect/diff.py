@@ -217,7 +217,7 @@ class Diff:
     """
 
     def __init__(self, a: DumpSet, b: DumpSet, *, align: str = "name", client: Any = None,
-                 chunk: int = 1 << 20, mode: str = "auto"):
+                 chunk: int = 1 << 18, mode: str = "auto"):
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
         if mode not in ("auto", "tensor", "stats"):

@@ -93,7 +93,7 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
     n = t.numel()
     if n == 0:
         return torch.tensor(_NAN_ROW + [0.0, 0.0, 0.0], dtype=torch.float64, device=t.device)
-    v = _as_real(t).reshape(-1)
+    v = _as_real(t)  # full reductions need no reshape (which would copy a strided view)
     if sync_free is None:
         sync_free = v.device.type != "cpu"
     if not sync_free:

@@ -52,6 +52,9 @@ from .recorder import Recorder
 
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "empty_permuted"}
+# views whose elements are exactly their base's (reordered): they share its statistics
+_SAME_ELEMENTS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "detach", "alias",
+                  "unsqueeze", "squeeze", "flatten", "view_as", "_reshape_alias", "unflatten"}
 _META_KEY = "tdinspect_module"
 _SHORT_DTYPE = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
                 torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
@@ -179,6 +182,7 @@ class OpCapture:
         self._seen: dict[tuple, tuple[Any, str, bool]] = {}
         self._by_storage: dict[int, set] = {}
         self._writes: dict[Any, list] = {}
+        self._specs: dict[Any, str] = {}
         self._mode: _OpRecorderMode | None = None
         self._tracker = _ModuleTracker(root)
         self._model = model
@@ -298,7 +302,7 @@ class OpCapture:
                 if earlier is not None:
                     rec.record(key, leaf, module_type=mtype, store=False, aten=str(func),
                                ref={"kind": "same", "of": earlier[0]},
-                               uninitialized=earlier[1] or None)
+                               uninitialized=earlier[1] or None, same_stats_as=earlier[0])
                     in_keys[i] = earlier[0]
                 else:
                     rec.record(key, leaf, module_type=mtype, aten=str(func))
@@ -330,15 +334,27 @@ class OpCapture:
             if (self.inputs and i == 0) or base_key is not None:
                 keys = in_keys if self.inputs else [base_key if leaf is view_base else None
                                                     for leaf in leaves]
-                call_args = {"aten": str(func), "spec": treespec_dumps(spec),
+                call_args = {"aten": str(func), "spec": self._spec_json(spec),
                              "leaves": [encode_arg(v, k) for v, k in zip(leaves, keys)]}
             if base_key is not None:
+                same = base_key if func._overloadpacket.__name__ in _SAME_ELEMENTS else None
                 rec.record(key, o, module_type=mtype, store=False, aten=str(func),
-                           ref={"kind": "view", "of": base_key}, call_args=call_args)
+                           ref={"kind": "view", "of": base_key}, call_args=call_args,
+                           same_stats_as=same)
             else:
                 rec.record(key, o, module_type=mtype, aten=str(func), call_args=call_args)
             self._remember(o, key)
         return out
+
+    def _spec_json(self, spec) -> str:
+        """``treespec_dumps`` is slow (dataclass walks); argument structures repeat: cache."""
+        try:
+            text = self._specs.get(spec)
+        except TypeError:  # an unhashable spec
+            return treespec_dumps(spec)
+        if text is None:
+            text = self._specs[spec] = treespec_dumps(spec)
+        return text
 
     @staticmethod
     def _view_base(func, args) -> torch.Tensor | None:

@@ -133,6 +133,7 @@ class Recorder:
                                  columns={"module_type": [], "shape": [], "dtype": [], "stored": []})
         self._in_flight = False
         self._calls = {}
+        self._index: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._pass.keys)
@@ -144,16 +145,20 @@ class Recorder:
         return n
 
     def record(self, key: str, tensor: torch.Tensor | None, *, module_type: str,
-               store: bool = True, **extra: Any) -> None:
+               store: bool = True, same_stats_as: str | None = None, **extra: Any) -> None:
         """Add one entry; ``tensor`` is copied (or reduced to statistics) now.
 
         ``store=False`` keeps only metadata (an uninitialised output, or a
-        reference to a tensor already recorded). ``extra`` becomes sidecar
-        columns (missing values are ``null``).
+        reference to a tensor already recorded). ``same_stats_as`` names an
+        entry of this pass holding the same elements (a reshape or transpose
+        of it): its statistics are reused. ``extra`` becomes sidecar columns
+        (missing values are ``null``).
         """
         p = self._pass
-        shape = list(tensor.shape) if tensor is not None else None
-        dtype = str(tensor.dtype) if tensor is not None else None
+        if same_stats_as is not None and same_stats_as in self._index:
+            shared = p.stats[self._index[same_stats_as]]
+            if shared is not None:
+                return self._append(key, tensor, None, shared, module_type, extra)
         copy = stat = None
         if tensor is not None and not extra.get("uninitialized"):
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
@@ -163,7 +168,14 @@ class Recorder:
                 copy, in_flight = host_copy(tensor, self.pool)
                 self._in_flight |= in_flight
                 p.nbytes += copy.numel() * copy.element_size()
+        self._append(key, tensor, copy, stat, module_type, extra)
+
+    def _append(self, key, tensor, copy, stat, module_type, extra) -> None:
+        p = self._pass
+        shape = list(tensor.shape) if tensor is not None else None
+        dtype = str(tensor.dtype) if tensor is not None else None
         n = len(p.keys)
+        self._index[key] = n
         p.keys.append(key)
         p.tensors.append(copy)
         p.stats.append(stat)

@@ -1,0 +1,115 @@
+"""Analysis speed: open time, diff throughput against the least any diff must do, early exit.
+
+Run: ``python bench/diff.py``. In one run, on files it writes and removes:
+
+1. open time of a 100-pass x 1,500-entry dump with sidecars, and of the same
+   dump without them (keys, shapes and dtypes from a memory-mapped load);
+2. diff throughput (bytes of both runs compared per second, all metrics)
+   against the floor: ``torch.load(mmap=True, weights_only=True)`` both pass
+   files and compute ``(a - b).abs().max()`` per pair, on the same files;
+3. ``first_divergence`` with the divergence in pass 0 vs a full diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tdinspect import DumpSet  # noqa: E402
+from tdinspect.dumper.recorder import Recorder  # noqa: E402
+
+
+def write_run(root: Path, passes: int, entries: int, numel: int, *, seed: int, perturb=None,
+              noise: float = 0.0, sidecars: bool = True) -> Path:
+    """``passes`` x ``entries`` float32 tensors (the same for every seed), plus ``noise``
+    everywhere (a rerun on another backend) and a 10% error at ``perturb=(pass, entry)``."""
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(seed)
+    rec = Recorder(root, level="module")
+    for p in range(passes):
+        for e in range(entries):
+            t = base.roll(p * 7 + e)
+            if noise:
+                t = t + noise * torch.randn(numel, generator=gen)
+            if perturb == (p, e):
+                t = t + 0.1 * torch.randn(numel, generator=gen)
+            rec.record(f"model.layers.{e // 10}.op{e % 10}", t, module_type="Linear")
+        rec.step()
+    rec.close()
+    if not sidecars:
+        for f in root.rglob("*.json"):
+            f.unlink()
+    return root
+
+
+def floor_throughput(a: DumpSet, b: DumpSet) -> float:
+    t0 = time.perf_counter()
+    total = 0
+    for pa in a.pass_indexes():
+        pb = b.get_pass(pa.index, pa.rank)
+        ta = torch.load(pa.files.tensors, mmap=True, weights_only=True)
+        tb = torch.load(pb.files.tensors, mmap=True, weights_only=True)
+        for k, x in ta.items():
+            (x - tb[k]).abs().max()
+            total += 2 * x.numel() * x.element_size()
+    return total / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--passes", type=int, default=10)
+    parser.add_argument("--entries", type=int, default=20)
+    parser.add_argument("--numel", type=int, default=1 << 20)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-diff-", dir=args.dir))
+    try:
+        # 1. open time, 100 passes x 1,500 small entries
+        meta = write_run(root / "meta", 100, 1500, 16, seed=0)
+        t0 = time.perf_counter()
+        ds = DumpSet.open(meta)
+        t_open = time.perf_counter() - t0
+        for f in meta.rglob("*.json"):
+            f.unlink()
+        t0 = time.perf_counter()
+        DumpSet.open(meta)
+        t_open_bare = time.perf_counter() - t0
+        print(f"open 100 passes x 1500 entries: {t_open:.2f} s with sidecars (target < 1 s), "
+              f"{t_open_bare:.2f} s without ({ds.n_entries()} entries)")
+        shutil.rmtree(meta)
+
+        # 2. throughput on big tensors; 3. early exit
+        shape = (args.passes, args.entries, args.numel)
+        a = write_run(root / "a", *shape, seed=1)
+        b = write_run(root / "b", *shape, seed=2, noise=1e-4,
+                      perturb=(args.passes - 1, args.entries // 2))
+        c = write_run(root / "c", *shape, seed=3, noise=1e-4, perturb=(0, args.entries // 2))
+        run_bytes = 2 * args.passes * args.entries * args.numel * 4
+        A, B, C = DumpSet.open(a), DumpSet.open(b), DumpSet.open(c)
+        floor_throughput(A, B)  # warm the page cache for both measurements alike
+        floor = floor_throughput(A, B)
+        t0 = time.perf_counter()
+        table = A.diff(B).table(progress=False)
+        t_full = time.perf_counter() - t0
+        ours = run_bytes / t_full
+        print(f"diff throughput, all metrics: {ours / 1e9:.2f} GB/s; floor (mmap load + "
+              f"(a-b).abs().max()): {floor / 1e9:.2f} GB/s; ratio {ours / floor:.0%} (target >= 50%); "
+              f"{run_bytes / 1e9:.2f} GB compared, {len(table)} entries")
+        t0 = time.perf_counter()
+        div = A.diff(C).first_divergence()
+        t_first = time.perf_counter() - t0
+        print(f"first_divergence at pass 0: {t_first:.3f} s vs full diff {t_full:.2f} s "
+              f"({t_first / t_full:.1%}); found {div.key} pass {div.pass_}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
