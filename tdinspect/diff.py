@@ -405,6 +405,28 @@ class Diff:
         df["added"] = err - prev
         return df[["rank", "pass", "order", "key", "error", "prev_max", "growth", "added"]]
 
+    def by_rank_pass(self, threshold: float | dict | None = None, metric: str | None = None):
+        """Per (rank, pass): how many entries diverge, the first of them and its reason.
+
+        A ``pandas.DataFrame`` indexed by ``(rank, pass)`` with columns
+        ``n_entries``, ``n_divergent``, ``first`` (key, ``""`` when none),
+        ``why`` and ``worst`` (largest metric value): which ranks and steps
+        part first, at a glance (reads every pass).
+        """
+        import pandas as pd
+
+        m = self._check_metric(metric)
+        thr_fn = self._threshold_fn(threshold, m.name)
+        out = []
+        for (rank, p), rows in self.iter_passes():
+            hits = [(r, why) for r in rows for hit, why in [self._verdict(r, m, thr_fn)] if hit]
+            values = [r[m.name] for r in rows if not math.isnan(r.get(m.name, math.nan))]
+            worst = (max(values) if m.higher_is_worse else min(values)) if values else math.nan
+            out.append({"rank": rank, "pass": p, "n_entries": len(rows), "n_divergent": len(hits),
+                        "first": hits[0][0]["key"] if hits else "", "why": hits[0][1] if hits else "",
+                        "worst": worst})
+        return pd.DataFrame(out).set_index(["rank", "pass"]).sort_index()
+
     def to_xarray(self) -> xr.Dataset:
         """Metrics as a Dataset with the reference cube's dims (``op``, ``call``, ``pass``[, ``rank``])."""
         df = self.table()

@@ -121,6 +121,14 @@ def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
         a.is_floating_point() and b.is_floating_point()) else torch.float32
 
 
+def _common_unexpand(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop dims broadcast (stride 0) on both sides: every metric is the same on one copy."""
+    for dim in range(x.dim()):
+        if x.shape[dim] > 1 and x.stride(dim) == 0 and y.stride(dim) == 0:
+            x, y = x.narrow(dim, 0, 1), y.narrow(dim, 0, 1)
+    return x, y
+
+
 def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> int:
     """Elements where NaN/Inf on one side meets something else on the other."""
     if not (x.is_floating_point() or x.is_complex()) and not (y.is_floating_point() or y.is_complex()):
@@ -155,6 +163,7 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 16,
     """
     if x.shape != y.shape:
         raise ValueError(f"shape mismatch: {list(x.shape)} vs {list(y.shape)}")
+    x, y = _common_unexpand(x, y)
     n = x.numel()
     same_dtype = x.dtype == y.dtype
     out = {k: math.nan for k in TENSOR_METRICS}

@@ -50,6 +50,16 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _unexpand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Undo broadcasting (stride-0 dims): a huge-shaped but small tensor is reduced as its storage."""
+    copies = 1
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(dim, 0, 1)
+            copies *= size
+    return t, copies
+
+
 def _finite_row_cpu(v: torch.Tensor, n: int) -> list[float] | None:
     """The statistics row in plain floats when ``v`` is all finite, else ``None``.
 
@@ -93,6 +103,11 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
     n = t.numel()
     if n == 0:
         return torch.tensor(_NAN_ROW + [0.0, 0.0, 0.0], dtype=torch.float64, device=t.device)
+    t, copies = _unexpand(t)
+    if copies > 1:  # every stored element appears `copies` times: same min/max/mean/std
+        row = tensor_stats(t, sync_free=sync_free)
+        return row * torch.tensor([1, 1, 1, 1, 1, math.sqrt(copies), copies, copies, copies],
+                                  dtype=torch.float64, device=row.device)
     v = _as_real(t)  # full reductions need no reshape (which would copy a strided view)
     if sync_free is None:
         sync_free = v.device.type != "cpu"

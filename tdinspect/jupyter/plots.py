@@ -201,3 +201,40 @@ def tensor(t, *, title: str = "", fig=None):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def rank_pass(diff, metric: str | None = None, threshold: float | None = None, ax=None):
+    """Which ranks and steps part first: worst metric per (rank, pass), divergent cells outlined.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    from ..metrics import metric as get_metric
+
+    plt = _plt()
+    m = get_metric(metric or diff.default_metric)
+    by = diff.by_rank_pass(threshold, m.name)
+    ranks = sorted({r for r, _ in by.index})
+    passes = sorted({p for _, p in by.index})
+    grid = np.full((len(ranks), len(passes)), np.nan)
+    bad = np.zeros_like(grid, dtype=bool)
+    for (r, p), row in by.iterrows():
+        grid[ranks.index(r), passes.index(p)] = row["worst"]
+        bad[ranks.index(r), passes.index(p)] = row["n_divergent"] > 0
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
+        figsize=(max(4, 0.4 * len(passes) + 2), max(2, 0.4 * len(ranks) + 1.5)))
+    shown = np.log10(np.where(grid > 0, grid, np.nan)) if m.higher_is_worse else grid
+    im = ax.imshow(shown, aspect="auto", cmap="viridis")
+    ys, xs = np.nonzero(bad)
+    ax.scatter(xs, ys, marker="s", s=120, facecolors="none", edgecolors="red", label="diverges")
+    ax.set_xticks(range(len(passes)), passes, fontsize=8)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks], fontsize=8)
+    ax.set_xlabel("pass (step)")
+    fig.colorbar(im, ax=ax, label=f"{'log10 ' if m.higher_is_worse else ''}worst {m.name}")
+    first = by[by["n_divergent"] > 0].sort_index(level=["pass", "rank"])
+    title = "no divergence" if first.empty else (
+        f"first: rank {first.index[0][0]}, pass {first.index[0][1]}: {first.iloc[0]['first']}")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
