@@ -87,6 +87,8 @@ class DiffExplorer:
         line.set_ydata(np.where(np.isfinite(y) & (y > 0), y, plots._floor(y)))
         line.set_label(m)
         self.ax.lines[-2].set_ydata([thr, thr])  # the threshold line (see plots.divergence)
+        self.ax.lines[-2].set_label(f"threshold {thr:g}")
+        self.ax.legend(loc="upper left", fontsize=8)
         marker = self.ax.lines[-1]
         if div is None:
             marker.set_xdata([math.nan, math.nan])
