@@ -67,27 +67,20 @@ def rank_dirname(rank: int, pid: int) -> str:
     return f"rank{rank}_pid{pid}"
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync: bool = False,
-                 by_name: bool = False) -> None:
-    """Write ``path`` through ``write(...)`` so that it appears whole or not at all.
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync: bool = False) -> None:
+    """Write ``path`` through ``write(fileobj)`` so that it appears whole or not at all.
 
     The data goes to a temporary file in the same folder, which is renamed over
     ``path`` only once complete; on any error the temporary file is removed and
-    an existing ``path`` is left untouched. ``write`` gets an open binary file,
-    or with ``by_name=True`` the temporary file's name (``torch.save`` writes
-    faster to a name than through a Python file object).
+    an existing ``path`` is left untouched.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            if by_name:
-                f.close()
-                write(tmp)
-            else:
-                write(f)
-        if fsync:
-            with open(tmp, "rb+") as f:
+            write(f)
+            if fsync:
+                f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -150,7 +143,9 @@ def read_sidecar(path: str | os.PathLike) -> dict:
 
 def save_pass(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, fsync: bool = False) -> None:
     """Atomically ``torch.save`` a pass dict."""
-    atomic_write(path, lambda name: torch.save(tensors, name), fsync=fsync, by_name=True)
+    # through a file object: the archive's inner folder is then always "archive", so the
+    # same tensors give the same bytes (saving by name would embed the temporary name)
+    atomic_write(path, lambda f: torch.save(tensors, f), fsync=fsync)
 
 
 def load_pass(path: str | os.PathLike, *, mmap: bool = True) -> dict[str, torch.Tensor]:

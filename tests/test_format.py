@@ -103,10 +103,9 @@ def test_sigkill_mid_write_leaves_complete_passes_only(tmp_path):
         def dying_save(obj, f, *a, **k):
             calls.append(1)
             if len(calls) == 2:   # second pass: write half of it, then die
-                with open(f, "wb") as fh:
-                    fh.write(b"PK\\x03\\x04" + b"x" * 100000)
-                    fh.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                f.write(b"PK\\x03\\x04" + b"x" * 100000)
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
             return real_save(obj, f, *a, **k)
         torch.save = dying_save
         with tdinspect.capture(model, {str(tmp_path)!r}) as dump:

@@ -47,3 +47,15 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1].strip() in ci
     assert "torch==2.13.0" in commands[0] and "torch==2.13.0" in commands[1]
+
+
+def test_sample_dumps_regenerate_bit_for_bit(tmp_path):
+    from tdinspect.samples import generate
+
+    generate(tmp_path)
+    committed = sorted(p.relative_to(ROOT / "sample_dumps") for p in (ROOT / "sample_dumps").rglob("*")
+                       if p.is_file())
+    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert committed == fresh and committed
+    for rel in committed:
+        assert (ROOT / "sample_dumps" / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
