@@ -33,7 +33,7 @@ import xarray as xr
 from .dumpset import DumpSet
 from .metrics import METRICS, TENSOR_METRICS, compare_tensors, metric, stats_rel
 from .naming import parse_key, split_call
-from .parallel import map_in_waves
+from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
@@ -209,6 +209,11 @@ class Diff:
     mode : {"auto", "tensor", "stats"}
         ``"stats"`` compares statistics only (the only choice when a side is
         statistics-only): relative difference of min, max, mean and l2.
+    passes_in_flight : int, optional
+        The memory knob: pass pairs computed together (default: twice the
+        worker threads). Peak memory is about the imports (~260 MB) plus the
+        pass files being compared at once (each worker maps one pair) plus
+        a few MB of chunk buffers per worker, whatever the dump's size.
 
     Examples
     --------
@@ -217,7 +222,7 @@ class Diff:
     """
 
     def __init__(self, a: DumpSet, b: DumpSet, *, align: str = "name", client: Any = None,
-                 chunk: int = 1 << 18, mode: str = "auto"):
+                 chunk: int = 1 << 18, mode: str = "auto", passes_in_flight: int | None = None):
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
         if mode not in ("auto", "tensor", "stats"):
@@ -226,6 +231,7 @@ class Diff:
         self.align = align
         self.client = client if client is not None else a.client
         self.chunk = chunk
+        self.passes_in_flight = passes_in_flight
         self.mode = "stats" if (a.stats_only or b.stats_only or mode == "stats") else "tensor"
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
@@ -264,15 +270,16 @@ class Diff:
             yield k, self._results[k]
 
     def _compute(self, jobs: list[PassJob], growing: bool) -> Iterator[list[dict]]:
+        limit = self.passes_in_flight or default_wave(self.client)
         if not growing:
-            yield from map_in_waves(compare_pass, jobs, client=self.client)
+            yield from map_in_waves(compare_pass, jobs, client=self.client, wave=limit)
             return
         start, wave = 0, 1  # 1, 2, 4, ... passes: an early divergence reads little
         while start < len(jobs):
             yield from map_in_waves(compare_pass, jobs[start:start + wave], client=self.client,
                                     wave=wave)
             start += wave
-            wave *= 2
+            wave = min(wave * 2, limit)
 
     # -- thresholds ---------------------------------------------------------------------
     def _threshold_fn(self, threshold, metric_name: str):

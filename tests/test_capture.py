@@ -368,3 +368,15 @@ def test_warnings_not_raised_for_normal_capture(tmp_path, model, tokens):
         with tdinspect.capture(model, tmp_path) as dump:
             model(tokens)
             dump.step()
+
+
+def test_background_and_inline_writers_write_the_same_bytes(tmp_path, model, tokens):
+    for mode in (True, False):
+        with tdinspect.capture(model, tmp_path / str(mode), background_write=mode) as dump:
+            assert dump.recorder.writer.threaded is mode
+            for s in range(2):
+                model(make_tokens(seed=s))
+                dump.step()
+    a, b = only_folder(tmp_path / "True"), only_folder(tmp_path / "False")
+    for name in ("pass00000.pt", "pass00001.pt", "pass00000.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()

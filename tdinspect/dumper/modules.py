@@ -102,7 +102,8 @@ class ModuleCapture:
 
     def __init__(self, model: nn.Module | None, config: DumpConfig, *, root: str = "model",
                  modules: str = "leaves", stats_only: bool = False,
-                 max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True):
+                 max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
+                 background_write: bool | None = None):
         self.config = config
         self.enabled = config.enabled
         self.folder = None
@@ -130,7 +131,8 @@ class ModuleCapture:
             self._stance = torch.compiler.set_stance("force_eager")
             self._stance.__enter__()
         self.recorder = Recorder(config.dump_dir, level="module", stats_only=stats_only,
-                                 max_pending_bytes=max_pending_bytes, fsync=fsync)
+                                 max_pending_bytes=max_pending_bytes, fsync=fsync,
+                                 background_write=background_write)
         self.folder = self.recorder.folder
         for name, mod in chosen:
             self.names.append(name)
@@ -233,7 +235,8 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             filter: FilterSpec = None, filter_fn: str | None = None,
             config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
             stats_only: bool = False, max_pending_bytes: int = 2 << 30, fsync: bool = False,
-            warn_unfired: bool = True, environ=None) -> ModuleCapture:
+            warn_unfired: bool = True, background_write: bool | None = None,
+            environ=None) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
 
     Parameters
@@ -262,6 +265,9 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         ``fsync`` each file before publishing it.
     warn_unfired : bool
         Warn at the end about selected modules that never ran.
+    background_write : bool, optional
+        Write passes in a background thread (overlapping the next step) or in
+        ``step()``. Default: in the background when a CPU core is free for it.
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -278,4 +284,5 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     """
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
     return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
-                         max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired)
+                         max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
+                         background_write=background_write)

@@ -171,7 +171,8 @@ class OpCapture:
 
     def __init__(self, config: DumpConfig, *, model: nn.Module | None = None, root: str = "model",
                  inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
-                 max_pending_bytes: int = 2 << 30, fsync: bool = False):
+                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
+                 background_write: bool | None = None):
         self.config = config
         self.enabled = config.enabled or bool(trace)
         self.inputs = inputs
@@ -189,7 +190,8 @@ class OpCapture:
         self.recorder = None
         self.folder = None
         self._stats_only = stats_only
-        self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync)
+        self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync,
+                                 background_write=background_write)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "OpCapture":
@@ -376,7 +378,8 @@ class OpCapture:
 def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: FilterSpec = None,
                 filter_fn: str | None = None, config: DumpConfig | None = None, root: str = "model",
                 inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
-                max_pending_bytes: int = 2 << 30, fsync: bool = False, environ=None) -> OpCapture:
+                max_pending_bytes: int = 2 << 30, fsync: bool = False,
+                background_write: bool | None = None, environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
     Parameters
@@ -397,6 +400,8 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
         Tracing works without a dump directory.
     stats_only : bool
         Statistics only, no tensors.
+    background_write : bool, optional
+        As for :func:`tdinspect.capture`.
 
     Returns
     -------
@@ -411,4 +416,5 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     """
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
     return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
-                     max_pending_bytes=max_pending_bytes, fsync=fsync)
+                     max_pending_bytes=max_pending_bytes, fsync=fsync,
+                     background_write=background_write)

@@ -107,17 +107,22 @@ class Recorder:
         Cap on host memory held by passes waiting for the writer.
     fsync : bool
         ``fsync`` files before renaming them.
+    background_write : bool, optional
+        Write passes in a background thread; default: when a core is free
+        for it (see :func:`tdinspect.dumper.writer.default_threaded`).
     """
 
     def __init__(self, dump_dir: str | os.PathLike, *, level: str, stats_only: bool = False,
-                 max_pending_bytes: int = 2 << 30, fsync: bool = False):
+                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
+                 background_write: bool | None = None):
         self.rank = current_rank()
         self.folder = Path(dump_dir) / rank_dirname(self.rank, os.getpid())
         self.folder.mkdir(parents=True, exist_ok=True)
         self.level = level
         self.stats_only = stats_only
         self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
-        self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give)
+        self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give,
+                                  threaded=background_write)
         # a second capture of this process into the same folder continues the numbering:
         # nothing already written is overwritten
         self.pass_index = 1 + max((int(m.group(1)) for f in self.folder.iterdir()

@@ -1,4 +1,4 @@
-"""Background writer: passes are written while the next step computes.
+"""The writer: passes are written while the next step computes (when a core is free).
 
 One thread per capture takes finished passes from a queue, waits for their
 device-to-host copies (one CUDA event per pass), computes the statistics that
@@ -62,19 +62,22 @@ class PendingPass:
             save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync)
 
 
-def _lower_thread_priority() -> None:
-    """Run the writer at the lowest CPU priority (Linux: per-thread nice).
+def default_threaded() -> bool:
+    """Write in a background thread only when a core is free for it.
 
     The model's intra-op threads (OpenMP) wait for their slowest member at
-    every parallel region; a writer thread competing with them for a core
-    slows the forward pass several times over (measured here: 55 -> 300 ms a
-    step). At nice 19 the writer takes the cycles the model leaves, and the
-    bounded queue makes the model wait only when the writer falls behind.
+    every parallel region: a writer thread competing with them for a core
+    slows the forward pass several times over (measured on 2 cores with 2
+    intra-op threads: 55 -> 300 ms a step). With no spare core, writing in
+    ``step()`` itself costs less in total (2.5x vs 2.9x on the benchmark
+    transformer). With a spare core (GPU servers, or intra-op threads below
+    the core count) the thread overlaps writing with the next step.
     """
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted: keep the default
-        pass
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return torch.cuda.is_available() or cores > torch.get_num_threads()
 
 
 class AsyncWriter:
@@ -89,10 +92,15 @@ class AsyncWriter:
         ``fsync`` each file before its rename (survives power loss, slower).
     on_written : callable, optional
         Called with a pass's host tensors once they are on disk.
+    threaded : bool, optional
+        Write in a background thread (default: :func:`default_threaded`), or
+        in ``submit`` itself.
     """
 
-    def __init__(self, max_pending_bytes: int = 2 << 30, fsync: bool = False, on_written=None):
+    def __init__(self, max_pending_bytes: int = 2 << 30, fsync: bool = False, on_written=None,
+                 threaded: bool | None = None):
         self.max_pending_bytes = max_pending_bytes
+        self.threaded = default_threaded() if threaded is None else threaded
         self.on_written = on_written
         self.fsync = fsync
         self.error: CaptureWriteError | None = None
@@ -101,29 +109,33 @@ class AsyncWriter:
         self._items = 0  # passes queued or being written
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tdinspect-writer", daemon=True)
-        self._thread.start()
+        if self.threaded:
+            self._thread.start()
 
     def _run(self) -> None:
-        _lower_thread_priority()
         while True:
             item = self._queue.get()
             if item is None:
                 return
             try:
-                if self.error is None:
-                    item.write(self.fsync)
-                    if self.on_written is not None:
-                        self.on_written(item.tensors)  # the host buffers can be reused
-            except BaseException as exc:  # noqa: BLE001 - reported to the capturing thread
-                self.error = CaptureWriteError(
-                    f"writing pass {item.index} into {item.folder} failed: "
-                    f"{type(exc).__name__}: {exc}; capture stopped, earlier passes are complete")
-                self.error.__cause__ = exc
+                self._write(item)
             finally:
                 with self._cond:
                     self._pending -= item.nbytes
                     self._items -= 1
                     self._cond.notify_all()
+
+    def _write(self, item: PendingPass) -> None:
+        try:
+            if self.error is None:
+                item.write(self.fsync)
+                if self.on_written is not None:
+                    self.on_written(item.tensors)  # the host buffers can be reused
+        except BaseException as exc:  # noqa: BLE001 - reported to the capturing thread
+            self.error = CaptureWriteError(
+                f"writing pass {item.index} into {item.folder} failed: "
+                f"{type(exc).__name__}: {exc}; capture stopped, earlier passes are complete")
+            self.error.__cause__ = exc
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -132,6 +144,10 @@ class AsyncWriter:
     def submit(self, item: PendingPass) -> None:
         """Queue a pass; waits while the queue holds more than the byte cap."""
         self.raise_if_failed()
+        if not self.threaded:
+            self._write(item)
+            self.raise_if_failed()
+            return
         with self._cond:
             while self._pending > 0 and self._pending + item.nbytes > self.max_pending_bytes:
                 self._cond.wait()
@@ -148,7 +164,7 @@ class AsyncWriter:
 
     def close(self) -> None:
         """Write what is queued and stop the thread."""
-        if self._thread.is_alive():
+        if self.threaded and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
         self.raise_if_failed()

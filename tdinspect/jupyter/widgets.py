@@ -106,6 +106,7 @@ class DiffExplorer:
         self.ax.relim()
         self.ax.autoscale_view()
         self.ax.set_title(self.label.value.replace("<b>", "").replace("</b>", ""), fontsize=9)
+        self.fig.canvas.draw_idle()  # ipympl redraws its canvas in place; inline needs the display below
         self.out.clear_output(wait=True)
         with self.out:
             display(self.fig)
