@@ -62,6 +62,11 @@ class ReplayResult:
     def max_abs(self) -> float:
         return self.worst("max_abs")
 
+    def _repr_html_(self) -> str:
+        from .report import replay_html
+
+        return replay_html(self)
+
     def __repr__(self) -> str:
         return (f"ReplayResult({self.key}: rel_diff={self.rel_diff:.3g}, max_abs={self.max_abs:.3g} "
                 f"against a {str(self.dtype).removeprefix('torch.')} re-run)")

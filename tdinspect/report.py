@@ -80,3 +80,10 @@ def diff_html(diff) -> str:
     if div is None:
         return f"{_STYLE}<div class='tdi'>{head}<span class='ok'>no divergence</span></div>"
     return f"{_STYLE}<div class='tdi'>{head}</div>" + divergence_html(div)
+
+
+def replay_html(result) -> str:
+    rows = [[o["key"], o.get("rel_diff"), o.get("max_abs"), o.get("cosine")] for o in result.outputs]
+    return (f"{_STYLE}<div class='tdi'><b>Replay</b> of {html.escape(result.op)} against a "
+            f"{html.escape(str(result.dtype).removeprefix('torch.'))} re-run on its recorded inputs: "
+            f"the op's own error<br>{_table(['output', 'rel_diff', 'max_abs', 'cosine'], rows)}</div>")

@@ -182,7 +182,7 @@ def test_replay_finds_the_op_that_is_wrong(tmp_path):
     assert gelu.rel_diff > 1e-3          # its own error: the 10% it added
     assert after.rel_diff < 1e-10        # it received a wrong input but computed correctly
     assert before.rel_diff < 1e-10
-    assert "aten.gelu.default" in repr(gelu)
+    assert "aten.gelu.default" in repr(gelu) and "own error" in gelu._repr_html_()
 
 
 def test_replay_layernorm_sample(tmp_path):
