@@ -51,16 +51,24 @@ def run(steps: int, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); with fewer than the cores, "
+                             "the background writer gets a core of its own")
     parser.add_argument("--dir", default=None,
                         help="where to write (default: a temporary folder on disk; pass /dev/shm "
                              "to measure tdinspect without the disk)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(tempfile.mkdtemp(prefix="tdinspect-bench-", dir=args.dir))
     try:
         res = run(args.steps, out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    print(f"module capture, {args.steps} steps, {threads_note()}, writing to {out.parent}")
+    from tdinspect.dumper.writer import default_threaded
+
+    print(f"module capture, {args.steps} steps, {threads_note()}, writing to {out.parent}, "
+          f"{'background' if default_threaded() else 'inline'} writer")
     for mode, r in res.items():
         target = 1.6 if mode == "full" else 1.25
         print(f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"

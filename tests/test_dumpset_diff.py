@@ -163,6 +163,8 @@ def test_divergence_in_pass_3_of_5_reads_no_later_pass(tmp_path):
     div = diff.first_divergence()
     assert div.pass_ == 3
     assert (0, 4) not in diff.passes_read and (0, 3) in diff.passes_read
+    one = a.diff(tmp_path / "b", passes_in_flight=1)  # the memory knob: one pass pair at a time
+    assert one.first_divergence().pass_ == 3 and one.passes_read == [(0, p) for p in range(4)]
 
 
 def test_structural_divergences(tmp_path):
