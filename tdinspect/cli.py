@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from .metrics import METRICS
-from .report import fmt, text_table
+from .report import text_table
 
 
 class _Fail(Exception):

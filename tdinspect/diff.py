@@ -23,7 +23,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy as np
 import xarray as xr
 
 from .dumpset import DumpSet
-from .metrics import METRICS, TENSOR_METRICS, compare_tensors, metric, stats_rel
+from .metrics import TENSOR_METRICS, compare_tensors, metric, stats_rel
 from .naming import parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex

@@ -164,7 +164,6 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 16,
     if x.shape != y.shape:
         raise ValueError(f"shape mismatch: {list(x.shape)} vs {list(y.shape)}")
     x, y = _common_unexpand(x, y)
-    n = x.numel()
     same_dtype = x.dtype == y.dtype
     out = {k: math.nan for k in TENSOR_METRICS}
     out["nonfinite_mismatch"] = 0.0

@@ -75,6 +75,10 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
         "%tdi_diff?",
         "%unload_ext tdinspect",
         "%tdi_open again /x",
+        # the explorer under ipympl (interactive canvas widget) as well as the inline backend
+        f"%matplotlib widget\nimport tdinspect\nex = tdinspect.explore(tdinspect.DumpSet.open("
+        f"'{runs['ref']}').diff('{runs['bf16']}'), threshold=1e-5)\nfirst = ex.divergence.key\n"
+        f"ex.threshold.value = 1e-7\nprint(type(ex.fig.canvas).__name__, first != ex.divergence.key)",
     ]
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
@@ -92,6 +96,7 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
     assert "pass00000.pt" in text(7)
     assert "first divergence" not in text(8)
     assert "UsageError" in text(10) or "not found" in text(10)
+    assert "Canvas True" in text(11) and "Error" not in text(11)
     assert DumpSet.open(tmp_path / "cap").passes == [0, 1]
     assert DumpSet.open(tmp_path / "ops").ops == ["model/aten.ones.default[out0]",
                                                   "model/aten.mul.Tensor[out0]"]

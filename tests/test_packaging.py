@@ -15,7 +15,7 @@ CONDA_NAMES = {"torch": "pytorch", "dask[distributed]": "dask"}
 def _pyproject_names():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     deps = list(data["project"]["dependencies"])
-    for extra, items in data["project"]["optional-dependencies"].items():
+    for items in data["project"]["optional-dependencies"].values():
         deps += [d for d in items if not d.startswith("tdinspect")]
     names = set()
     for d in deps:

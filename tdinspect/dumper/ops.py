@@ -34,7 +34,6 @@ What is stored (the sidecar says which, see :mod:`tdinspect.format`):
 
 from __future__ import annotations
 
-import math
 import sys
 import weakref
 from typing import Any, TextIO
@@ -237,7 +236,7 @@ class OpCapture:
         return f"OpCapture({'-> ' + str(self.folder) if self.enabled else 'disabled'})"
 
     # -- recording ------------------------------------------------------------------------
-    def _selected(self, site: str, module_name: str) -> bool:
+    def _selected(self, site: str) -> bool:
         keep = self._keep.get(site)
         if keep is None:
             try:
@@ -285,7 +284,7 @@ class OpCapture:
     def _dispatch(self, func, args, kwargs):
         module = self._tracker.current()
         site = f"{module}/{func}"
-        if not self._selected(site, module):
+        if not self._selected(site):
             return func(*args, **kwargs)
         rec = self.recorder
         call = rec.next_call(site) if rec is not None else 0

@@ -191,7 +191,7 @@ class Recorder:
         cols["stored"].append(copy is not None)
         for name, value in extra.items():
             cols.setdefault(name, [None] * n).append(value)
-        for name, values in cols.items():
+        for values in cols.values():
             if len(values) == n:
                 values.append(None)
 
