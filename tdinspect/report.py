@@ -77,9 +77,17 @@ def diff_html(diff) -> str:
     head = (f"<b>Diff</b> A (reference) = {html.escape(str(diff.a.path))}<br>"
             f"B = {html.escape(str(diff.b.path))}<br>mode: {diff.mode}, align: {diff.align}, "
             f"metric: {diff.default_metric}<br>")
+    structural = [[r["pass"], r["rank"], r["key"], r["reason"]] for rows in diff._results.values()
+                  for r in rows if r["structural"]]
+    problems = ""
+    if structural:
+        problems = (f"<p>structural problems in the {len(diff._results)} pass(es) read so far "
+                    f"({len(structural)}; first 10):</p>"
+                    + _table(["pass", "rank", "key", "reason"], structural[:10]))
     if div is None:
-        return f"{_STYLE}<div class='tdi'>{head}<span class='ok'>no divergence</span></div>"
-    return f"{_STYLE}<div class='tdi'>{head}</div>" + divergence_html(div)
+        return f"{_STYLE}<div class='tdi'>{head}<span class='ok'>no divergence</span>{problems}</div>"
+    return f"{_STYLE}<div class='tdi'>{head}</div>" + divergence_html(div) + \
+        (f"{_STYLE}<div class='tdi'>{problems}</div>" if problems else "")
 
 
 def replay_html(result) -> str:

@@ -181,6 +181,8 @@ def test_structural_divergences(tmp_path):
     assert rows.loc["model.a", "reason"] == ""
     div = diff.first_divergence(threshold=1e9)  # structural ones fire whatever the threshold
     assert div.key == "model.b" and div.structural
+    html = diff._repr_html_()
+    assert "structural problems" in html and "only in B" in html and "shape [2, 3] vs [3, 2]" in html
     # B-only entries sit right after the reference entry that precedes them in B
     assert list(diff.divergences(threshold=1e9)["key"]) == ["model.b", "model.c", "model.e", "model.d"]
 
