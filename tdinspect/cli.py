@@ -137,7 +137,7 @@ def cmd_diff(args) -> int:
     diff = _diff(args)
     thr = _threshold(args.threshold)
     metric = args.metric or diff.default_metric
-    df = diff.divergences(thr, metric)
+    df = diff.divergences(thr, metric, progress=False)
     summary = diff.summary(thr, metric)
     if args.json:
         summary["divergences"] = df[["rank", "pass", "key", "reason", metric, "why"]].head(

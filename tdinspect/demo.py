@@ -33,10 +33,12 @@ def run_demo(out: str | None = None) -> int:
     div = diff.first_divergence(threshold=1e-3, metric="rel_diff")
     print(f"first divergence: {div.key} (pass {div.pass_}, call {div.call})\n  {div.reason}"
           if div else "no divergence")
-    growth = diff.growth().query("`pass` == 0").sort_values("growth", ascending=False).head(3)
-    print("entries that add the most error in pass 0 (growth = error / largest error before):")
+    growth = diff.growth(progress=False).query("`pass` == 0 and error > 0")
+    growth = growth.sort_values("growth", ascending=False).head(3)
+    print("entries that add the most error in pass 0 (growth = error / largest error before it):")
     for row in growth.itertuples():
-        print(f"  {row.key:40s} error {row.error:.3g}  growth {row.growth:.3g}")
+        grew = "first error" if row.growth == float("inf") else f"x{row.growth:.3g}"
+        print(f"  {row.key:40s} error {row.error:.3g}  ({grew})")
     png = root / "divergence.png"
     divergence(diff, threshold=1e-3).savefig(png, dpi=110)
     print(f"wrote {png}")

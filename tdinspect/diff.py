@@ -376,17 +376,18 @@ class Diff:
                 "shape", "structural", "reason", *ROW_METRICS]
         return pd.DataFrame(rows, columns=cols)
 
-    def divergences(self, threshold: float | dict | None = None, metric: str | None = None):
+    def divergences(self, threshold: float | dict | None = None, metric: str | None = None,
+                    progress: bool = True):
         """All divergent entries in execution order, with their reasons (a DataFrame)."""
         m = self._check_metric(metric)
         thr_fn = self._threshold_fn(threshold, m.name)
-        df = self.table()
+        df = self.table(progress)
         verdicts = [self._verdict(r, m, thr_fn) for r in df.to_dict("records")]
         df["diverges"] = [v[0] for v in verdicts]
         df["why"] = [v[1] for v in verdicts]
         return df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
 
-    def growth(self, metric: str | None = None):
+    def growth(self, metric: str | None = None, progress: bool = True):
         """How much each entry's error grows over the largest error before it (per pass).
 
         ``growth = error / max(error of earlier entries)``: an op that
@@ -395,7 +396,7 @@ class Diff:
         (``1 - cosine``, ``10**(-sqnr/10)``) first.
         """
         m = self._check_metric(metric)
-        df = self.table().sort_values(["rank", "pass", "order"]).reset_index(drop=True)
+        df = self.table(progress).sort_values(["rank", "pass", "order"]).reset_index(drop=True)
         err = df[m.name].astype(float)
         if m.name == "cosine":
             err = 1 - err
