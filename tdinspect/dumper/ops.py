@@ -290,7 +290,8 @@ class OpCapture:
         call = rec.next_call(site) if rec is not None else 0
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
         mtype = self._tracker.types.get(module, "")
-        leaves, spec = tree_flatten((args, kwargs))
+        need_args = self.inputs or self.trace is not None or self._view_base(func, args) is not None
+        leaves, spec = tree_flatten((args, kwargs)) if need_args else ((), None)
         in_keys: list[str | None] = [None] * len(leaves)
         if self.inputs and rec is not None:
             tensor_i = 0
@@ -314,7 +315,8 @@ class OpCapture:
         traced_in = self._describe([x for x in leaves if isinstance(x, torch.Tensor)]) \
             if self.trace is not None else None
         out = func(*args, **kwargs)
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = [out] if isinstance(out, torch.Tensor) else [
+            o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         uninitialized = func._overloadpacket.__name__ in _UNINITIALIZED
         if traced_in is not None:
             outs_s = (" ".join(f"{_short(t)} (uninitialized)" for t in outs) if uninitialized
