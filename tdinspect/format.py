@@ -91,18 +91,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync
         raise
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
+def _stats_row(row: list[float]) -> list[Any]:
+    """A statistics row for JSON: 9 significant digits (float32 resolution and then some),
+    counts as integers, NaN/Inf as null. Shorter numbers make sidecars faster to parse."""
+    out: list[Any] = [None if not math.isfinite(v) else float(f"{v:.9g}") for v in row[:6]]
+    out += [int(v) if math.isfinite(v) else None for v in row[6:]]
+    return out
 
 
 def write_sidecar(path: str | os.PathLike, meta: dict, *, fsync: bool = False) -> None:
     """Atomically write a sidecar (NaN statistics become ``null``)."""
     entries = dict(meta["entries"])
-    entries["stats"] = [None if s is None else _json_safe(list(s)) for s in entries["stats"]]
+    entries["stats"] = [None if s is None else _stats_row(list(s)) for s in entries["stats"]]
     doc = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, **meta, "entries": entries}
     data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     atomic_write(path, lambda f: f.write(data), fsync=fsync)
@@ -136,8 +136,9 @@ def read_sidecar(path: str | os.PathLike) -> dict:
             raise DumpFormatError(f"{path}: sidecar column {col!r} has {len(values)} values "
                                   f"for {n} keys")
     nan_row = [math.nan] * 9
-    entries["stats"] = [nan_row if s is None else [math.nan if v is None else v for v in s]
-                        for s in entries.get("stats", [None] * n)]
+    # a null row becomes NaNs here; null values inside a row become NaN when the loader makes
+    # a float array of them (numpy converts None to NaN), which keeps opening fast
+    entries["stats"] = [nan_row if s is None else s for s in entries.get("stats", [None] * n)]
     return doc
 
 
