@@ -77,6 +77,16 @@ def jupyterlab(tmp_path):
         log.close()
 
 
+def _accept_dialogs(page) -> None:
+    """Answer JupyterLab's modal dialogs (e.g. "Select Kernel" on a fresh machine) with their default."""
+    for _ in range(3):
+        accept = page.locator(".jp-Dialog .jp-mod-accept")
+        if not accept.count():
+            return
+        accept.first.click()
+        time.sleep(0.5)
+
+
 def _label(page) -> str:
     loc = page.locator(".widget-html-content", has_text=re.compile("first divergence|no divergence"))
     return loc.last.inner_text()
@@ -96,14 +106,18 @@ def test_threshold_slider_moves_first_divergence_in_jupyterlab(jupyterlab, tmp_p
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
         label = page.locator(".widget-html-content", has_text="first divergence")
         for attempt in range(3):  # a kernel still starting can drop the first request: ask again
+            time.sleep(2)
+            _accept_dialogs(page)
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.locator("li[data-command='runmenu:run-all']").click()
+            time.sleep(2)
+            _accept_dialogs(page)
             try:
                 label.first.wait_for(timeout=60_000)
                 break
             except Exception:
                 page.screenshot(path=str(ARTIFACTS / f"browser_02_attempt{attempt}.png"))
-                page.keyboard.press("Escape")
+                _accept_dialogs(page)
         else:
             raise AssertionError("the explorer never rendered; see test-artifacts/browser_02_attempt*.png")
         before = _label(page)
