@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
-from common import bench_model, fmt_bytes, median_step, threads_note  # noqa: E402
+from common import bench_model, median_step, report_line, threads_note  # noqa: E402
 
 
 def run(steps: int, out: Path) -> dict:
@@ -71,9 +71,7 @@ def main() -> None:
           f"{'background' if default_threaded() else 'inline'} writer")
     for mode, r in res.items():
         target = 1.6 if mode == "full" else 1.25
-        print(f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
-              f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
-              f"  {fmt_bytes(r['bytes_per_pass'])}/pass")
+        print(report_line(mode, r, target))
 
 
 if __name__ == "__main__":

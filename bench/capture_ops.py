@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
-from common import bench_model, fmt_bytes, median_step, threads_note  # noqa: E402
+from common import bench_model, median_step, report_line, threads_note  # noqa: E402
 
 
 def run(steps: int, out: Path) -> dict:
@@ -65,9 +65,7 @@ def main() -> None:
     print(f"op capture, {args.steps} steps, {threads_note()}, writing to {out.parent}")
     for mode, r in res.items():
         target = 2.0 if mode == "stats_only" else 4.0
-        print(f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
-              f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
-              f"  {r['entries']:.0f} entries, {fmt_bytes(r['bytes_per_pass'])}/pass")
+        print(report_line(mode, r, target, f"{r['entries']:.0f} entries, "))
 
 
 if __name__ == "__main__":

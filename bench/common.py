@@ -33,3 +33,10 @@ def fmt_bytes(n: float) -> str:
 
 def threads_note() -> str:
     return f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
+
+
+def report_line(mode: str, r: dict, target: float, extra: str = "") -> str:
+    """One line of a capture benchmark: median step, ratio to eager, ratio with the final flush."""
+    return (f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
+            f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
+            f"  {extra}{fmt_bytes(r['bytes_per_pass'])}/pass")
