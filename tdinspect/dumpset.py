@@ -16,7 +16,6 @@ Examples
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -92,15 +91,19 @@ class DumpSet:
         skipped = []
         for folder in folders:
             for idx, files in folder.passes.items():
-                if files.tensors is None and not _is_stats_only(files):
-                    continue  # sidecar written, pass file not yet: a pass in progress
                 try:
-                    passes[(folder.rank, idx)] = PassIndex.read(folder.rank, files)
+                    pi = PassIndex.read(folder.rank, files)
                 except DumpFormatError as exc:
+                    if files.tensors is None:
+                        continue  # a sidecar alone, unreadable: a pass still being written
                     if on_error == "raise":
                         raise
                     skipped.append(str(exc))
                     warnings.warn(f"skipping unreadable pass: {exc}", RuntimeWarning, stacklevel=2)
+                    continue
+                if files.tensors is None and not pi.stats_only:
+                    continue  # sidecar written, pass file not yet: a pass in progress
+                passes[(folder.rank, idx)] = pi
         if not passes:
             raise DumpFormatError(f"{path}: no readable pass" + (f" ({len(skipped)} skipped)"
                                                                   if skipped else ""))
@@ -333,14 +336,6 @@ class DumpSet:
         from .report import dumpset_html
 
         return dumpset_html(self)
-
-
-def _is_stats_only(files) -> bool:
-    """Whether a sidecar without a pass file is a statistics-only pass (not one in progress)."""
-    try:
-        return json.loads(files.sidecar.read_bytes()).get("stats_only") is True
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _both(a: re.Pattern, b: re.Pattern) -> re.Pattern:

@@ -290,7 +290,8 @@ class OpCapture:
         call = rec.next_call(site) if rec is not None else 0
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
         mtype = self._tracker.types.get(module, "")
-        need_args = self.inputs or self.trace is not None or self._view_base(func, args) is not None
+        view_base = self._view_base(func, args)
+        need_args = self.inputs or self.trace is not None or view_base is not None
         leaves, spec = tree_flatten((args, kwargs)) if need_args else ((), None)
         in_keys: list[str | None] = [None] * len(leaves)
         if self.inputs and rec is not None:
@@ -324,7 +325,6 @@ class OpCapture:
             print(f"{site + suffix}  in: {traced_in}  ->  out: {outs_s}", file=self.trace)
         if rec is None or not outs:
             return out
-        view_base = self._view_base(func, args)
         base = self._lookup(view_base) if view_base is not None else None
         base_key = base[0] if base is not None and not base[1] else None
         for i, o in enumerate(outs):
