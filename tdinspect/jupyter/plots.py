@@ -23,11 +23,6 @@ def _plt():
     return plt
 
 
-def _error_values(df, metric: str) -> np.ndarray:
-    v = df[metric].to_numpy(dtype=float)
-    return v
-
-
 def divergence(diff, metric: str | None = None, threshold: float | None = None, *,
                pass_: int | None = None, rank: int | None = None, ax=None):
     """A metric along the reference's execution order, threshold line, first divergence marked.
@@ -59,7 +54,7 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
         df = df[df["rank"] == rank]
     df = df.sort_values(["pass", "order", "rank"]).reset_index(drop=True)
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 3.5))
-    y = _error_values(df, m.name)
+    y = df[m.name].to_numpy(dtype=float)
     x = np.arange(len(df))
     floor = _floor(y)
     ax.plot(x, np.where(np.isfinite(y) & (y > 0), y, floor), ".-", lw=0.8, ms=3, label=m.name)
@@ -122,13 +117,12 @@ def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 
         grid[layers.index(layer), leaves.index(leaf)] = v
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
         figsize=(max(4, 0.5 * len(leaves) + 2), max(2.5, 0.35 * len(layers) + 1.5)))
-    shown = np.log10(np.where(grid > 0, grid, np.nan)) if np.nanmin(np.abs(grid), initial=1) >= 0 \
-        and variable in ("rel_diff", "max_abs", "mean_abs", "max_rel", "absmax", "l2") else grid
+    log_scale = variable in ("rel_diff", "max_abs", "mean_abs", "max_rel", "absmax", "l2")
+    shown = np.log10(np.where(grid > 0, grid, np.nan)) if log_scale else grid
     im = ax.imshow(shown, aspect="auto", cmap="viridis")
     ax.set_xticks(range(len(leaves)), leaves, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers], fontsize=8)
-    is_log = shown is not grid
-    fig.colorbar(im, ax=ax, label=f"log10 {variable}" if is_log else variable)
+    fig.colorbar(im, ax=ax, label=f"log10 {variable}" if log_scale else variable)
     ax.set_title(f"{variable}, pass {pass_}, call {call}", fontsize=9)
     fig.tight_layout()
     return fig
