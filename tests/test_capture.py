@@ -287,7 +287,7 @@ def test_use_cuda_graph_forced_off_with_warning():
         assert DumpConfig(dump_dir="/tmp/x").use_cuda_graph(True) is False
 
 
-def test_direct_forward_call_warns_and_unfired_reported(tmp_path, model, tokens):
+def test_step_with_no_hook_fired_warns(tmp_path, model, tokens):
     with pytest.warns(RuntimeWarning) as record:
         with tdinspect.capture(model, tmp_path, filter=r"lm_head|expert") as dump:
             model.forward(tokens)  # hooks fire: forward() calls submodules through __call__

@@ -72,7 +72,7 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
         f"%%tdi_capture {tmp_path / 'cap'} --model m --filter lm_head\nm(x)",
         f"%%tdi_capture {tmp_path / 'cap'} --model m --filter lm_head\nm(x)",
         f"%%tdi_capture {tmp_path / 'ops'} --ops\ntorch.ones(2) * 3",
-        "%tdi_diff?",
+        "print(get_ipython().magics_manager.magics['line']['tdi_diff'].__doc__)",
         "%unload_ext tdinspect",
         "%tdi_open again /x",
         # the explorer under ipympl (interactive canvas widget) as well as the inline backend
@@ -94,7 +94,7 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
     assert text(3).startswith("tdinspect: DumpFormatError") and "Traceback" not in text(3)
     assert "pass00000.pt" in text(5) and "pass00001.pt" in text(6)
     assert "pass00000.pt" in text(7)
-    assert "first divergence" not in text(8)
+    assert "--threshold" in text(8) and "--metric" in text(8)  # help from magic_arguments
     assert "UsageError" in text(10) or "not found" in text(10)
     assert "Canvas True" in text(11) and "Error" not in text(11)
     assert DumpSet.open(tmp_path / "cap").passes == [0, 1]

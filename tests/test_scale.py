@@ -97,7 +97,7 @@ def test_local_cluster_gives_identical_results(ranked):
                                   DumpSet.open(ranked["a"]).to_xarray(progress=False)["max"].values)
 
 
-def test_sync_and_threaded_schedulers_agree(ranked):
+def test_sync_and_threaded_schedulers_agree():
     from tdinspect import parallel
 
     items = list(range(7))
