@@ -11,14 +11,13 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
-from common import bench_model, median_step, report_line, threads_note  # noqa: E402
+from common import bench_model, compare_modes, report_line, threads_note  # noqa: E402
 
 
 def run(steps: int, out: Path) -> dict:
@@ -26,25 +25,9 @@ def run(steps: int, out: Path) -> dict:
     with torch.no_grad():
         for _ in range(3):
             model(tokens)  # warm up
-        results = {}
-        eager, _ = median_step(lambda: model(tokens), steps)
-        for mode, kw in (("full", {}), ("stats_only", {"stats_only": True})):
-            target = out / mode
-            t0 = time.perf_counter()
-            with tdinspect.capture(model, target, warn_unfired=False, **kw) as dump:
-                def step():
-                    model(tokens)
-                    dump.step()
-                med, times = median_step(step, steps)
-            total = time.perf_counter() - t0
-            eager_again, _ = median_step(lambda: model(tokens), steps)
-            base = (eager + eager_again) / 2
-            files = list(target.rglob("pass*"))
-            size = sum(f.stat().st_size for f in files) / steps
-            results[mode] = dict(median_s=med, eager_s=base, ratio=med / base,
-                                 total_ratio=total / (base * steps), bytes_per_pass=size)
-            eager = eager_again
-            shutil.rmtree(target)
+        results = compare_modes(
+            model, tokens, steps, out, {"full": {}, "stats_only": {"stats_only": True}},
+            lambda folder, **kw: tdinspect.capture(model, folder, warn_unfired=False, **kw))
     return results
 
 

@@ -11,19 +11,17 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
-from common import bench_model, median_step, report_line, threads_note  # noqa: E402
+from common import bench_model, compare_modes, report_line, threads_note  # noqa: E402
 
 
 def run(steps: int, out: Path) -> dict:
     model, tokens = bench_model()
-    results = {}
     with torch.no_grad():
         for _ in range(3):
             model(tokens)
@@ -31,24 +29,9 @@ def run(steps: int, out: Path) -> dict:
             model(tokens)  # the first dispatch mode of a process imports torch._dynamo (~1.5 s)
             dump.step()
         shutil.rmtree(out / "warmup")
-        eager, _ = median_step(lambda: model(tokens), steps)
-        for mode, kw in (("stats_only", {"stats_only": True}), ("full", {})):
-            target = out / mode
-            t0 = time.perf_counter()
-            with tdinspect.capture_ops(target, model=model, **kw) as dump:
-                def step():
-                    model(tokens)
-                    dump.step()
-                med, _ = median_step(step, steps)
-                n_entries = dump.recorder.total_entries / steps
-            total = time.perf_counter() - t0
-            eager_again, _ = median_step(lambda: model(tokens), steps)
-            base = (eager + eager_again) / 2
-            size = sum(f.stat().st_size for f in target.rglob("pass*.pt")) / steps
-            results[mode] = dict(ratio=med / base, total_ratio=total / (base * steps), median_s=med,
-                                 eager_s=base, bytes_per_pass=size, entries=n_entries)
-            eager = eager_again
-            shutil.rmtree(target)
+        results = compare_modes(
+            model, tokens, steps, out, {"stats_only": {"stats_only": True}, "full": {}},
+            lambda folder, **kw: tdinspect.capture_ops(folder, model=model, **kw))
     return results
 
 

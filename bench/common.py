@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,3 +42,32 @@ def report_line(mode: str, r: dict, target: float, extra: str = "") -> str:
     return (f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
             f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
             f"  {extra}{fmt_bytes(r['bytes_per_pass'])}/pass")
+
+
+def compare_modes(model, tokens, steps: int, out: Path, modes: dict, start) -> dict:
+    """Median step time of each capture mode against eager steps measured just before and after.
+
+    ``start(folder, **kwargs)`` opens a capture (``tdinspect.capture`` or ``capture_ops``);
+    ``modes`` maps a name to its kwargs. Returns per mode: median and eager step times, their
+    ratio, the ratio including the final flush, bytes of tensors per pass, entries per pass.
+    """
+    results = {}
+    eager, _ = median_step(lambda: model(tokens), steps)
+    for mode, kw in modes.items():
+        target = out / mode
+        t0 = time.perf_counter()
+        with start(target, **kw) as dump:
+            def step():
+                model(tokens)
+                dump.step()
+            med, _ = median_step(step, steps)
+            entries = dump.recorder.total_entries / steps
+        total = time.perf_counter() - t0
+        eager_again, _ = median_step(lambda: model(tokens), steps)
+        base = (eager + eager_again) / 2
+        size = sum(f.stat().st_size for f in target.rglob("pass*.pt")) / steps
+        results[mode] = dict(median_s=med, eager_s=base, ratio=med / base,
+                             total_ratio=total / (base * steps), bytes_per_pass=size, entries=entries)
+        eager = eager_again
+        shutil.rmtree(target)
+    return results
