@@ -17,9 +17,9 @@ equal       bitwise equality (1 or 0)                       below (0)    1
 
 ``rel_diff`` is computed in its second form, which is the same number without
 the cancellation of the first when the runs are close (≈ ½·relative L2 error²,
-so 1e-3 fires near 4.5%). Elementwise differences are taken in float64 for
-float64 inputs and float32 otherwise; each chunk's sums (BLAS dot products) are
-accumulated in float64.
+so 1e-3 fires near 4.5%). Every element is compared in float64 and every sum
+accumulated in float64, in one fused read of both tensors
+(:mod:`tdinspect.kernels`).
 ``mismatch`` uses ``torch.testing.assert_close``'s default tolerances for the
 pair's dtypes (the looser of the two). Only elements finite on both sides
 enter the numbers; NaN/Inf where the other side is finite is a *structural*
@@ -42,8 +42,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from .kernels import EPS, PairSums, pair_sums
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
     from torch.testing._comparison import default_tolerances as _torch_tolerances
@@ -81,7 +82,6 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
 ]}
 TENSOR_METRICS = ("rel_diff", "max_abs", "mean_abs", "max_rel", "cosine", "sqnr_db", "mismatch",
                   "equal", "rel_diff_cast", "max_abs_cast")
-EPS = 1e-12
 _FLOAT8_RTOL = {"float8_e4m3fn": 0.125, "float8_e4m3fnuz": 0.125, "float8_e5m2": 0.25,
                 "float8_e5m2fnuz": 0.25, "float8_e8m0fnu": 1.0}
 
@@ -117,6 +117,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The dtype both sides are handed to the kernel in (exact for every float up to 32 bits)."""
     return torch.float64 if torch.float64 in (a.dtype, b.dtype) or not (
         a.is_floating_point() and b.is_floating_point()) else torch.float32
 
@@ -140,7 +141,7 @@ def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> int:
     return int(bad.sum())
 
 
-def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 16,
+def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18,
                     finite: bool | None = None) -> dict[str, float]:
     """All tensor metrics of ``x`` against the reference ``y`` (same shape).
 
@@ -149,7 +150,8 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 16,
     x, y : torch.Tensor
         The compared tensor and the reference; any dtypes (compared as numbers).
     chunk : int
-        Elements per chunk: memory stays bounded for huge tensors.
+        Elements converted at a time when a dtype conversion or a copy is
+        needed: memory stays bounded for huge tensors.
     finite : bool, optional
         Both tensors are known to be finite (statistics say so), which skips
         the NaN/Inf scan.
@@ -182,49 +184,30 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 16,
     out["equal"] = 0.0
     dt = _compute_dtype(x, y)
     rtol, atol = tolerances(x.dtype, y.dtype)
-    sxx = syy = sxy = sdd = sabs = 0.0
-    max_abs = max_rel = 0.0
-    mism = 0
     m = xr.numel()
-    # Chunks small enough to stay in cache: the tensors are read from memory (or
-    # the page cache) once, and the passes below run on cached data. numpy, not
-    # torch, for the per-chunk work: on 64K-element chunks torch's per-op
-    # dispatch and its comparison kernels cost several times more (measured).
-    # Each chunk's sums (BLAS dot products, pairwise sums) accumulate in float64.
-    npdt = np.float64 if dt == torch.float64 else np.float32
-    buf_d, buf_a = np.empty(min(chunk, m), npdt), np.empty(min(chunk, m), npdt)
-    buf_r, buf_b = np.empty(min(chunk, m), npdt), np.empty(min(chunk, m), np.bool_)
-    ones = np.ones(min(chunk, m), npdt)  # Σ|d| as a BLAS dot: several times faster than sum()
-    for i in range(0, m, chunk):
-        xc = xr[i:i + chunk].to(dt).contiguous().numpy()
-        yc = yr[i:i + chunk].to(dt).contiguous().numpy()
-        k = xc.shape[0]
-        d, ay, r, gt = buf_d[:k], buf_a[:k], buf_r[:k], buf_b[:k]  # reused: no page faults
-        cxx, cyy = float(np.dot(xc, xc)), float(np.dot(yc, yc))
-        np.subtract(xc, yc, out=d)
-        cdd = float(np.dot(d, d))
-        sxx, syy, sdd = sxx + cxx, syy + cyy, sdd + cdd
-        sxy += (cxx + cyy - cdd) / 2  # Σxy without a fourth pass: only cosine uses it
-        np.abs(d, out=d)
-        max_abs = max(max_abs, float(d.max()))
-        sabs += float(np.dot(d, ones[:k]))
-        np.abs(yc, out=ay)  # never in place on yc: it may be the caller's (or a mapped file's) memory
-        np.maximum(ay, EPS, out=ay)
-        max_rel = max(max_rel, float(np.divide(d, ay, out=r).max()))
-        ay *= rtol
-        ay += atol
-        mism += int(np.count_nonzero(np.greater(d, ay, out=gt)))
-    denom = sxx + syy
-    out["rel_diff"] = sdd / denom if denom > 0 else 0.0
-    out["max_abs"] = max_abs if m else 0.0
-    out["mean_abs"] = sabs / m if m else 0.0
-    out["max_rel"] = max_rel if m else 0.0
-    if sxx <= EPS * EPS and syy <= EPS * EPS:
+    xr, yr = xr.detach(), yr.detach()
+    if xr.dtype == yr.dtype == dt and xr.is_contiguous() and yr.is_contiguous():
+        s = pair_sums(xr.numpy(), yr.numpy(), rtol=rtol, atol=atol)  # no copy at all
+    else:  # converted a chunk at a time: memory stays bounded for huge tensors
+        s = PairSums()
+        for i in range(0, m, chunk):
+            s += pair_sums(xr[i:i + chunk].to(dt).contiguous().numpy(),
+                           yr[i:i + chunk].to(dt).contiguous().numpy(), rtol=rtol, atol=atol)
+    denom = s.sxx + s.syy
+    out["rel_diff"] = s.sdd / denom if denom > 0 else 0.0
+    out["max_abs"] = s.max_abs
+    out["mean_abs"] = s.sabs / m if m else 0.0
+    out["max_rel"] = s.max_rel
+    if s.sxx <= EPS * EPS and s.syy <= EPS * EPS:
         out["cosine"] = 1.0
+    elif s.sxx > 0 and s.syy > 0:
+        sxy = (s.sxx + s.syy - s.sdd) / 2  # Σxy derived, not summed: only cosine needs it
+        out["cosine"] = sxy / math.sqrt(s.sxx * s.syy)
     else:
-        out["cosine"] = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else 0.0
-    out["sqnr_db"] = math.inf if sdd == 0 else (10 * math.log10(syy / sdd) if syy > 0 else -math.inf)
-    out["mismatch"] = mism / m if m else 0.0
+        out["cosine"] = 0.0
+    out["sqnr_db"] = math.inf if s.sdd == 0 else (
+        10 * math.log10(s.syy / s.sdd) if s.syy > 0 else -math.inf)
+    out["mismatch"] = s.mismatch / m if m else 0.0
     if not same_dtype and x.is_floating_point() and y.is_floating_point():
         narrow = min((x.dtype, y.dtype), key=lambda d: torch.finfo(d).bits)
         cast = compare_tensors(x.to(narrow), y.to(narrow), chunk=chunk, finite=finite) \

@@ -1,0 +1,118 @@
+"""The fused metric kernel: both backends against a float64 oracle, and through a real Diff."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tdinspect import DumpSet, kernels
+from tdinspect.metrics import compare_tensors
+
+from .test_dumpset_diff import write_dump
+
+pytest.importorskip("numba")
+
+
+def oracle(x: np.ndarray, y: np.ndarray, rtol: float, atol: float) -> dict:
+    """The definitions, straight, in float64."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    d, ay = np.abs(x64 - y64), np.abs(y64)
+    return {"sxx": float(x64 @ x64), "syy": float(y64 @ y64), "sdd": float(d @ d), "sabs": float(d.sum()),
+            "max_abs": float(d.max(initial=0.0)),
+            "max_rel": float((d / np.maximum(ay, kernels.EPS)).max(initial=0.0)),
+            "mismatch": int((d > atol + rtol * ay).sum())}
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 3000), dtype=st.sampled_from([np.float32, np.float64]),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]), noise=st.sampled_from([0.0, 1e-6, 1e-2, 1.0]),
+       zeros=st.booleans(), seed=st.integers(0, 2**16))
+def test_backends_agree_with_each_other_and_the_definitions(n, dtype, scale, noise, zeros, seed):
+    rng = np.random.default_rng(seed)
+    y = (rng.standard_normal(n) * scale).astype(dtype)
+    if zeros and n:
+        y[rng.integers(0, n, size=max(1, n // 7))] = 0  # max_rel's eps floor
+    x = (y + noise * scale * rng.standard_normal(n)).astype(dtype)
+    rtol, atol = (1.3e-6, 1e-5) if dtype == np.float32 else (1e-7, 1e-7)
+    fused = kernels.pair_sums(x, y, rtol=rtol, atol=atol, backend="numba", min_numba=0)
+    chunked = kernels.pair_sums(x, y, rtol=rtol, atol=atol, backend="numpy")
+    ref = oracle(x, y, rtol, atol)
+    for s in (fused, chunked):
+        assert s.n == n
+        for name in ("sxx", "syy", "sdd", "sabs"):  # float64 throughout: only the order differs
+            assert getattr(s, name) == pytest.approx(ref[name], rel=1e-12, abs=1e-300), name
+        # the elementwise parts are the definitions' own float64 operations: identical
+        assert (s.max_abs, s.max_rel, s.mismatch) == (ref["max_abs"], ref["max_rel"], ref["mismatch"])
+
+
+def test_pair_sums_rejects_mismatched_arrays_and_backends():
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="1-D arrays of one dtype"):
+        kernels.pair_sums(a, a.astype(np.float64), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        kernels.pair_sums(a, a, rtol=0, atol=0, backend="cuda")
+
+
+def test_kernel_choice_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TDINSPECT_KERNEL", "numpy")
+    assert kernels.default_backend() == "numpy"
+    monkeypatch.setenv("TDINSPECT_KERNEL", "numba")
+    assert kernels.default_backend() == "numba"
+    monkeypatch.setenv("TDINSPECT_KERNEL", "fortran")
+    with pytest.raises(ValueError, match="TDINSPECT_KERNEL='fortran'"):
+        kernels.default_backend()
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float16, torch.float16)])
+def test_compare_tensors_same_metrics_on_either_backend(monkeypatch, dtypes):
+    big = kernels.NUMBA_MIN_ELEMENTS * 3 + 5  # past the numba threshold, with a tail
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(big, generator=g).to(dtypes[1])
+    x = (y.float() + 1e-2 * torch.randn(big, generator=g)).to(dtypes[0])
+    results = {}
+    for backend in ("numba", "numpy"):
+        monkeypatch.setattr(kernels, "_BACKEND", backend)
+        results[backend] = compare_tensors(x, y, chunk=1 << 17)
+    a, b = results["numba"], results["numpy"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5, nan_ok=True), k
+    assert a["mismatch"] == b["mismatch"] and a["max_rel"] == b["max_rel"]
+
+
+def test_diff_of_big_tensors_on_dask_threads_matches_the_numpy_backend(tmp_path, monkeypatch):
+    """Pass pairs compared on several threads at once through the GIL-free kernel."""
+    g = torch.Generator().manual_seed(1)
+    n = kernels.NUMBA_MIN_ELEMENTS * 2
+    passes = [{f"model.layers.{i}.out": torch.randn(n, generator=g) for i in range(3)} for _ in range(4)]
+    write_dump(tmp_path / "a", passes)
+    other = [{k: v + (1e-3 * torch.randn(n, generator=g) if p == 2 and k.endswith("1.out") else 0)
+              for k, v in entries.items()} for p, entries in enumerate(passes)]
+    write_dump(tmp_path / "b", other)
+    tables = {}
+    for backend in ("numba", "numpy"):
+        monkeypatch.setattr(kernels, "_BACKEND", backend)
+        diff = DumpSet.open(tmp_path / "a").diff(tmp_path / "b", passes_in_flight=4)
+        tables[backend] = diff.table(progress=False).set_index("key_b")
+        div = diff.first_divergence(threshold=0.0, metric="max_abs")
+        assert (div.op, div.pass_) == ("model.layers.1.out", 2)
+    fused, chunked = tables["numba"], tables["numpy"]
+    assert (fused["equal"] == chunked["equal"]).all() and fused["equal"].sum() == 11
+    for col in ("rel_diff", "max_abs", "max_rel", "mismatch", "cosine"):
+        np.testing.assert_allclose(fused[col].to_numpy(float), chunked[col].to_numpy(float), rtol=1e-6)
+
+
+def test_pair_sums_add_up_over_chunks():
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal(1000), rng.standard_normal(1000)
+    whole = kernels.pair_sums(x, y, rtol=1e-3, atol=1e-3, backend="numpy")
+    parts = kernels.pair_sums(x[:300], y[:300], rtol=1e-3, atol=1e-3) + \
+        kernels.pair_sums(x[300:], y[300:], rtol=1e-3, atol=1e-3)
+    for f in dataclasses.fields(whole):
+        assert getattr(parts, f.name) == pytest.approx(getattr(whole, f.name), rel=1e-12), f.name
