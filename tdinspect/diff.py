@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
 from .dumpset import DumpSet
@@ -37,6 +38,8 @@ from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
+COLUMNS = ["rank", "pass", "op", "call", "order", "key", "key_b", "dtype_a", "dtype_b", "shape",
+           "structural", "reason", *ROW_METRICS]
 
 
 @dataclass
@@ -236,7 +239,8 @@ class Diff:
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
         self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
-        self._results: dict[tuple[int, int], list[dict]] = {}
+        # one DataFrame per pass read (~0.3 KB an entry; row dicts took 2.3 KB)
+        self._results: dict[tuple[int, int], pd.DataFrame] = {}
         self.passes_read: list[tuple[int, int]] = []
 
     # -- jobs ---------------------------------------------------------------------------
@@ -257,15 +261,18 @@ class Diff:
                                 self.chunk, reason))
         return jobs
 
-    def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], list[dict]]]:
-        """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached."""
+    def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], pd.DataFrame]]:
+        """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached.
+
+        ``rows`` is a DataFrame with :data:`COLUMNS`, in the pass's execution order.
+        """
         jobs = self._jobs()
         todo = [j for j in jobs if (j.rank, j.pass_) not in self._results]
         computed = self._compute(todo, growing)
         for job in jobs:
             k = (job.rank, job.pass_)
             if k not in self._results:
-                self._results[k] = next(computed)
+                self._results[k] = pd.DataFrame(next(computed), columns=COLUMNS)
                 self.passes_read.append(k)
             yield k, self._results[k]
 
@@ -299,6 +306,7 @@ class Diff:
         raise TypeError(f"threshold must be a number or a {{regex: number}} dict, got {threshold!r}")
 
     def _verdict(self, row, m, thr_fn) -> tuple[bool, str]:
+        """Whether one row diverges, and why (the reason text of a reported entry)."""
         if row["structural"]:
             return True, row["reason"]
         if row["reason"]:
@@ -308,6 +316,19 @@ class Diff:
         if m.diverges(value, thr):
             return True, f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
         return False, ""
+
+    @staticmethod
+    def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
+        """:meth:`_verdict`'s answer for every row at once (a boolean array)."""
+        ops = rows["op"].to_numpy(object)
+        per_op = {op: thr_fn(op) for op in dict.fromkeys(ops)}
+        thr = np.fromiter((per_op[op] for op in ops), float, len(ops))
+        values = rows[m.name].to_numpy(float)
+        with np.errstate(invalid="ignore"):  # NaN never passes a threshold
+            over = values > thr if m.higher_is_worse else values < thr
+        structural = rows["structural"].to_numpy(bool)
+        explained = rows["reason"].to_numpy(object) != ""  # e.g. uninitialized: never compared
+        return structural | (over & ~explained)
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
@@ -346,46 +367,47 @@ class Diff:
             remaining[job.pass_] = remaining.get(job.pass_, 0) + 1
         for (rank, p), rows in self.iter_passes(growing=True):
             remaining[p] -= 1
-            for n, row in enumerate(rows):
-                hit, reason = self._verdict(row, m, thr_fn)
-                if hit:
-                    cand = (row["order"], rank, n, rows, reason)
-                    if best is None or cand[:2] < best[:2]:
-                        best = cand
-                    break
+            hits = np.flatnonzero(self._hits(rows, m, thr_fn))
+            if len(hits):
+                n = int(hits[0])
+                cand = (float(rows["order"].iat[n]), rank, n, rows)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
             return None
-        order, rank, n, rows, reason = best
-        row = rows[n]
-        before = [(r["key"], r.get(m.name, math.nan)) for r in rows[max(0, n - 5):n]]
-        return Divergence(row["op"], row["call"], row["pass"], row["rank"], row["key"], m.name,
-                          row.get(m.name, math.nan), thr_fn(row["op"]), reason, row["order"],
-                          row["structural"], before, row)
+        _, rank, n, rows = best
+        row = rows.iloc[n].to_dict()
+        _, reason = self._verdict(row, m, thr_fn)
+        earlier = rows.iloc[max(0, n - 5):n]
+        before = list(zip(earlier["key"], earlier[m.name].astype(float)))
+        return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
+                          row["key"], m.name, float(row[m.name]), thr_fn(row["op"]), reason,
+                          float(row["order"]), bool(row["structural"]), before, row)
 
-    def table(self, progress: bool = True):
+    def table(self, progress: bool = True) -> pd.DataFrame:
         """Every compared entry as a ``pandas.DataFrame`` (reads every pass)."""
-        import pandas as pd
         from tqdm.auto import tqdm
 
         jobs = len(self._jobs())
-        rows = [r for _, rs in tqdm(self.iter_passes(), total=jobs, desc="diff", leave=False,
-                                    disable=not progress) for r in rs]
-        cols = ["rank", "pass", "op", "call", "order", "key", "key_b", "dtype_a", "dtype_b",
-                "shape", "structural", "reason", *ROW_METRICS]
-        return pd.DataFrame(rows, columns=cols)
+        frames = [rows for _, rows in tqdm(self.iter_passes(), total=jobs, desc="diff", leave=False,
+                                           disable=not progress)]
+        frames = [f for f in frames if len(f)]
+        if not frames:
+            return pd.DataFrame(columns=COLUMNS)
+        return pd.concat(frames, ignore_index=True)
 
     def divergences(self, threshold: float | dict | None = None, metric: str | None = None,
-                    progress: bool = True):
+                    progress: bool = True) -> pd.DataFrame:
         """All divergent entries in execution order, with their reasons (a DataFrame)."""
         m = self._check_metric(metric)
         thr_fn = self._threshold_fn(threshold, m.name)
         df = self.table(progress)
-        verdicts = [self._verdict(r, m, thr_fn) for r in df.to_dict("records")]
-        df["diverges"] = [v[0] for v in verdicts]
-        df["why"] = [v[1] for v in verdicts]
-        return df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
+        df["diverges"] = self._hits(df, m, thr_fn)
+        df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
+        df["why"] = [self._verdict(r, m, thr_fn)[1] for r in df.to_dict("records")]
+        return df
 
     def growth(self, metric: str | None = None, progress: bool = True):
         """How much each entry's error grows over the largest error before it (per pass).
@@ -421,18 +443,19 @@ class Diff:
         ``why`` and ``worst`` (largest metric value): which ranks and steps
         part first, at a glance (reads every pass).
         """
-        import pandas as pd
-
         m = self._check_metric(metric)
         thr_fn = self._threshold_fn(threshold, m.name)
         out = []
         for (rank, p), rows in self.iter_passes():
-            hits = [(r, why) for r in rows for hit, why in [self._verdict(r, m, thr_fn)] if hit]
-            values = [r[m.name] for r in rows if not math.isnan(r.get(m.name, math.nan))]
-            worst = (max(values) if m.higher_is_worse else min(values)) if values else math.nan
+            hits = np.flatnonzero(self._hits(rows, m, thr_fn))
+            values = rows[m.name].to_numpy(float)
+            values = values[~np.isnan(values)]
+            worst = (values.max() if m.higher_is_worse else values.min()) if len(values) else math.nan
+            first = rows.iloc[hits[0]].to_dict() if len(hits) else None
             out.append({"rank": rank, "pass": p, "n_entries": len(rows), "n_divergent": len(hits),
-                        "first": hits[0][0]["key"] if hits else "", "why": hits[0][1] if hits else "",
-                        "worst": worst})
+                        "first": first["key"] if first else "",
+                        "why": self._verdict(first, m, thr_fn)[1] if first else "",
+                        "worst": float(worst)})
         return pd.DataFrame(out).set_index(["rank", "pass"]).sort_index()
 
     def to_xarray(self) -> xr.Dataset:

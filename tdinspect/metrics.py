@@ -39,6 +39,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ def metric(name: str) -> Metric:
         raise ValueError(f"unknown metric {name!r}; choose one of {sorted(METRICS)}") from None
 
 
+@functools.lru_cache(maxsize=None)  # torch's lookup costs ~60 us; diffs call it per entry
 def tolerances(*dtypes: torch.dtype) -> tuple[float, float]:
     """``(rtol, atol)``: ``assert_close`` defaults, the looser over ``dtypes``."""
     rtol = atol = 0.0

@@ -187,6 +187,30 @@ def test_structural_divergences(tmp_path):
     assert list(diff.divergences(threshold=1e9)["key"]) == ["model.b", "model.c", "model.e", "model.d"]
 
 
+@pytest.mark.parametrize("metric", ["rel_diff", "max_abs", "cosine", "sqnr_db", "mismatch", "equal"])
+def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metric):
+    """first_divergence/by_rank_pass/divergences judge a pass at once; the rule is _verdict's."""
+    x = torch.arange(6.0).reshape(2, 3)
+    a = [{"model.a": x, "model.b": x, "model.c": x, "model.d": x}]
+    b = [{"model.a": x + 1e-3, "model.b": x.reshape(3, 2), "model.c": x.masked_fill(x > 4, float("nan")),
+          "model.e": x}]
+    diffs = [DumpSet.open(runs["ref"]).diff(runs["wrong"]),
+             DumpSet.open(runs["ref"]).diff(runs["bf16"]),
+             DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b))]
+    per_name = {r"mlp": 1e-9, r"attn": 10.0}
+    seen = []
+    for diff in diffs:
+        m = diff._check_metric(metric)
+        for threshold in (None, per_name):
+            thr_fn = diff._threshold_fn(threshold, m.name)
+            for _, rows in diff.iter_passes():
+                vectorised = diff._hits(rows, m, thr_fn).tolist()
+                one_by_one = [diff._verdict(r, m, thr_fn)[0] for r in rows.to_dict("records")]
+                assert vectorised == one_by_one
+                seen += vectorised
+    assert any(seen) and not all(seen)  # both answers were exercised
+
+
 def test_stats_only_dumps_diff_by_statistics(runs):
     diff = DumpSet.open(runs["stats"]).diff(runs["stats_wrong"])
     assert diff.mode == "stats" and diff.default_metric == "stats_rel"
