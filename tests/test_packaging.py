@@ -59,3 +59,17 @@ def test_sample_dumps_regenerate_bit_for_bit(tmp_path):
     assert committed == fresh and committed
     for rel in committed:
         assert (ROOT / "sample_dumps" / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+
+
+def test_committed_notebooks_show_their_output():
+    """Every code cell ran, without error, and the file says so (a reader on GitHub sees results)."""
+    nbformat = pytest.importorskip("nbformat")
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) == 3
+    for path in notebooks:
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert code and all(c.execution_count for c in code), f"{path.name} was saved unexecuted"
+        assert sum(len(c.outputs) for c in code) >= len(code) - 1, path.name
+        errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+        assert not errors, f"{path.name}: {errors[0].ename}"
