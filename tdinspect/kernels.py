@@ -125,8 +125,6 @@ def _define_numba_kernel():
     # bound by memory). fastmath for reassociated sums (the lanes) only: without "arcp",
     # "afn" and "contract", max_abs, max_rel and the mismatch count round exactly as
     # the numpy backend's do, so the two agree bit for bit on them.
-    @numba.njit(nogil=True, cache=True, error_model="numpy",
-                fastmath={"reassoc", "nnan", "ninf", "nsz"})
     def fused(x, y, rtol, atol, eps):  # pragma: no cover - compiled; covered via pair_sums
         n = x.shape[0]
         sxx, syy, sdd, sab = np.zeros(LANES), np.zeros(LANES), np.zeros(LANES), np.zeros(LANES)
@@ -150,7 +148,11 @@ def _define_numba_kernel():
                 mis[j] += 1 if ad > atol + rtol * ay else 0
         return sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), mxr.max(), mis.sum()
 
-    return fused
+    options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nnan", "ninf", "nsz"})
+    try:
+        return numba.njit(cache=True, **options)(fused)
+    except RuntimeError:  # no writable cache directory (read-only install and home): compile each run
+        return numba.njit(**options)(fused)
 
 
 def default_backend() -> str:

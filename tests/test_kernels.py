@@ -116,3 +116,22 @@ def test_pair_sums_add_up_over_chunks():
         kernels.pair_sums(x[300:], y[300:], rtol=1e-3, atol=1e-3)
     for f in dataclasses.fields(whole):
         assert getattr(parts, f.name) == pytest.approx(getattr(whole, f.name), rel=1e-12), f.name
+
+
+def test_kernel_compiles_without_a_writable_cache(monkeypatch):
+    """A read-only install with no writable home: numba cannot cache, the kernel still runs."""
+    numba = pytest.importorskip("numba")
+    caching = pytest.importorskip("numba.core.caching")
+    impl = getattr(caching, "CacheImpl", None)
+    if impl is None or not hasattr(impl, "_locator_classes"):
+        pytest.skip("numba's cache locators moved")
+    monkeypatch.setattr(impl, "_locator_classes", [])
+
+    def identity(v):
+        return v
+
+    with pytest.raises(RuntimeError, match="no locator"):  # what cache=True does then
+        numba.njit(cache=True)(identity)
+    kernel = kernels._define_numba_kernel()
+    x = np.arange(32.0)
+    assert kernel(x, x - 1, 0.0, 0.5, kernels.EPS)[-1] == 32  # every |d| = 1 > atol
