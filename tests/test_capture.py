@@ -357,7 +357,8 @@ def test_import_is_light():
     import sys
 
     code = ("import sys, tdinspect; tdinspect.capture; tdinspect.capture_ops; "
-            "print([m for m in ('xarray','pandas','matplotlib','IPython','dask') if m in sys.modules])")
+            "print([m for m in ('xarray','pandas','matplotlib','IPython','dask','numba','tdinspect.kernels') "
+            "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
