@@ -186,8 +186,7 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if la is None:
             la, lb = pa.load(), pb.load()
         ya, xb = pa.tensor(pa.keys[ia], la), pb.tensor(pb.keys[ib], lb)
-        finite = (pa.finite(ia) and pb.finite(ib)) or None
-        row.update(compare_tensors(xb, ya, chunk=job.chunk, finite=finite))
+        row.update(compare_tensors(xb, ya, chunk=job.chunk))
         bad = row.pop("nonfinite_mismatch", 0)
         if bad:
             row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")

@@ -1,9 +1,11 @@
 """The per-pair sums behind the divergence metrics, in one read of both tensors.
 
 Every tensor metric of :mod:`tdinspect.metrics` is a function of seven numbers
-over the elements of ``x`` (compared) and ``y`` (reference), both finite:
+over the elements of ``x`` (compared) and ``y`` (reference):
 ``Σx²``, ``Σy²``, ``Σ(x-y)²``, ``Σ|x-y|``, ``max|x-y|``,
 ``max |x-y| / max(|y|, eps)`` and the count of ``|x-y| > atol + rtol·|y|``.
+A NaN or Inf element makes ``Σx²`` or ``Σy²`` non-finite, which is how the
+caller learns it must mask them (one read for the usual, finite, tensors).
 
 Two backends compute them:
 
@@ -75,8 +77,6 @@ def _numpy_sums(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
     """Fallback backend: numpy kernels on chunks small enough to stay in cache."""
     m = x.shape[0]
     total = PairSums(n=m)
-    if m == 0:
-        return total
     size = min(chunk, m)
     bx, by = np.empty(size), np.empty(size)  # float64 copies (reused: no page faults)
     buf_d, buf_a, buf_r, buf_b = np.empty(size), np.empty(size), np.empty(size), np.empty(size, bool)
@@ -87,20 +87,21 @@ def _numpy_sums(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
         np.copyto(xc, x[i:i + k])  # never in place on x, y: they may be a mapped file's memory
         np.copyto(yc, y[i:i + k])
         d, ay, r, gt = buf_d[:k], buf_a[:k], buf_r[:k], buf_b[:k]
-        total.sxx += float(np.dot(xc, xc))
-        total.syy += float(np.dot(yc, yc))
-        np.subtract(xc, yc, out=d)
-        total.sdd += float(np.dot(d, d))
-        np.abs(d, out=d)
-        total.max_abs = max(total.max_abs, float(d.max()))
-        total.sabs += float(np.dot(d, ones[:k]))
-        np.abs(yc, out=ay)
-        np.maximum(ay, EPS, out=ay)
-        total.max_rel = max(total.max_rel, float(np.divide(d, ay, out=r).max()))
-        np.abs(yc, out=ay)
-        ay *= rtol
-        ay += atol
-        total.mismatch += int(np.count_nonzero(np.greater(d, ay, out=gt)))
+        with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
+            total.sxx += float(np.dot(xc, xc))
+            total.syy += float(np.dot(yc, yc))
+            np.subtract(xc, yc, out=d)
+            total.sdd += float(np.dot(d, d))
+            np.abs(d, out=d)
+            total.max_abs = max(total.max_abs, float(d.max()))
+            total.sabs += float(np.dot(d, ones[:k]))
+            np.abs(yc, out=ay)
+            np.maximum(ay, EPS, out=ay)
+            total.max_rel = max(total.max_rel, float(np.divide(d, ay, out=r).max()))
+            np.abs(yc, out=ay)
+            ay *= rtol
+            ay += atol
+            total.mismatch += int(np.count_nonzero(np.greater(d, ay, out=gt)))
     return total
 
 
@@ -124,7 +125,8 @@ def _define_numba_kernel():
     # Elements are taken to float64 in registers (as fast here as float32: the loop is
     # bound by memory). fastmath for reassociated sums (the lanes) only: without "arcp",
     # "afn" and "contract", max_abs, max_rel and the mismatch count round exactly as
-    # the numpy backend's do, so the two agree bit for bit on them.
+    # the numpy backend's do, so the two agree bit for bit on them; without "nnan" and
+    # "ninf", a NaN/Inf element still makes the sums non-finite (the caller's signal).
     def fused(x, y, rtol, atol, eps):  # pragma: no cover - compiled; covered via pair_sums
         n = x.shape[0]
         sxx, syy, sdd, sab = np.zeros(LANES), np.zeros(LANES), np.zeros(LANES), np.zeros(LANES)
@@ -148,7 +150,7 @@ def _define_numba_kernel():
                 mis[j] += 1 if ad > atol + rtol * ay else 0
         return sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), mxr.max(), mis.sum()
 
-    options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nnan", "ninf", "nsz"})
+    options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
     try:
         return numba.njit(cache=True, **options)(fused)
     except RuntimeError:  # no writable cache directory (read-only install and home): compile each run
@@ -181,7 +183,7 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
     Parameters
     ----------
     x, y : numpy.ndarray
-        1-D, same length and dtype (float32 or float64), finite, contiguous.
+        1-D, same length and dtype (float32 or float64), contiguous.
     rtol, atol : float
         The tolerances of the mismatch count.
     backend : {"numba", "numpy"}, optional

@@ -152,13 +152,6 @@ class PassIndex:
     def stat_dict(self, i: int) -> dict[str, float]:
         return dict(zip(STAT_NAMES, self.ensure_stats()[i].tolist()))
 
-    def finite(self, i: int) -> bool | None:
-        """Whether entry ``i`` is known (from statistics) to hold no NaN/Inf."""
-        if self.stats is None:
-            return None
-        row = self.stats[i]
-        return bool(row[6] == 0 and row[7] == 0) if not math.isnan(row[8]) else None
-
 
 def _parses(key: str) -> bool:
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -135,3 +136,23 @@ def test_kernel_compiles_without_a_writable_cache(monkeypatch):
     kernel = kernels._define_numba_kernel()
     x = np.arange(32.0)
     assert kernel(x, x - 1, 0.0, 0.5, kernels.EPS)[-1] == 32  # every |d| = 1 > atol
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_nan_and_inf_are_found_and_masked_in_big_tensors(monkeypatch, backend):
+    """One read for finite tensors; a NaN/Inf shows in the sums and sends the pair to masking."""
+    monkeypatch.setattr(kernels, "_BACKEND", backend)
+    n = kernels.NUMBA_MIN_ELEMENTS * 2 + 3
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(n, generator=g)
+    x = y + 1e-3 * torch.randn(n, generator=g)
+    y[10], x[10] = float("nan"), float("nan")  # NaN on both sides: agreed, not a mismatch
+    x[20] = float("inf")                        # Inf against a number
+    y[30] = -float("inf")                       # the other way round
+    x[40], y[40] = float("inf"), float("inf")   # the same Inf on both: agreed
+    got = compare_tensors(x, y)
+    assert got["nonfinite_mismatch"] == 2
+    keep = torch.isfinite(x) & torch.isfinite(y)
+    want = compare_tensors(x[keep], y[keep])
+    for k in ("rel_diff", "max_abs", "mean_abs", "max_rel", "cosine", "sqnr_db", "mismatch"):
+        assert math.isfinite(got[k]) and got[k] == pytest.approx(want[k], rel=1e-9), k
