@@ -7,8 +7,6 @@ over the elements of ``x`` (compared) and ``y`` (reference):
 A NaN or Inf element makes ``Σx²`` or ``Σy²`` non-finite, which is how the
 caller learns it must mask them (one read for the usual, finite, tensors).
 
-Two backends compute them:
-
 All of it in float64, whatever the stored dtype (float32 arrays are widened
 element by element). Two backends compute them:
 
@@ -18,7 +16,7 @@ element by element). Two backends compute them:
     Measured 9.6 GB/s on one core of the development machine.
 ``numpy``
     A loop over cache-sized chunks of numpy kernels (sixteen passes per chunk,
-    1-2 GB/s), used where numba is not installed, for pairs too small to be
+    1-2.5 GB/s), used where numba is not installed, for pairs too small to be
     worth loading numba, or when ``TDINSPECT_KERNEL=numpy`` is set. The two
     agree bit for bit on the maxima and the count, to rounding on the sums
     (tested).
@@ -46,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 EPS = 1e-12
-LANES = 16  # one AVX-512 register of float32 (two AVX2 ones); 4 and 8 did not vectorise here
+LANES = 16  # lanes of accumulators; 4 and 8 did not vectorise here, 16 and 32 ran alike
 # Below this many elements numpy's loop takes ~0.1 ms: not worth numba's one-time
 # ~1.5 s (import, then the compiled kernel from its on-disk cache) in a small session.
 NUMBA_MIN_ELEMENTS = 1 << 16
