@@ -177,8 +177,8 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if list(pa.shape[ia] or []) != list(pb.shape[ib] or []):
             row.update(structural=True, reason=f"shape {pa.shape[ia]} vs {pb.shape[ib]}")
             continue
-        sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
         if job.mode == "stats":
+            sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
             row["stats_rel"] = stats_rel(sb, sa)
             if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
                 row.update(structural=True, reason="NaN/Inf on one side")

@@ -89,6 +89,18 @@ def test_dumps_without_sidecars_compute_stats(tmp_path):
     assert float(cube["order"].sel(op="model.a", call=1).sel({"pass": 0})) == 2.0
 
 
+def test_tensor_diff_of_dumps_without_sidecars_computes_no_statistics(tmp_path):
+    """Statistics would be a second full read of every tensor; a tensor diff does not need them."""
+    x = torch.arange(12.0).reshape(3, 4)
+    write_dump(tmp_path / "a", [{"model.a": x, "model.b": -x}] * 2)
+    write_dump(tmp_path / "b", [{"model.a": x, "model.b": -x + 1}] * 2)
+    a, b = DumpSet.open(tmp_path / "a"), DumpSet.open(tmp_path / "b")
+    div = a.diff(b).first_divergence()
+    assert div.key == "model.b" and div.pass_ == 0
+    assert a.diff(b).table(progress=False)["max_abs"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert all(pi.stats is None for ds in (a, b) for pi in ds.pass_indexes())
+
+
 def test_open_errors_and_on_error_warn(tmp_path):
     write_dump(tmp_path, [{"model.a": torch.ones(2)}] * 3)
     folder = tmp_path / "rank0_pid1"
