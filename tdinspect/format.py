@@ -52,6 +52,12 @@ class DumpFormatError(ValueError):
     """A dump file or folder that cannot be read; the message names it."""
 
 
+def pass_number(name: str) -> int | None:
+    """42 for ``pass00042.pt`` or ``pass00042.json``; ``None`` for any other file name."""
+    m = PASS_RE.match(name) or SIDECAR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def pass_filename(index: int) -> str:
     """``pass00042.pt`` for pass 42."""
     return f"pass{index:05d}.pt"
@@ -291,10 +297,10 @@ def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
     """List the complete passes of one folder (temporary files are ignored)."""
     folder = RankFolder(path, rank, pid)
     for entry in os.scandir(path):
-        m = PASS_RE.match(entry.name) or SIDECAR_RE.match(entry.name)
-        if not m:
+        index = pass_number(entry.name)
+        if index is None:
             continue
-        pf = folder.passes.setdefault(int(m.group(1)), PassFiles(int(m.group(1))))
+        pf = folder.passes.setdefault(index, PassFiles(index))
         if entry.name.endswith(".pt"):
             pf.tensors = Path(entry.path)
         else:
@@ -319,13 +325,13 @@ def discover(path: str | os.PathLike) -> list[RankFolder]:
     if not path.exists():
         raise DumpFormatError(f"{path}: no such file or folder")
     if path.is_file():
-        m = PASS_RE.match(path.name) or SIDECAR_RE.match(path.name)
-        if not m:
+        index = pass_number(path.name)
+        if index is None:
             raise DumpFormatError(f"{path}: not a pass file (expected passNNNNN.pt)")
         rm = RANK_DIR_RE.match(path.parent.name)
         folder = RankFolder(path.parent, int(rm.group(1)) if rm else 0, int(rm.group(2)) if rm else None)
         full = scan_rank_folder(path.parent, folder.rank, folder.pid)
-        folder.passes = {int(m.group(1)): full.passes[int(m.group(1))]}
+        folder.passes = {index: full.passes[index]}
         return [folder]
     rank_dirs = sorted((p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)),
                        key=lambda p: p.name)

@@ -7,7 +7,6 @@ naming, layout, statistics, ``stats_only`` and the writer are one mechanism.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import warnings
 from pathlib import Path
@@ -15,12 +14,9 @@ from typing import Any
 
 import torch
 
-from ..format import rank_dirname
+from ..format import pass_filename, pass_number, rank_dirname, sidecar_filename
 from ..stats import tensor_stats
 from .writer import AsyncWriter, PendingPass
-
-PASS_ANY_RE = re.compile(r"^pass(\d{5,})\.(?:pt|json)$")
-
 
 def current_rank() -> int:
     """The process's rank: ``torch.distributed`` when initialised, else ``$RANK``, else 0."""
@@ -125,8 +121,8 @@ class Recorder:
                                   threaded=background_write)
         # a second capture of this process into the same folder continues the numbering:
         # nothing already written is overwritten
-        self.pass_index = 1 + max((int(m.group(1)) for f in self.folder.iterdir()
-                                   if (m := PASS_ANY_RE.match(f.name))), default=-1)
+        self.pass_index = 1 + max((n for f in self.folder.iterdir()
+                                   if (n := pass_number(f.name)) is not None), default=-1)
         self.total_entries = 0
         self._calls: dict[str, int] = {}
         self._new_pass()
@@ -211,7 +207,7 @@ class Recorder:
             p.ready.record()
         self.writer.submit(p)
         self.total_entries += len(p.keys)
-        path = self.folder / (f"pass{self.pass_index:05d}" + (".json" if self.stats_only else ".pt"))
+        path = self.folder / (sidecar_filename if self.stats_only else pass_filename)(self.pass_index)
         self.pass_index += 1
         self._new_pass()
         return path

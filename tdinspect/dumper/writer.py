@@ -1,9 +1,8 @@
 """The writer: passes are written while the next step computes (when a core is free).
 
 One thread per capture takes finished passes from a queue, waits for their
-device-to-host copies (one CUDA event per pass), computes the statistics that
-capture left to it, and writes the sidecar and then the pass file, each
-atomically. Memory held by queued passes is bounded: at the cap, ``submit``
+device-to-host copies and statistics (one CUDA event per pass), and writes the
+sidecar and then the pass file, each atomically. Memory held by queued passes is bounded: at the cap, ``submit``
 waits for the writer.
 """
 
@@ -19,7 +18,6 @@ from typing import Any
 import torch
 
 from ..format import pass_filename, save_pass, sidecar_filename, write_sidecar
-from ..stats import tensor_stats
 
 
 class CaptureWriteError(RuntimeError):
@@ -45,14 +43,7 @@ class PendingPass:
         if self.ready is not None:
             self.ready.synchronize()
         gathered = iter(self.host_stats.tolist()) if self.host_stats is not None else None
-        rows = []
-        for tensor, stat in zip(self.tensors, self.stats):
-            if stat is not None:
-                rows.append(next(gathered))
-            elif tensor is not None:
-                rows.append(tensor_stats(tensor).tolist())
-            else:
-                rows.append(None)
+        rows = [None if stat is None else next(gathered) for stat in self.stats]
         entries = {"key": self.keys, **self.columns, "stats": rows}
         write_sidecar(self.folder / sidecar_filename(self.index), {**self.header, "pass": self.index,
                                                                    "entries": entries}, fsync=fsync)
