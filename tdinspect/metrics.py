@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import EPS, PairSums, pair_sums
+from .stats import broadcast_dims, first_slice
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
     from torch.testing._comparison import default_tolerances as _torch_tolerances
@@ -124,18 +125,8 @@ def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
         a.is_floating_point() and b.is_floating_point()) else torch.float32
 
 
-def _common_unexpand(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop dims broadcast (stride 0) on both sides: every metric is the same on one copy."""
-    for dim in range(x.dim()):
-        if x.shape[dim] > 1 and x.stride(dim) == 0 and y.stride(dim) == 0:
-            x, y = x.narrow(dim, 0, 1), y.narrow(dim, 0, 1)
-    return x, y
-
-
 def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> int:
     """Elements where NaN/Inf on one side meets something else on the other."""
-    if not (x.is_floating_point() or x.is_complex()) and not (y.is_floating_point() or y.is_complex()):
-        return 0
     xn, yn = torch.isnan(x), torch.isnan(y)
     bad = (xn != yn)
     xi, yi = torch.isinf(x), torch.isinf(y)
@@ -175,7 +166,8 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
     """
     if x.shape != y.shape:
         raise ValueError(f"shape mismatch: {list(x.shape)} vs {list(y.shape)}")
-    x, y = _common_unexpand(x, y)
+    both = broadcast_dims(x) & broadcast_dims(y)  # broadcast on both sides: one copy says it all
+    x, y = first_slice(x, both), first_slice(y, both)
     same_dtype = x.dtype == y.dtype
     out = {k: math.nan for k in TENSOR_METRICS}
     out["nonfinite_mismatch"] = 0.0

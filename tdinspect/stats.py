@@ -50,14 +50,24 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def broadcast_dims(t: torch.Tensor) -> set[int]:
+    """Dims that repeat one slice (stride 0, size > 1, as ``expand`` makes): a huge-shaped
+    tensor may hold few distinct values, and is reduced as those."""
+    return {dim for dim, (size, stride) in enumerate(zip(t.shape, t.stride()))
+            if stride == 0 and size > 1}
+
+
+def first_slice(t: torch.Tensor, dims) -> torch.Tensor:
+    """``t`` narrowed to index 0 along ``dims``."""
+    for dim in dims:
+        t = t.narrow(dim, 0, 1)
+    return t
+
+
 def _unexpand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Undo broadcasting (stride-0 dims): a huge-shaped but small tensor is reduced as its storage."""
-    copies = 1
-    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if stride == 0 and size > 1:
-            t = t.narrow(dim, 0, 1)
-            copies *= size
-    return t, copies
+    """Undo broadcasting: the stored elements and how many times each appears."""
+    dims = broadcast_dims(t)
+    return first_slice(t, dims), math.prod(t.shape[d] for d in dims)
 
 
 def _finite_row_cpu(v: torch.Tensor, n: int) -> list[float] | None:
