@@ -207,7 +207,8 @@ class Diff:
         Run the per-pass comparisons on this cluster (default: ``a.client``,
         else dask's local threads).
     chunk : int
-        Elements compared at a time (bounds memory for huge tensors).
+        Elements converted at a time when a pair needs a dtype conversion or
+        a copy (bounds memory for huge tensors).
     mode : {"auto", "tensor", "stats"}
         ``"stats"`` compares statistics only (the only choice when a side is
         statistics-only): relative difference of min, max, mean and l2.
@@ -238,7 +239,7 @@ class Diff:
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
         self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
-        # one DataFrame per pass read (~0.3 KB an entry; row dicts took 2.3 KB)
+        # one DataFrame per pass read (~560 B an entry; row dictionaries took ~1.1 KB)
         self._results: dict[tuple[int, int], pd.DataFrame] = {}
         self.passes_read: list[tuple[int, int]] = []
 
@@ -304,30 +305,31 @@ class Diff:
             return per_name
         raise TypeError(f"threshold must be a number or a {{regex: number}} dict, got {threshold!r}")
 
-    def _verdict(self, row, m, thr_fn) -> tuple[bool, str]:
-        """Whether one row diverges, and why (the reason text of a reported entry)."""
-        if row["structural"]:
-            return True, row["reason"]
-        if row["reason"]:
-            return False, row["reason"]
-        value = row.get(m.name, math.nan)
-        thr = thr_fn(row["op"])
-        if m.diverges(value, thr):
-            return True, f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
-        return False, ""
-
     @staticmethod
     def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
-        """:meth:`_verdict`'s answer for every row at once (a boolean array)."""
+        """Which rows diverge (a boolean array): the one rule every answer uses.
+
+        Structural problems always do; rows with another reason (never compared,
+        e.g. uninitialized) never do; the rest when their metric passes the
+        threshold in its bad direction (NaN never does).
+        """
         ops = rows["op"].to_numpy(object)
         per_op = {op: thr_fn(op) for op in dict.fromkeys(ops)}
         thr = np.fromiter((per_op[op] for op in ops), float, len(ops))
         values = rows[m.name].to_numpy(float)
-        with np.errstate(invalid="ignore"):  # NaN never passes a threshold
+        with np.errstate(invalid="ignore"):
             over = values > thr if m.higher_is_worse else values < thr
         structural = rows["structural"].to_numpy(bool)
-        explained = rows["reason"].to_numpy(object) != ""  # e.g. uninitialized: never compared
+        explained = rows["reason"].to_numpy(object) != ""
         return structural | (over & ~explained)
+
+    @staticmethod
+    def _why(row, m, thr_fn) -> str:
+        """The reason text of a row :meth:`_hits` marked."""
+        if row["structural"]:
+            return row["reason"]
+        value, thr = row[m.name], thr_fn(row["op"])
+        return f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
@@ -378,7 +380,7 @@ class Diff:
             return None
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
-        _, reason = self._verdict(row, m, thr_fn)
+        reason = self._why(row, m, thr_fn)
         earlier = rows.iloc[max(0, n - 5):n]
         before = list(zip(earlier["key"], earlier[m.name].astype(float)))
         return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
@@ -405,7 +407,7 @@ class Diff:
         df = self.table(progress)
         df["diverges"] = self._hits(df, m, thr_fn)
         df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
-        df["why"] = [self._verdict(r, m, thr_fn)[1] for r in df.to_dict("records")]
+        df["why"] = [self._why(r, m, thr_fn) for r in df.to_dict("records")]
         return df
 
     def growth(self, metric: str | None = None, progress: bool = True):
@@ -453,7 +455,7 @@ class Diff:
             first = rows.iloc[hits[0]].to_dict() if len(hits) else None
             out.append({"rank": rank, "pass": p, "n_entries": len(rows), "n_divergent": len(hits),
                         "first": first["key"] if first else "",
-                        "why": self._verdict(first, m, thr_fn)[1] if first else "",
+                        "why": self._why(first, m, thr_fn) if first else "",
                         "worst": float(worst)})
         return pd.DataFrame(out).set_index(["rank", "pass"]).sort_index()
 

@@ -77,8 +77,8 @@ def diff_html(diff) -> str:
     head = (f"<b>Diff</b> A (reference) = {html.escape(str(diff.a.path))}<br>"
             f"B = {html.escape(str(diff.b.path))}<br>mode: {diff.mode}, align: {diff.align}, "
             f"metric: {diff.default_metric}<br>")
-    structural = [[r.pass_, r.rank, r.key, r.reason] for rows in diff._results.values()
-                  for r in rows[rows["structural"]].rename(columns={"pass": "pass_"}).itertuples()]
+    structural = [row for rows in diff._results.values() for row in
+                  rows.loc[rows["structural"], ["pass", "rank", "key", "reason"]].values.tolist()]
     problems = ""
     if structural:
         problems = (f"<p>structural problems in the {len(diff._results)} pass(es) read so far "

@@ -201,7 +201,16 @@ def test_structural_divergences(tmp_path):
 
 @pytest.mark.parametrize("metric", ["rel_diff", "max_abs", "cosine", "sqnr_db", "mismatch", "equal"])
 def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metric):
-    """first_divergence/by_rank_pass/divergences judge a pass at once; the rule is _verdict's."""
+    """first_divergence/by_rank_pass/divergences judge a pass at once; the rule, row by row:
+    structural diverges, another reason never does, else the metric's own direction."""
+
+    def rule(row, m, thr_fn):
+        if row["structural"]:
+            return True
+        if row["reason"]:
+            return False
+        return m.diverges(row[m.name], thr_fn(row["op"]))
+
     x = torch.arange(6.0).reshape(2, 3)
     a = [{"model.a": x, "model.b": x, "model.c": x, "model.d": x}]
     b = [{"model.a": x + 1e-3, "model.b": x.reshape(3, 2), "model.c": x.masked_fill(x > 4, float("nan")),
@@ -217,7 +226,7 @@ def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metr
             thr_fn = diff._threshold_fn(threshold, m.name)
             for _, rows in diff.iter_passes():
                 vectorised = diff._hits(rows, m, thr_fn).tolist()
-                one_by_one = [diff._verdict(r, m, thr_fn)[0] for r in rows.to_dict("records")]
+                one_by_one = [rule(r, m, thr_fn) for r in rows.to_dict("records")]
                 assert vectorised == one_by_one
                 seen += vectorised
     assert any(seen) and not all(seen)  # both answers were exercised
