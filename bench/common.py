@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: the benchmark transformer and a side-by-side timer."""
+"""Shared pieces of the benchmarks: the benchmark transformer, a side-by-side timer and
+synthetic dumps for the analysis benchmarks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tdinspect.dumper.recorder import Recorder
 from tdinspect.examples import make_model, make_tokens
 
 SIZES = dict(d_model=256, n_layers=6, n_heads=4, mlp_ratio=4, vocab=1000, euler_steps=0)
@@ -71,3 +73,29 @@ def compare_modes(model, tokens, steps: int, out: Path, modes: dict, start) -> d
         eager = eager_again
         shutil.rmtree(target)
     return results
+
+
+def synthetic_run(root: Path, passes: int, entries: int, numel: int, *, seed: int,
+                  noise: float = 0.0, perturb: tuple[int, int] | None = None,
+                  sidecars: bool = True) -> Path:
+    """A dump of ``passes`` x ``entries`` float32 tensors of ``numel`` elements, written by our
+    recorder: the same values for every seed (rolled copies of one random vector), plus
+    ``noise`` everywhere (a rerun on another backend) and a 10% error at ``perturb=(pass,
+    entry)``. ``sidecars=False`` removes the sidecars (a dump written by another tool)."""
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(seed)
+    rec = Recorder(root, level="module", max_pending_bytes=512 << 20)
+    for p in range(passes):
+        for e in range(entries):
+            t = base.roll(p * 7 + e)
+            if noise:
+                t = t + noise * torch.randn(numel, generator=gen)
+            if perturb == (p, e):
+                t = t + 0.1 * torch.randn(numel, generator=gen)
+            rec.record(f"model.layers.{e // 10}.op{e % 10}", t, module_type="Linear")
+        rec.step()
+    rec.close()
+    if not sidecars:
+        for f in root.rglob("*.json"):
+            f.unlink()
+    return root

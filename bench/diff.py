@@ -23,32 +23,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import synthetic_run as write_run  # noqa: E402
+
 from tdinspect import DumpSet, kernels  # noqa: E402
-from tdinspect.dumper.recorder import Recorder  # noqa: E402
-
-
-def write_run(root: Path, passes: int, entries: int, numel: int, *, seed: int, perturb=None,
-              noise: float = 0.0, sidecars: bool = True) -> Path:
-    """``passes`` x ``entries`` float32 tensors (the same for every seed), plus ``noise``
-    everywhere (a rerun on another backend) and a 10% error at ``perturb=(pass, entry)``."""
-    base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    gen = torch.Generator().manual_seed(seed)
-    rec = Recorder(root, level="module")
-    for p in range(passes):
-        for e in range(entries):
-            t = base.roll(p * 7 + e)
-            if noise:
-                t = t + noise * torch.randn(numel, generator=gen)
-            if perturb == (p, e):
-                t = t + 0.1 * torch.randn(numel, generator=gen)
-            rec.record(f"model.layers.{e // 10}.op{e % 10}", t, module_type="Linear")
-        rec.step()
-    rec.close()
-    if not sidecars:
-        for f in root.rglob("*.json"):
-            f.unlink()
-    return root
 
 
 def floor_throughput(a: DumpSet, b: DumpSet) -> float:
