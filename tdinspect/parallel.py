@@ -13,7 +13,6 @@ Examples
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -65,24 +64,6 @@ def map_in_waves(fn: Callable[[T], R], items: Iterable[T], *, client: Any = None
             # traverse=False: dask would otherwise walk every field of every item (a pass
             # index holds thousands of keys) looking for collections: 0.44 s per 20 items.
             tasks = [dask.delayed(fn)(dask.delayed(x, traverse=False)) for x in chunk]
-            with _one_intra_op_thread():
-                results = dask.compute(*tasks, scheduler=scheduler)
+            results = dask.compute(*tasks, scheduler=scheduler)
         yield from results
 
-
-@contextlib.contextmanager
-def _one_intra_op_thread():
-    """One torch intra-op thread per task while tasks run on several threads.
-
-    Tasks already use every core; torch's own OpenMP threads on top of them
-    oversubscribe the cores, and OpenMP regions then wait on descheduled
-    threads (measured: 1.7 -> 2.6 GB/s diff throughput with this).
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
