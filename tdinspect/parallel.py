@@ -62,7 +62,8 @@ def map_in_waves(fn: Callable[[T], R], items: Iterable[T], *, client: Any = None
             results = [fn(x) for x in chunk]
         else:
             # traverse=False: dask would otherwise walk every field of every item (a pass
-            # index holds thousands of keys) looking for collections: 0.44 s per 20 items.
+            # index holds thousands of keys) looking for collections (measured: 0.44 s for 20
+            # items of 1,000 keys each, 0.01 s without).
             tasks = [dask.delayed(fn)(dask.delayed(x, traverse=False)) for x in chunk]
             results = dask.compute(*tasks, scheduler=scheduler)
         yield from results
