@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 import warnings
 from collections import OrderedDict
 
@@ -344,12 +345,27 @@ def test_rank_from_environment(tmp_path, model, tokens, monkeypatch):
     assert only_folder(tmp_path).name == f"rank3_pid{os.getpid()}"
 
 
-def test_writer_backpressure_bounded_queue(tmp_path, model, tokens):
-    with tdinspect.capture(model, tmp_path, max_pending_bytes=1) as dump:
+@pytest.mark.parametrize("cap", [1, 1 << 40])
+def test_writer_backpressure_bounded_queue(tmp_path, model, tokens, monkeypatch, cap):
+    """A slow disk: with a byte cap below one pass, step() waits until at most one pass is queued;
+    without one (a huge cap), passes pile up. Either way every pass is written."""
+    from tdinspect.dumper.writer import PendingPass
+
+    slow_write = PendingPass.write
+
+    def write(self, fsync):
+        time.sleep(0.2)
+        slow_write(self, fsync)
+
+    monkeypatch.setattr(PendingPass, "write", write)
+    queued = []
+    with tdinspect.capture(model, tmp_path, max_pending_bytes=cap, background_write=True) as dump:
         for _ in range(3):
             model(tokens)
             dump.step()
+            queued.append(dump.recorder.writer._items)
     assert len(list(only_folder(tmp_path).glob("*.pt"))) == 3
+    assert max(queued) == 1 if cap == 1 else max(queued) > 1
 
 
 def test_import_is_light():
