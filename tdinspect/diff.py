@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import xarray as xr
 
 from .dumpset import DumpSet
 from .metrics import TENSOR_METRICS, compare_tensors, metric, stats_rel
@@ -459,7 +458,7 @@ class Diff:
                         "worst": float(worst)})
         return pd.DataFrame(out).set_index(["rank", "pass"]).sort_index()
 
-    def to_xarray(self) -> xr.Dataset:
+    def to_xarray(self) -> "xr.Dataset":
         """Metrics as a Dataset with the reference cube's dims (``op``, ``call``, ``pass``[, ``rank``])."""
         df = self.table()
         ops = list(dict.fromkeys(df["op"]))
@@ -480,6 +479,8 @@ class Diff:
             arr = np.full(shape, "", dtype=object)
             arr[ix] = df[name].to_numpy(dtype=object)
             variables[name] = (dims, arr)
+        import xarray as xr  # lazily: the CLI's answers need no cube (0.26 s)
+
         ds = xr.Dataset(variables, coords={"rank": ranks, "op": ops, "call": np.arange(ncall),
                                            "pass": passes},
                         attrs={"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode,

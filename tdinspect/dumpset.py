@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xarray as xr
 
 from .format import DumpFormatError, discover
 from .naming import parse_key, split_call, split_module_path
@@ -56,7 +55,7 @@ class DumpSet:
         self._op_pattern = op_pattern
         self.client = client
         self.skipped = list(skipped)
-        self._cube: xr.Dataset | None = None
+        self._cube: "xr.Dataset | None" = None
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -251,7 +250,7 @@ class DumpSet:
         return pd.DataFrame(rows, columns=["rank", "pass", "op", "call", "order", "key", "dtype",
                                            "shape", "module_type", *STAT_NAMES])
 
-    def to_xarray(self, progress: bool = True) -> xr.Dataset:
+    def to_xarray(self, progress: bool = True) -> "xr.Dataset":
         """The cube: dims ``op``, ``call``, ``pass`` (and ``rank`` when several).
 
         Variables are the statistics of :mod:`tdinspect.stats` and ``order``;
@@ -264,7 +263,7 @@ class DumpSet:
             self._cube = self._build_cube()
         return self._cube
 
-    def _build_cube(self) -> xr.Dataset:
+    def _build_cube(self) -> "xr.Dataset":
         ops = self.ops
         op_ix = {o: i for i, o in enumerate(ops)}
         ranks, passes = self.ranks, self.passes
@@ -295,6 +294,8 @@ class DumpSet:
         variables["order"] = (dims, data[len(STAT_NAMES)])
         coords = {"rank": ranks, "op": ops, "call": np.arange(ncall), "pass": passes}
         coords.update(_op_coords(ops, first))
+        import xarray as xr  # lazily: the CLI's answers need no cube (0.26 s)
+
         ds = xr.Dataset(variables, coords=coords,
                         attrs={"path": str(self.path), "level": self.level,
                                "stats_only": int(self.stats_only)})
