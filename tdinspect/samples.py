@@ -1,4 +1,10 @@
-"""The sample dumps: made from the bundled model, regenerated bit for bit.
+"""The sample dumps: made from the bundled model, regenerated on demand.
+
+Regenerating on the same machine gives the same bytes. On another CPU, matmul and
+reduction kernels may sum in another order: names, order, shapes, dtypes and every
+non-numeric sidecar field are still identical, tensor values and statistics agree
+within a few float32 ulps (docs/reliability.md, "Numbers", states the tolerance that
+``tests/test_packaging.py`` checks).
 
 ``python -m tdinspect.samples sample_dumps`` writes:
 
