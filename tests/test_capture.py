@@ -351,10 +351,17 @@ def test_writer_backpressure_bounded_queue(tmp_path, model, tokens, monkeypatch,
     without one (a huge cap), passes pile up. Either way every pass is written."""
     from tdinspect.dumper.writer import PendingPass
 
+    import threading
+
     slow_write = PendingPass.write
+    disk_free = threading.Event()  # without a cap the disk stays busy until every step is in:
+    # a timed sleep let a loaded machine drain the queue between steps (flaky)
 
     def write(self, fsync):
-        time.sleep(0.2)
+        if cap == 1:
+            time.sleep(0.2)
+        else:
+            disk_free.wait(30)
         slow_write(self, fsync)
 
     monkeypatch.setattr(PendingPass, "write", write)
@@ -364,6 +371,7 @@ def test_writer_backpressure_bounded_queue(tmp_path, model, tokens, monkeypatch,
             model(tokens)
             dump.step()
             queued.append(dump.recorder.writer._items)
+        disk_free.set()
     assert len(list(only_folder(tmp_path).glob("*.pt"))) == 3
     assert max(queued) == 1 if cap == 1 else max(queued) > 1
 
