@@ -32,7 +32,7 @@ import math
 import os
 import pickle
 import re
-import tempfile
+import secrets
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +81,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync
     an existing ``path`` is left untouched.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -95,6 +95,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync
         except FileNotFoundError:
             pass
         raise
+
+
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new file beside ``path``, created with mode 0o666 so that the umask applies as it
+    does to ``torch.save`` and ``open`` (``mkstemp`` would make it ``-rw-------``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = os.path.join(path.parent, f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path.parent}: could not create a temporary file for {path.name}")
 
 
 def _stats_row(row: list[float]) -> list[Any]:
@@ -155,19 +168,25 @@ def save_pass(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, fsyn
     atomic_write(path, lambda f: torch.save(tensors, f), fsync=fsync)
 
 
-def load_pass(path: str | os.PathLike, *, mmap: bool = True) -> dict[str, torch.Tensor]:
+def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """Read one pass file: ``{key: cpu_tensor}`` in execution order.
 
     Reads with ``weights_only=True`` (a file that tries to run code on load is
-    refused and nothing runs) and memory-maps the file where its format allows,
-    so tensors are only read from disk when touched.
+    refused and nothing runs). By default the tensors are read into memory, so
+    they are the caller's to modify and save, even over the same file.
 
     Parameters
     ----------
     path : str or Path
         A ``passNNNNN.pt`` file.
     mmap : bool
-        Memory-map the file (falls back to a plain read for legacy files).
+        Memory-map the file instead (falls back to a plain read for legacy
+        files): tensors are read from disk only when touched, which is what
+        analysis of large dumps wants. **Warning**: mapped tensors share the
+        file's pages; modifying them in place and saving over the same file
+        (``t[k] *= 2; torch.save(t, path)``) truncates the file under its own
+        mapping (a bus error, and a zero-byte file). Copy what you change, or
+        keep the default.
 
     Raises
     ------

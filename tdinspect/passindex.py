@@ -66,7 +66,7 @@ class PassIndex:
                        [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
                        col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
                        bool(doc.get("partial")))
-        tensors = load_pass(files.tensors)
+        tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)
         aten = [parse_key(k).op if _parses(k) else None for k in keys]
@@ -84,7 +84,7 @@ class PassIndex:
         """The pass file's tensors (memory-mapped), checked against the sidecar."""
         if self.files.tensors is None:
             raise DumpFormatError(f"{self.files.sidecar}: statistics-only pass, no tensors were saved")
-        tensors = load_pass(self.files.tensors)
+        tensors = load_pass(self.files.tensors, mmap=True)
         expected = {k for k, s in zip(self.keys, self.stored) if s}
         if expected != tensors.keys():
             missing = sorted(expected - tensors.keys())[:3]

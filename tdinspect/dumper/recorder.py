@@ -205,11 +205,13 @@ class Recorder:
         if self._in_flight:
             p.ready = torch.cuda.Event()
             p.ready.record()
-        self.writer.submit(p)
-        self.total_entries += len(p.keys)
         path = self.folder / (sidecar_filename if self.stats_only else pass_filename)(self.pass_index)
-        self.pass_index += 1
-        self._new_pass()
+        try:
+            self.writer.submit(p)
+        finally:  # even when interrupted (Ctrl-C in an inline write): the next pass starts clean
+            self.total_entries += len(p.keys)
+            self.pass_index += 1
+            self._new_pass()
         return path
 
     def close(self, write_pending: bool = True) -> None:

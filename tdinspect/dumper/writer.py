@@ -45,12 +45,38 @@ class PendingPass:
         gathered = iter(self.host_stats.tolist()) if self.host_stats is not None else None
         rows = [None if stat is None else next(gathered) for stat in self.stats]
         entries = {"key": self.keys, **self.columns, "stats": rows}
-        write_sidecar(self.folder / sidecar_filename(self.index), {**self.header, "pass": self.index,
-                                                                   "entries": entries}, fsync=fsync)
+        sidecar = self.folder / sidecar_filename(self.index)
+        write_sidecar(sidecar, {**self.header, "pass": self.index, "entries": entries}, fsync=fsync)
         if not self.header.get("stats_only"):
             stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"])
                       if keep}
-            save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync)
+            try:
+                save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync)
+            except BaseException:
+                sidecar.unlink(missing_ok=True)  # no sidecar of a pass that was never written
+                raise
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc``, if any: torch's zip writer reports a full disk as
+    ``unexpected pos 704 vs 598``, the ``ENOSPC`` only in its ``__context__``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write_error(item: PendingPass, exc: BaseException) -> CaptureWriteError:
+    cause = _os_error(exc)
+    reason = (f"{os.strerror(cause.errno)} ({type(exc).__name__}: {exc})" if cause is not None
+              and cause is not exc else f"{type(exc).__name__}: {exc}")
+    error = CaptureWriteError(f"writing pass {item.index} into {item.folder} failed: {reason}; "
+                              "capture stopped, earlier passes are complete")
+    error.__cause__ = exc
+    return error
 
 
 def default_threaded() -> bool:
@@ -122,11 +148,12 @@ class AsyncWriter:
                 item.write(self.fsync)
                 if self.on_written is not None:
                     self.on_written(item.tensors)  # the host buffers can be reused
+        except KeyboardInterrupt:
+            if not self.threaded:
+                raise  # Ctrl-C during an inline write is the user's, not a write error
+            self.error = _write_error(item, KeyboardInterrupt("interrupted"))
         except BaseException as exc:  # noqa: BLE001 - reported to the capturing thread
-            self.error = CaptureWriteError(
-                f"writing pass {item.index} into {item.folder} failed: "
-                f"{type(exc).__name__}: {exc}; capture stopped, earlier passes are complete")
-            self.error.__cause__ = exc
+            self.error = _write_error(item, exc)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
