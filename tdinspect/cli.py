@@ -1,7 +1,8 @@
 """Command line: ``tdinspect ls|stats|diff|first-divergence|demo``.
 
-Exit status: 0 when nothing diverges, 1 when something does, 2 on error, so
-``tdinspect first-divergence ref/ new/`` can gate a CI pipeline. Every command
+Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
+(one line on stderr naming the file or argument; ``--debug`` adds the
+traceback), so ``tdinspect first-divergence ref/ new/`` can gate a CI pipeline. Every command
 maps onto the Python API (DumpSet.open, Diff.first_divergence, ...); ``--json``
 prints machine-readable output.
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+import traceback
 from typing import Any
 
 from .metrics import METRICS
@@ -31,6 +34,13 @@ class _Fail(Exception):
     pass
 
 
+def _number(text: str) -> float:
+    value = float(text)
+    if math.isnan(value):
+        raise ValueError
+    return value
+
+
 def _threshold(values: list[str] | None):
     """``--threshold 1e-3`` or repeated ``--threshold REGEX=VALUE``."""
     if not values:
@@ -39,16 +49,22 @@ def _threshold(values: list[str] | None):
     named = [v for v in values if "=" in v]
     try:
         if plain and not named and len(plain) == 1:
-            return float(plain[0])
+            return _number(plain[0])
         out = {}
         for v in named:
             pattern, _, number = v.rpartition("=")
-            out[pattern] = float(number)
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise _Fail(f"--threshold {v!r}: invalid regular expression {pattern!r} ({exc})") \
+                    from None
+            out[pattern] = _number(number)
         if plain:
-            out[".*"] = float(plain[-1])
+            out[".*"] = _number(plain[-1])
         return out
     except ValueError:
-        raise _Fail(f"--threshold: expected a number or REGEX=NUMBER, got {values}") from None
+        raise _Fail(f"--threshold: expected a number (not NaN) or REGEX=NUMBER, got {values}") \
+            from None
 
 
 def _json_default(o: Any):
@@ -165,6 +181,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tdinspect", description="Inspect and compare tensor dumps.")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, two=False):
@@ -181,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--on-error", choices=["raise", "warn"], default="raise",
                        help="on an unreadable pass: stop (default) or skip it with a warning")
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, print the traceback too")
 
     common(sub.add_parser("ls", help="what a dump holds"))
     p = sub.add_parser("stats", help="per-entry statistics")
@@ -193,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(sub.add_parser("first-divergence", help="the first divergent entry"), two=True)
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
     p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error, print the traceback too")
     return parser
 
 
@@ -201,16 +222,34 @@ COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tdinspect`` command; returns the exit status."""
+    """Entry point of the ``tdinspect`` command; returns the exit status.
+
+    Any failure is exit status 2 with one line on stderr (1 means "divergence
+    found"); ``--debug`` prints the traceback as well.
+    """
     from .config import ConfigError
     from .format import DumpFormatError
 
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (_Fail, DumpFormatError, ConfigError, ValueError, KeyError, OSError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"tdinspect {args.command}: error: {msg}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"tdinspect {args.command}: interrupted", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - the CLI's contract: exit 2, one clear line
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(exc, (_Fail, DumpFormatError, ConfigError, OSError)):
+            msg = str(exc)
+        elif isinstance(exc, KeyError) and exc.args:
+            msg = str(exc.args[0])
+        else:
+            msg = f"{type(exc).__name__}: {exc}"
+        first = (msg.strip().splitlines() or [type(exc).__name__])[0]
+        hint = "" if args.debug else " (--debug shows the traceback)"
+        if isinstance(exc, (_Fail, DumpFormatError, ConfigError, OSError, ValueError, KeyError)):
+            hint = ""
+        print(f"tdinspect {args.command}: error: {first}{hint}", file=sys.stderr)
         return 2
 
 

@@ -291,10 +291,10 @@ class Diff:
     def _threshold_fn(self, threshold, metric_name: str):
         m = metric(metric_name)
         if threshold is None or isinstance(threshold, (int, float)):
-            value = m.default_threshold if threshold is None else float(threshold)
+            value = m.default_threshold if threshold is None else _valid_threshold(threshold)
             return lambda op: value
         if isinstance(threshold, dict):
-            compiled = [(re.compile(k), float(v)) for k, v in threshold.items()]
+            compiled = [(_valid_regex(k), _valid_threshold(v, k)) for k, v in threshold.items()]
 
             def per_name(op):
                 for pattern, v in compiled:
@@ -504,6 +504,24 @@ class Diff:
         from .report import diff_html
 
         return diff_html(self)
+
+
+def _valid_threshold(value, pattern: str | None = None) -> float:
+    where = f"threshold for {pattern!r}" if pattern is not None else "threshold"
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if math.isnan(out):
+        raise ValueError(f"{where}: NaN compares false with everything (nothing would diverge)")
+    return out
+
+
+def _valid_regex(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"threshold regex {pattern!r}: {exc}") from None
 
 
 def _num(v: float):

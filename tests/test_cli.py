@@ -42,3 +42,38 @@ def test_errors_exit_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("tdinspect ls: error:") and "missing" in err and "Traceback" not in err
     assert main(["first-divergence", str(tmp_path), str(tmp_path), "--threshold", "x=y"]) == 2
+
+
+def test_every_failure_exits_2_with_one_line(runs, capsys, monkeypatch):
+    ref, wrong = str(runs["ref"]), str(runs["wrong"])
+    assert main(["first-divergence", ref, wrong, "--threshold", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert "--threshold" in err and "NaN" in err and len(err.strip().splitlines()) == 1
+    assert main(["diff", ref, wrong, "--threshold", "([=1"]) == 2
+    err = capsys.readouterr().err
+    assert "([" in err and "regular expression" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+    # an unexpected exception inside a command: still 2 (1 would read as "divergence found")
+    from tdinspect import dumpset
+
+    def broken(self, other, **kw):
+        raise RuntimeError("view of a storage that is too small\nsecond line")
+    monkeypatch.setattr(dumpset.DumpSet, "diff", broken)
+    assert main(["first-divergence", ref, wrong]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("tdinspect first-divergence: error: RuntimeError: view of a storage "
+                           "that is too small (--debug shows the traceback)")
+    assert main(["first-divergence", ref, wrong, "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_api_rejects_nan_threshold_and_bad_regex(runs):
+    import pytest
+    from tdinspect import DumpSet
+
+    d = DumpSet.open(runs["ref"]).diff(DumpSet.open(runs["wrong"]))
+    with pytest.raises(ValueError, match="NaN"):
+        d.first_divergence(threshold=float("nan"))
+    with pytest.raises(ValueError, match=r"\(\[=1"):
+        d.first_divergence(threshold={"([=1": 1e-3})
