@@ -21,7 +21,7 @@ import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from .naming import parse_key, split_call, split_module_path
 from .parallel import map_in_waves
 from .passindex import PassIndex
 from .stats import STAT_NAMES
+
+if TYPE_CHECKING:  # for annotations and completion only; diff imports this module
+    from .diff import Diff
 
 
 def _stats_of(pi: PassIndex) -> np.ndarray:
@@ -190,7 +193,10 @@ class DumpSet:
         key = base if call == 0 else f"{base}::call{call}"
         if rank is None and len(self.ranks) > 1:
             raise ValueError(f"{self.path} has ranks {self.ranks}: pass rank=")
-        return self.get_pass(pass_, rank).tensor(key)
+        pi = self.get_pass(pass_, rank)
+        if key not in pi.position:
+            raise KeyError(_no_entry(self.path, key, pass_, self.ops))
+        return pi.tensor(key)
 
     # -- selection -----------------------------------------------------------------------
     def sel(self, *, op: str | Iterable[str] | None = None, pass_: int | Iterable[int] | None = None,
@@ -302,7 +308,7 @@ class DumpSet:
         return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
 
     # -- comparing ------------------------------------------------------------------------
-    def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> "Any":
+    def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> "Diff":
         """Compare against ``other``; this DumpSet is the reference (``y``).
 
         See :class:`tdinspect.diff.Diff` for the keyword arguments.
@@ -337,6 +343,20 @@ class DumpSet:
         from .report import dumpset_html
 
         return dumpset_html(self)
+
+
+def _no_entry(path, key: str, pass_: int, ops: list[str]) -> str:
+    """The message for an unknown entry, with the closest names (difflib)."""
+    import difflib
+
+    base = split_call(key)[0]
+    close = difflib.get_close_matches(base, ops, n=3, cutoff=0.5) or [
+        o for o in ops if base.lower() in o.lower()][:3]
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else (
+        f"; entries: {', '.join(map(repr, ops[:5]))}{', ...' if len(ops) > 5 else ''}")
+    if base in ops:
+        hint = f" ({base!r} exists, but not this call in this pass)"
+    return f"{path}: no entry {key!r} in pass {pass_}{hint}"
 
 
 def _both(a: re.Pattern, b: re.Pattern) -> re.Pattern:

@@ -1,19 +1,37 @@
 """HTML and text renderings of DumpSet, Diff and Divergence (no IPython needed).
 
 Used by ``_repr_html_`` in notebooks and by the CLI's tables, so a notebook
-and a terminal show the same facts.
+and a terminal show the same facts. The HTML has collapsible sections (like
+xarray's reprs), numbers in scientific notation through a pandas ``Styler``,
+and CSS that takes its colours from the JupyterLab theme variables
+(``--jp-*``), so it reads in light and dark themes alike. Every name that
+comes from a dump is escaped.
 """
 
 from __future__ import annotations
 
 import html
 import math
+from collections import Counter
 from typing import Any
 
-_STYLE = ("<style>.tdi{font-family:ui-monospace,monospace;font-size:12px}"
-          ".tdi table{border-collapse:collapse}.tdi td,.tdi th{padding:2px 8px;"
-          "border-bottom:1px solid #ddd;text-align:left}.tdi .bad{color:#b00;font-weight:bold}"
-          ".tdi .ok{color:#070}</style>")
+# Colours only through the theme's variables; outside JupyterLab they fall back to the text colour.
+_STYLE = """<style>
+.tdi{font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px);
+color:var(--jp-content-font-color1,inherit);line-height:1.45}
+.tdi table{border-collapse:collapse;margin:2px 0 6px 0}
+.tdi th,.tdi td{padding:2px 8px;text-align:left;
+border-bottom:1px solid var(--jp-border-color2,currentColor)}
+.tdi th{color:var(--jp-content-font-color2,inherit);font-weight:600}
+.tdi details{margin:2px 0}
+.tdi summary{cursor:pointer;color:var(--jp-content-font-color0,inherit);font-weight:600}
+.tdi summary .n{color:var(--jp-content-font-color2,inherit);font-weight:normal}
+.tdi .bad{color:var(--jp-error-color1,currentColor);font-weight:bold}
+.tdi .warn{color:var(--jp-warn-color1,currentColor)}
+.tdi .ok{color:var(--jp-success-color1,currentColor)}
+.tdi .note{border-left:3px solid var(--jp-warn-color1,currentColor);padding:2px 8px;margin:4px 0;
+background:var(--jp-layout-color2,transparent)}
+</style>"""
 
 
 def fmt(v: Any) -> str:
@@ -27,13 +45,39 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+def _sci(v: Any) -> str:
+    if isinstance(v, float) and math.isfinite(v) and v != 0:
+        return f"{v:.2e}"
+    return fmt(v)
+
+
+def styled(df, highlight_row: int | None = None) -> str:
+    """A DataFrame as an HTML table: floats in scientific notation, text escaped, no index."""
+    styler = df.style.format(_sci, na_rep="–", escape="html").hide(axis="index")
+    if highlight_row is not None and 0 <= highlight_row < len(df):
+        styler = styler.apply(lambda r: ["font-weight:bold" if r.name == df.index[highlight_row]
+                                         else "" for _ in r], axis=1)
+    return styler.to_html()
+
+
 def _table(headers: list[str], rows: list[list[Any]], bad_row: int | None = None) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = []
     for n, row in enumerate(rows):
         cls = ' class="bad"' if n == bad_row else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(fmt(c))}</td>" for c in row) + "</tr>")
+        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(_sci(c))}</td>" for c in row) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def section(title: str, body: str, *, count: Any = None, open_: bool = False) -> str:
+    """A collapsible section (``<details>``); ``count`` is shown beside the title."""
+    n = "" if count is None else f" <span class='n'>({html.escape(str(count))})</span>"
+    return (f"<details{' open' if open_ else ''}><summary>{html.escape(title)}{n}</summary>"
+            f"{body}</details>")
+
+
+def _box(inner: str) -> str:
+    return f"{_STYLE}<div class='tdi'>{inner}</div>"
 
 
 def text_table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -46,6 +90,8 @@ def text_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def dumpset_html(ds) -> str:
+    import pandas as pd
+
     from .dumpset import _human
 
     s = ds.summary()
@@ -53,45 +99,146 @@ def dumpset_html(ds) -> str:
              ["calls (max)", s["max_calls"]], ["passes", s["passes"]], ["ranks", s["ranks"]],
              ["entries", s["entries"]], ["tensor bytes", _human(s["bytes"])],
              ["statistics only", s["stats_only"]]]
-    if s["skipped"]:
-        facts.append(["skipped passes", s["skipped"]])
     first = ds.pass_indexes()[0]
-    rows = [[k, first.dtype[i], str(first.shape[i]), first.module_type[i]]
-            for i, k in enumerate(first.keys[:8])]
-    return (f"{_STYLE}<div class='tdi'><b>DumpSet</b>{_table(['', ''], facts)}"
-            f"<p>first entries of pass {first.index}, rank {first.rank}:</p>"
-            f"{_table(['key', 'dtype', 'shape', 'module'], rows)}</div>")
+    uninit = sum(sum(pi.uninitialized) for pi in ds.pass_indexes())
+    if uninit:
+        facts.append(["uninitialised entries (not saved)", uninit])
+    keys = [k for k in first.keys if ds._keep(k)]
+    pos = [first.position[k] for k in keys]
+    rows = pd.DataFrame({"key": keys, "dtype": [first.dtype[i] for i in pos],
+                         "shape": [str(first.shape[i]) for i in pos],
+                         "module": [first.module_type[i] or "" for i in pos]})
+    parts = [f"<b>DumpSet</b> {html.escape(s['path'])}", section("facts", _table(["", ""], facts),
+                                                                  open_=True),
+             section(f"entries of pass {first.index}, rank {first.rank}", styled(rows),
+                     count=len(rows))]
+    if s["skipped"]:
+        parts.append(section("skipped passes (unreadable)",
+                             "<br>".join(html.escape(x) for x in ds.skipped), count=s["skipped"]))
+    return _box("".join(parts))
+
+
+def _divergence_body(div) -> str:
+    import pandas as pd
+
+    where = f"pass {div.pass_}" + (f", rank {div.rank}" if div.rank else "")
+    rows = pd.DataFrame([*div.before, (div.key, div.value)],
+                        columns=["entries up to it", div.metric])
+    return (f"<span class='bad'>{html.escape(div.key)}</span> ({where}, call {div.call}): "
+            f"{html.escape(div.reason)}" + styled(rows, highlight_row=len(rows) - 1))
 
 
 def divergence_html(div) -> str:
-    rows = [[k, v] for k, v in div.before] + [[div.key, div.value]]
-    where = f"pass {div.pass_}" + (f", rank {div.rank}" if div.rank else "")
-    return (f"{_STYLE}<div class='tdi'><b>First divergence</b>: <span class='bad'>"
-            f"{html.escape(div.key)}</span> ({where}, call {div.call})<br>"
-            f"{html.escape(div.reason)}<br>{_table(['entries up to it', div.metric], rows, len(rows) - 1)}"
-            "</div>")
+    return _box("<b>First divergence</b>: " + _divergence_body(div))
 
 
-def diff_html(diff) -> str:
-    div = diff.first_divergence()
-    head = (f"<b>Diff</b> A (reference) = {html.escape(str(diff.a.path))}<br>"
-            f"B = {html.escape(str(diff.b.path))}<br>mode: {diff.mode}, align: {diff.align}, "
-            f"metric: {diff.default_metric}<br>")
-    structural = [row for rows in diff._results.values() for row in
-                  rows.loc[rows["structural"], ["pass", "rank", "key", "reason"]].values.tolist()]
-    problems = ""
-    if structural:
-        problems = (f"<p>structural problems in the {len(diff._results)} pass(es) read so far "
-                    f"({len(structural)}; first 10):</p>"
-                    + _table(["pass", "rank", "key", "reason"], structural[:10]))
-    if div is None:
-        return f"{_STYLE}<div class='tdi'>{head}<span class='ok'>no divergence</span>{problems}</div>"
-    return f"{_STYLE}<div class='tdi'>{head}</div>" + divergence_html(div) + \
-        (f"{_STYLE}<div class='tdi'>{problems}</div>" if problems else "")
+def side_differences(diff) -> list[str]:
+    """What differs in structure between the two sides, from metadata only (nothing is read).
+
+    Lines such as ``"passes only in B: [3]"`` or ``"entries only in A: 2 (pass 0, rank 0: ...)"``;
+    empty when both sides hold the same ranks, passes and entry names.
+    """
+    a, b = diff.a, diff.b
+    out = []
+    for what, sa, sb in (("ranks", set(a.ranks), set(b.ranks)), ("passes", set(a.passes), set(b.passes))):
+        if sa - sb:
+            out.append(f"{what} only in A: {sorted(sa - sb)}")
+        if sb - sa:
+            out.append(f"{what} only in B: {sorted(sb - sa)}")
+    only = {"A": [], "B": []}
+    for key in sorted(set(a._passes) & set(b._passes), key=lambda k: (k[1], k[0])):
+        ka = {k for k in a._passes[key].keys if a._keep(k)}
+        kb = {k for k in b._passes[key].keys if a._keep(k)}
+        for side, extra in (("A", ka - kb), ("B", kb - ka)):
+            if extra:
+                only[side].append((key, sorted(extra)))
+    for side, found in only.items():
+        if found:
+            (rank, p), names = found[0]
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            n = sum(len(x) for _, x in found)
+            out.append(f"entry names only in {side}: {n} in {len(found)} pass(es) (first: pass {p}, "
+                       f"rank {rank}: {shown})")
+    return out
+
+
+class DiffSummary:
+    """One summary of a Diff at a metric and threshold: what differs, the first divergence.
+
+    What ``%tdi_diff`` shows, and what a Diff shows at its defaults.
+
+    Examples
+    --------
+    >>> DiffSummary(diff, threshold=0.999, metric="cosine")   # doctest: +SKIP
+    """
+
+    def __init__(self, diff, threshold: float | dict | None = None, metric: str | None = None):
+        self.diff = diff
+        self.metric = metric or diff.default_metric
+        self.threshold = threshold
+        self.divergence = diff.first_divergence(threshold, self.metric)
+
+    def structural(self) -> Counter:
+        """Structural problems by kind, over the passes compared so far."""
+        kinds: Counter = Counter()
+        for rows in self.diff._results.values():
+            for reason in rows.loc[rows["structural"], "reason"]:
+                kinds[reason.split(" (")[0] if reason.startswith("NaN") else
+                      ("shape mismatch" if reason.startswith("shape") else reason)] += 1
+        return kinds
+
+    def __repr__(self) -> str:
+        d = self.diff
+        lines = [f"Diff A={d.a.path} (reference), B={d.b.path}: {d.mode}, align={d.align}"]
+        lines += [f"  sides differ: {x}" for x in side_differences(d)]
+        lines.append(f"  first divergence: {self.divergence!r}" if self.divergence else
+                     f"  no divergence ({self.metric}, threshold {self._thr_text()})")
+        return "\n".join(lines)
+
+    def _thr_text(self) -> str:
+        from .metrics import metric
+
+        t = metric(self.metric).default_threshold if self.threshold is None else self.threshold
+        return html.escape(str(t) if isinstance(t, dict) else f"{t:.3g}")
+
+    def _repr_html_(self) -> str:
+        d = self.diff
+        head = (f"<b>Diff</b> A (reference) = {html.escape(str(d.a.path))}<br>"
+                f"B = {html.escape(str(d.b.path))}<br>mode: {d.mode}, align: {d.align}, "
+                f"metric: {html.escape(self.metric)}, threshold: {self._thr_text()}")
+        parts = [head]
+        differ = side_differences(d)
+        if differ:
+            parts.append("<div class='note'><b>the two sides differ:</b><br>"
+                         + "<br>".join(html.escape(x) for x in differ) + "</div>")
+        if self.divergence is None:
+            parts.append(f"<p><span class='ok'>no divergence</span> ({html.escape(self.metric)} "
+                         f"at threshold {self._thr_text()})</p>")
+        else:
+            parts.append(section("first divergence", _divergence_body(self.divergence), open_=True))
+        kinds = self.structural()
+        total, read = sum(kinds.values()), len(d._results)
+        if total:
+            body = _table(["kind", "entries"], [[k, n] for k, n in kinds.most_common()])
+            rows = [r for f in d._results.values() for r in
+                    f.loc[f["structural"], ["pass", "rank", "key", "reason"]].values.tolist()]
+            import pandas as pd
+
+            body += styled(pd.DataFrame(rows[:20], columns=["pass", "rank", "key", "reason"]))
+            parts.append(section(f"structural problems in the {read} of {len(d._jobs())} "
+                                 f"(rank, pass) pairs compared so far", body, count=total))
+        return _box("".join(parts))
+
+
+def diff_html(diff, threshold=None, metric=None) -> str:
+    return DiffSummary(diff, threshold, metric)._repr_html_()
 
 
 def replay_html(result) -> str:
-    rows = [[o["key"], o.get("rel_diff"), o.get("max_abs"), o.get("cosine")] for o in result.outputs]
-    return (f"{_STYLE}<div class='tdi'><b>Replay</b> of {html.escape(result.op)} against a "
-            f"{html.escape(str(result.dtype).removeprefix('torch.'))} re-run on its recorded inputs: "
-            f"the op's own error<br>{_table(['output', 'rel_diff', 'max_abs', 'cosine'], rows)}</div>")
+    import pandas as pd
+
+    rows = pd.DataFrame([[o["key"], o.get("rel_diff"), o.get("max_abs"), o.get("cosine")]
+                         for o in result.outputs], columns=["output", "rel_diff", "max_abs", "cosine"])
+    return _box(f"<b>Replay</b> of {html.escape(result.op)} against a "
+                f"{html.escape(str(result.dtype).removeprefix('torch.'))} re-run on its recorded "
+                f"inputs: the op's own error{styled(rows)}")

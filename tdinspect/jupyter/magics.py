@@ -3,37 +3,69 @@
 ``%tdi_open NAME PATH``
     open a DumpSet into the namespace as NAME and show its summary.
 ``%tdi_diff A B [--metric M] [--threshold T] [--as NAME]``
-    diff two dumps (paths or DumpSet variables), show the first divergence.
+    diff two dumps (paths or DumpSet variables) and show one summary (first
+    divergence at the given metric and threshold); ``--as`` binds the Diff.
 ``%%tdi_capture DIR [--model VAR] [--ops] [--filter REGEX ...]``
     capture what the cell runs, one pass per cell run (module level on the
     named model, or op level with ``--ops``).
 
-Errors print one line, not a traceback from inside the toolkit.
+A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
+raises ``UsageError`` with one line saying what was looked up, so "Run All"
+stops at the failing cell. Loading the extension also completes entry names
+inside ``ds.tensor('...``.
 """
 
 from __future__ import annotations
 
-import sys
+import re
+from pathlib import Path
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 _NAMES = ("tdi_open", "tdi_diff", "tdi_capture")
+_MISSING = object()
+
+
+def _usage(exc: Exception) -> UsageError:
+    return UsageError(f"{type(exc).__name__}: {exc}")
 
 
 @magics_class
 class TdinspectMagics(Magics):
     """The ``%tdi_*`` magics."""
 
-    def _fail(self, exc: Exception) -> None:
-        print(f"tdinspect: {type(exc).__name__}: {exc}", file=sys.stderr)
+    def _variable(self, name: str):
+        value = self.shell.user_ns.get(name, _MISSING)
+        if value is _MISSING:
+            raise UsageError(f"no variable `{name}` in the notebook")
+        return value
 
-    def _resolve(self, ref: str):
+    def _open(self, path: str):
+        from ..dumpset import DumpSet
+        from ..format import DumpFormatError
+
+        try:
+            return DumpSet.open(path)
+        except (DumpFormatError, OSError, ValueError) as exc:
+            raise _usage(exc) from exc
+
+    def _dumpset(self, ref: str):
+        """A DumpSet variable, else a dump folder; a clear error when it is neither."""
         from ..dumpset import DumpSet
 
-        value = self.shell.user_ns.get(ref)
-        return value if isinstance(value, DumpSet) else DumpSet.open(ref)
+        value = self.shell.user_ns.get(ref, _MISSING)
+        if isinstance(value, DumpSet):
+            return value
+        if Path(ref).exists():
+            return self._open(ref)
+        if value is not _MISSING:
+            raise UsageError(f"`{ref}` is a {type(value).__name__}, not a DumpSet, and no folder "
+                             f"`{ref}` exists")
+        raise UsageError(f"`{ref}` is neither a variable in the notebook nor a folder "
+                         f"(looked in {Path.cwd()})")
 
     @magic_arguments()
     @argument("name", help="variable to bind the DumpSet to")
@@ -41,13 +73,10 @@ class TdinspectMagics(Magics):
     @line_magic
     def tdi_open(self, line):
         """Open a dump into the namespace: ``%tdi_open ds dumps/run_a``."""
-        try:
-            args = parse_argstring(self.tdi_open, line)
-            from ..dumpset import DumpSet
-
-            ds = DumpSet.open(args.path)
-        except (Exception, SystemExit) as exc:
-            return self._fail(exc)
+        args = parse_argstring(self.tdi_open, line)
+        if not args.name.isidentifier():
+            raise UsageError(f"`{args.name}` is not a Python variable name")
+        ds = self._open(args.path)
         self.shell.user_ns[args.name] = ds
         display(ds)
 
@@ -59,17 +88,23 @@ class TdinspectMagics(Magics):
     @argument("--as", dest="as_", default=None, help="bind the Diff to this variable")
     @line_magic
     def tdi_diff(self, line):
-        """Diff two dumps and show the first divergence: ``%tdi_diff a b --as d``."""
+        """Diff two dumps and show one summary: ``%tdi_diff a b --metric cosine --as d``.
+
+        The summary's first divergence uses ``--metric`` and ``--threshold``;
+        ``--as d`` keeps the Diff (``d.first_divergence(...)``, ``explore(d)``).
+        """
+        from ..report import DiffSummary
+
+        args = parse_argstring(self.tdi_diff, line)
+        a, b = self._dumpset(args.a), self._dumpset(args.b)
         try:
-            args = parse_argstring(self.tdi_diff, line)
-            diff = self._resolve(args.a).diff(self._resolve(args.b))
-            div = diff.first_divergence(args.threshold, args.metric)
-        except (Exception, SystemExit) as exc:
-            return self._fail(exc)
+            diff = a.diff(b)
+            summary = DiffSummary(diff, threshold=args.threshold, metric=args.metric)
+        except (ValueError, TypeError) as exc:  # an unknown metric, a stats-only mismatch
+            raise _usage(exc) from exc
         if args.as_:
             self.shell.user_ns[args.as_] = diff
-        display(diff)
-        return div
+        display(summary)
 
     @magic_arguments()
     @argument("dir", help="dump directory")
@@ -81,17 +116,17 @@ class TdinspectMagics(Magics):
         """Capture what the cell runs, one pass per run of the cell."""
         import tdinspect
 
+        args = parse_argstring(self.tdi_capture, line)
+        model = self._variable(args.model) if args.model else None
         try:
-            args = parse_argstring(self.tdi_capture, line)
-            model = self.shell.user_ns[args.model] if args.model else None
             if args.ops:
                 cap = tdinspect.capture_ops(args.dir, model=model, filter=args.filter)
             else:
                 if model is None:
-                    raise ValueError("module-level capture needs --model VAR (or use --ops)")
+                    raise UsageError("module-level capture needs --model VAR (or use --ops)")
                 cap = tdinspect.capture(model, args.dir, filter=args.filter)
-        except (Exception, SystemExit) as exc:
-            return self._fail(exc)
+        except (ValueError, TypeError, OSError) as exc:
+            raise _usage(exc) from exc
         with cap:
             result = self.shell.run_cell(cell)
             path = cap.step()
@@ -99,14 +134,45 @@ class TdinspectMagics(Magics):
             print(f"tdinspect: wrote {path}")
 
 
+_TENSOR_CALL = re.compile(r"([A-Za-z_]\w*)\.tensor\(\s*(?:op\s*=\s*)?(['\"])([^'\"]*)$")
+
+
+def _entry_matcher(shell):
+    """A completer (IPython matcher API v2) for entry names inside ``ds.tensor('...``."""
+    from IPython.core.completer import SimpleCompletion, context_matcher
+
+    @context_matcher()
+    def tdinspect_entries(context):
+        from ..dumpset import DumpSet
+
+        found = _TENSOR_CALL.search(context.text_until_cursor)
+        ds = shell.user_ns.get(found.group(1)) if found else None
+        if not isinstance(ds, DumpSet):
+            return {"completions": []}
+        prefix = found.group(3)
+        names = [o for o in ds.ops if o.startswith(prefix)]
+        return {"completions": [SimpleCompletion(o, type="entry") for o in names],
+                "matched_fragment": prefix, "suppress": bool(names), "ordered": True}
+
+    return tdinspect_entries
+
+
 def load_ipython_extension(ipython) -> None:
-    """Register the magics (idempotent: loading twice changes nothing)."""
+    """Register the magics and the entry-name completer (loading twice changes nothing)."""
     ipython.register_magics(TdinspectMagics)
+    completer = getattr(ipython, "Completer", None)
+    if completer is not None and not any(getattr(m, "__qualname__", "").endswith(
+            "tdinspect_entries") for m in completer.custom_matchers):
+        completer.custom_matchers.append(_entry_matcher(ipython))
 
 
 def unload_ipython_extension(ipython) -> None:
-    """Remove the magics that :func:`load_ipython_extension` added."""
+    """Remove the magics and the completer that :func:`load_ipython_extension` added."""
     for kind in ("line", "cell"):
         table = ipython.magics_manager.magics[kind]
         for name in _NAMES:
             table.pop(name, None)
+    completer = getattr(ipython, "Completer", None)
+    if completer is not None:
+        completer.custom_matchers[:] = [m for m in completer.custom_matchers if not getattr(
+            m, "__qualname__", "").endswith("tdinspect_entries")]
