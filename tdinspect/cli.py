@@ -132,7 +132,11 @@ def _diff(args):
 
     a = DumpSet.open(args.a, on_error=args.on_error)
     b = DumpSet.open(args.b, on_error=args.on_error)
-    return a.diff(b, align=args.align)
+    mapping = None
+    if args.mapping:
+        from .align.mapping import Mapping
+        mapping = Mapping.from_file(args.mapping)
+    return a.diff(b, align=args.align, mapping=mapping)
 
 
 def cmd_first_divergence(args) -> int:
@@ -193,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--threshold", action="append", metavar="T|REGEX=T",
                            help="threshold, or per-name thresholds (repeatable)")
             p.add_argument("--align", choices=["name", "sequence"], default="name")
+            p.add_argument("--mapping", metavar="FILE", default=None,
+                           help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
+                                "pairing differently named entries")
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")
         p.add_argument("--json", action="store_true", help="machine-readable output")

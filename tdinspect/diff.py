@@ -29,10 +29,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
+from .align.mapping import Mapping
+from .align.transforms import TransformError
 from .dumpset import DumpSet
 from .metrics import TENSOR_METRICS, compare_tensors, metric, stats_rel
-from .naming import parse_key, split_call
+from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
 
@@ -101,8 +104,12 @@ def _signature(pi: PassIndex, i: int) -> tuple:
     return (name, labels, tuple(pi.shape[i] or ()))
 
 
-def _pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str):
-    """``(i_a, i_b, order)`` triples: matched, A-only (i_b None), B-only (i_a None)."""
+def _pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str, mapping=None):
+    """``(i_a, i_b, order)`` triples: matched, A-only (i_b None), B-only (i_a None).
+
+    With a :class:`~tdinspect.align.Mapping`, an A entry meets the B entry its
+    rule names (same call); several A entries may meet one B entry.
+    """
     ka = [i for i, k in enumerate(pa.keys) if keep(k)] if pa else []
     kb = [j for j, k in enumerate(pb.keys) if keep(k)] if pb else []
     if pa is None or pb is None:
@@ -117,6 +124,12 @@ def _pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str):
                 matched[kb[block.b + t]] = ka[block.a + t]
         out = [(i, None, float(i)) for i in ka if i not in matched.values()]
         out += [(matched[j], j, float(matched[j])) for j in kb if j in matched]
+    elif mapping is not None:
+        out = [(i, pb.position.get(_mapped_key(mapping, pa.keys[i])), float(i)) for i in ka]
+        matched = {}
+        for i, j, _ in out:
+            if j is not None:
+                matched.setdefault(j, i)
     else:
         out = [(i, pb.position.get(pa.keys[i]), float(i)) for i in ka]
         matched = {pb.position[pa.keys[i]]: i for i in ka if pa.keys[i] in pb.position}
@@ -127,6 +140,41 @@ def _pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str):
         else:
             out.append((None, j, last + 0.5))
     return sorted(out, key=lambda t: t[2])
+
+
+def _mapped_key(mapping, a_key: str) -> str:
+    base, call = split_call(a_key)
+    return make_key(mapping.partner(base)[0], call)
+
+
+def _missing(job: "PassJob", ia, ib) -> str:
+    """Why an entry has no partner."""
+    if job.missing_reason:
+        return job.missing_reason
+    side = "A" if ib is None else "B"
+    if job.align == "sequence":
+        return f"unmatched in {side}"
+    if side == "A" and job.mapping is not None:
+        base = split_call(job.a.keys[ia])[0]
+        rule = job.mapping.rule_of(base)
+        if rule:
+            return f"only in A (its rule '{rule}' names '{_mapped_key(job.mapping, job.a.keys[ia])}', " \
+                   "not in B)"
+    return f"only in {side}"
+
+
+def _layout(pa: PassIndex, ia: int, pb: PassIndex, ib: int, transform) -> tuple[str, Any]:
+    """``(structural reason or "", B shape after the transform)`` for a matched pair."""
+    shape_a, shape_b = list(pa.shape[ia] or []), list(pb.shape[ib] or [])
+    if transform is None:
+        return ("" if shape_a == shape_b else f"shape {shape_a} vs {shape_b}"), shape_b
+    try:
+        after = transform.out_shape(shape_b)
+    except TransformError as exc:
+        return str(exc), None
+    if after is not None and after != shape_a:
+        return f"shape {shape_a} vs {after} (B {shape_b} after {transform.spec!r})", after
+    return "", after
 
 
 @dataclass
@@ -142,9 +190,13 @@ class PassJob:
     mode: str
     chunk: int
     missing_reason: str = ""
+    mapping: Any = None
 
     def keep(self, key: str) -> bool:
         return self.pattern is None or bool(self.pattern.search(split_call(key)[0]))
+
+    def transform(self, a_key: str):
+        return None if self.mapping is None else self.mapping.partner(split_call(a_key)[0])[1]
 
 
 def compare_pass(job: PassJob) -> list[dict[str, Any]]:
@@ -152,7 +204,7 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
     pa, pb = job.a, job.b
     la = lb = None
     rows = []
-    for ia, ib, order in _pairs(pa, pb, job.keep, job.align):
+    for ia, ib, order in _pairs(pa, pb, job.keep, job.align, job.mapping):
         ref, idx = (pa, ia) if ia is not None else (pb, ib)
         key = ref.keys[idx]
         op, call = split_call(key)
@@ -166,15 +218,18 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
             row[m] = math.nan
         rows.append(row)
         if ia is None or ib is None:
-            side = "A" if ib is None else "B"
-            row.update(structural=True, reason=job.missing_reason or (
-                f"unmatched in {side}" if job.align == "sequence" else f"only in {side}"))
+            row.update(structural=True, reason=_missing(job, ia, ib))
             continue
         if pa.uninitialized[ia] or pb.uninitialized[ib]:
             row["reason"] = "uninitialized (never compared)"
             continue
-        if list(pa.shape[ia] or []) != list(pb.shape[ib] or []):
-            row.update(structural=True, reason=f"shape {pa.shape[ia]} vs {pb.shape[ib]}")
+        transform = job.transform(key)
+        why, _ = _layout(pa, ia, pb, ib, transform)
+        if why:
+            row.update(structural=True, reason=why)
+            continue
+        if job.mode == "stats" and transform is not None:
+            row["reason"] = f"transform {transform.spec!r} needs tensors (statistics-only dump)"
             continue
         if job.mode == "stats":
             sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
@@ -185,11 +240,29 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if la is None:
             la, lb = pa.load(), pb.load()
         ya, xb = pa.tensor(pa.keys[ia], la), pb.tensor(pb.keys[ib], lb)
+        if transform is not None:
+            xb, why = _apply(transform, xb, ya)
+            if why:
+                row.update(structural=True, reason=why)
+                continue
         row.update(compare_tensors(xb, ya, chunk=job.chunk))
         bad = row.pop("nonfinite_mismatch", 0)
         if bad:
             row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
     return rows
+
+
+def _apply(transform, xb, ya):
+    """``(transformed B tensor, structural reason or "")``; a callable may fail or change the shape."""
+    try:
+        out = transform(xb)
+    except Exception as exc:  # a user's callable: any error is this pair's answer, not the diff's
+        return None, f"transform {transform.spec!r} failed: {type(exc).__name__}: {exc}"
+    if not isinstance(out, torch.Tensor):
+        return None, f"transform {transform.spec!r} returned {type(out).__name__}, not a tensor"
+    if out.shape != ya.shape:
+        return None, f"shape {list(ya.shape)} vs {list(out.shape)} (B after {transform.spec!r})"
+    return out, ""
 
 
 class Diff:
@@ -211,6 +284,11 @@ class Diff:
     mode : {"auto", "tensor", "stats"}
         ``"stats"`` compares statistics only (the only choice when a side is
         statistics-only): relative difference of min, max, mean and l2.
+    mapping : dict, path or Mapping, optional
+        Pair differently named entries: ``{a_regex: b_template}`` or
+        ``{a_regex: [b_template, transform]}`` rules, or a YAML/JSON file of
+        them (see :mod:`tdinspect.align.mapping`); :meth:`plan` shows the
+        pairs before any tensor is read.
     passes_in_flight : int, optional
         The memory knob: pass pairs computed together (default: twice the
         worker threads). Peak memory is about the imports (~260 MB) plus the
@@ -224,9 +302,13 @@ class Diff:
     """
 
     def __init__(self, a: DumpSet, b: DumpSet, *, align: str = "name", client: Any = None,
-                 chunk: int = 1 << 18, mode: str = "auto", passes_in_flight: int | None = None):
+                 chunk: int = 1 << 18, mode: str = "auto", passes_in_flight: int | None = None,
+                 mapping: Any = None):
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
+        self.mapping = Mapping.coerce(mapping)
+        if self.mapping is not None and align != "name":
+            raise ValueError("mapping= pairs entries by rule: use it with align='name'")
         if mode not in ("auto", "tensor", "stats"):
             raise ValueError(f"mode={mode!r}: expected 'auto', 'tensor' or 'stats'")
         self.a, self.b = a, b
@@ -257,7 +339,7 @@ class Diff:
             elif pa is None or pb is None:
                 reason = f"pass {p} only in {'A' if pb is None else 'B'}"
             jobs.append(PassJob(rank, p, pa, pb, self.a._op_pattern, self.align, self.mode,
-                                self.chunk, reason))
+                                self.chunk, reason, self.mapping))
         return jobs
 
     def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], pd.DataFrame]]:
@@ -286,6 +368,52 @@ class Diff:
                                     wave=wave)
             start += wave
             wave = min(wave * 2, limit)
+
+    def plan(self, pass_: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Which A entry meets which B entry, through which transform: metadata only.
+
+        Look at it before numbers are computed. One row per pair (and per
+        one-sided entry) with ``rank``, ``pass``, ``a_key``, ``b_key``,
+        ``transform``, ``rule`` (the mapping rule that paired it, ``""`` for
+        identical names), ``shape_a``, ``shape_b`` (as stored), ``shape_b_after``
+        (after the transform) and ``status`` (``"ok"`` or the structural reason
+        the diff will give).
+
+        Parameters
+        ----------
+        pass_, rank : int, optional
+            Restrict to one pass / rank (default: the first pass, every rank).
+
+        Examples
+        --------
+        >>> DumpSet.open("ref").diff("port", mapping="map.yaml").plan()   # doctest: +SKIP
+        """
+        passes = sorted({p for _, p in self.a._passes} | {p for _, p in self.b._passes})
+        pass_ = passes[0] if pass_ is None and passes else pass_
+        out = []
+        for job in self._jobs():
+            if job.pass_ != pass_ or (rank is not None and job.rank != rank):
+                continue
+            pa, pb = job.a, job.b
+            for ia, ib, _ in _pairs(pa, pb, job.keep, job.align, job.mapping):
+                a_key = pa.keys[ia] if ia is not None else ""
+                transform = job.transform(a_key) if ia is not None else None
+                row = {"rank": job.rank, "pass": job.pass_, "a_key": a_key,
+                       "b_key": pb.keys[ib] if ib is not None else "",
+                       "transform": transform.spec if transform is not None else "",
+                       "rule": self.mapping.rule_of(split_call(a_key)[0])
+                       if self.mapping is not None and ia is not None else "",
+                       "shape_a": pa.shape[ia] if ia is not None else None,
+                       "shape_b": pb.shape[ib] if ib is not None else None,
+                       "shape_b_after": None, "status": "ok"}
+                if ia is None or ib is None:
+                    row["status"] = _missing(job, ia, ib)
+                else:
+                    why, row["shape_b_after"] = _layout(pa, ia, pb, ib, transform)
+                    row["status"] = why or "ok"
+                out.append(row)
+        return pd.DataFrame(out, columns=["rank", "pass", "a_key", "b_key", "transform", "rule",
+                                          "shape_a", "shape_b", "shape_b_after", "status"])
 
     # -- thresholds ---------------------------------------------------------------------
     def _threshold_fn(self, threshold, metric_name: str):

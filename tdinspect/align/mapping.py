@@ -1,0 +1,168 @@
+r"""Mapping: which B entry an A entry meets when the two runs name things differently.
+
+Rules are ``{a_regex: b_template}`` or ``{a_regex: [b_template, transform]}``.
+An A entry whose name (without ``::callN``) fully matches ``a_regex`` (the
+first matching rule wins) meets the B entry named by ``match.expand(b_template)``,
+same call and pass, after ``transform`` is applied to the B tensor. Entries no
+rule covers pair by identical name. Several A entries may take slices of one B
+entry (``q``, ``k``, ``v`` from a fused ``qkv``).
+
+Examples
+--------
+>>> m = Mapping({r"model\.layers\.(\d+)\.self_attn\.q_proj": [r"model.blocks.\1.attn.qkv", "chunk(3, -1)[0]"]})
+>>> b, t = m.partner("model.layers.4.self_attn.q_proj")
+>>> b, str(t)
+('model.blocks.4.attn.qkv', 'chunk(3, -1)[0]')
+>>> m.partner("model.norm")
+('model.norm', None)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .transforms import Transform, TransformError, as_transform
+
+
+class MappingError(ValueError):
+    """A mapping file or rule that cannot be used (the message names the rule)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One compiled rule: A pattern, B template, optional transform."""
+
+    pattern: re.Pattern
+    template: str
+    transform: Transform | None
+
+    @property
+    def source(self) -> str:
+        return self.pattern.pattern
+
+
+class Mapping:
+    """Compiled mapping rules (see the module docstring); picklable when its
+    transforms are parsed specs.
+
+    Parameters
+    ----------
+    rules : dict
+        ``{a_regex: b_template}`` or ``{a_regex: [b_template, transform]}``,
+        in priority order; ``transform`` is a spec string or a callable.
+    """
+
+    def __init__(self, rules: dict[str, Any] | None = None):
+        self.rules: list[Rule] = []
+        for pattern, target in (rules or {}).items():
+            self.rules.append(_rule(pattern, target))
+        self._cache: dict[str, tuple[str, Transform | None, int]] = {}
+
+    @classmethod
+    def coerce(cls, value: "Mapping | dict | str | os.PathLike | None") -> "Mapping | None":
+        """A Mapping from a Mapping, a dict of rules, or a YAML/JSON file path."""
+        if value is None or isinstance(value, Mapping):
+            return value
+        if isinstance(value, dict):
+            return cls(value)
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_file(value)
+        rules = getattr(value, "rules", None)  # a suggestion object
+        if isinstance(rules, dict):
+            return cls(rules)
+        raise MappingError(f"mapping must be a dict of rules, a file path or a Mapping, "
+                           f"not {type(value).__name__}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Mapping":
+        """Read rules from a YAML or JSON file (``yaml.safe_load``: data only)."""
+        import yaml
+
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise MappingError(f"{path}: cannot read the mapping file ({exc.strerror})") from None
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise MappingError(f"{path}: not valid YAML or JSON ({str(exc).splitlines()[0]})") from None
+        if doc is None:
+            doc = {}
+        if isinstance(doc, dict) and set(doc) == {"rules"} and isinstance(doc["rules"], dict):
+            doc = doc["rules"]
+        if not isinstance(doc, dict):
+            raise MappingError(f"{path}: expected a mapping of a_regex: b_template rules, "
+                               f"found {type(doc).__name__}")
+        try:
+            return cls(doc)
+        except MappingError as exc:
+            raise MappingError(f"{path}: {exc}") from None
+
+    def partner(self, a_base: str) -> tuple[str, Transform | None]:
+        """``(b_base, transform)`` for an A entry name without ``::callN``."""
+        hit = self._cache.get(a_base)
+        if hit is None:
+            hit = (a_base, None, -1)
+            for n, rule in enumerate(self.rules):
+                m = rule.pattern.fullmatch(a_base)
+                if m is not None:
+                    try:
+                        hit = (m.expand(rule.template), rule.transform, n)
+                    except (re.error, IndexError) as exc:
+                        raise MappingError(f"rule '{rule.source}': template {rule.template!r} "
+                                           f"cannot be expanded for {a_base!r} ({exc})") from None
+                    break
+            self._cache[a_base] = hit
+        return hit[0], hit[1]
+
+    def rule_of(self, a_base: str) -> str:
+        """The pattern of the rule that covers ``a_base`` (``""`` when none does)."""
+        self.partner(a_base)
+        n = self._cache[a_base][2]
+        return self.rules[n].source if n >= 0 else ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rules as written in a mapping file (callable transforms by name)."""
+        return {r.source: ([r.template, r.transform.spec] if r.transform else r.template)
+                for r in self.rules}
+
+    def __getstate__(self):
+        return {"rules": self.rules, "_cache": {}}
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __repr__(self) -> str:
+        return f"Mapping({len(self.rules)} rules)"
+
+
+def _rule(pattern: Any, target: Any) -> Rule:
+    if not isinstance(pattern, str):
+        raise MappingError(f"rule '{pattern}': the A pattern must be a string")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise MappingError(f"rule '{pattern}': invalid regex ({exc})") from None
+    transform = None
+    if isinstance(target, (list, tuple)):
+        if len(target) != 2 or not isinstance(target[0], str):
+            raise MappingError(f"rule '{pattern}': expected b_template or [b_template, transform], "
+                               f"got {target!r}")
+        target, spec = target
+        try:
+            transform = as_transform(spec)
+        except TransformError as exc:
+            raise MappingError(f"rule '{pattern}': {exc}") from None
+    if not isinstance(target, str) or not target:
+        raise MappingError(f"rule '{pattern}': the B template must be a non-empty string, "
+                           f"got {target!r}")
+    try:
+        compiled.sub(target, "")  # checks group references against the pattern (no match needed)
+    except (re.error, IndexError) as exc:
+        raise MappingError(f"rule '{pattern}': bad template {target!r} ({exc})") from None
+    return Rule(compiled, target, transform)
