@@ -19,7 +19,11 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  "stored": [bool],                      # tensor present in the .pt file
                  # op level only:
                  "uninitialized": [bool],               # output of empty/empty_like/...
-                 "ref": [null | {"kind": "same"|"view", "of": key}],
+                 "ref": [null | {"kind": "same", "of": key}
+                         | {"kind": "view", "of": stored_key, "base": geometry, "view": geometry}],
+                 # geometry = [sizes, strides, storage_offset] in the storage they shared;
+                 # a view is rebuilt by indexing the stored tensor (tdinspect.reindex), never
+                 # by running an operator
                  "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]}}
 
 Writes are atomic: a temporary name in the same folder, then ``os.replace``.
@@ -256,41 +260,72 @@ def encode_arg(value: Any, tensor_key: str | None = None) -> Any:
     return {"repr": repr(value)}
 
 
-def decode_arg(value: Any, tensors: Callable[[str], torch.Tensor] | None = None) -> Any:
+_ENUMS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
+
+
+def decode_arg(value: Any, tensors: Callable[[str], torch.Tensor] | None = None,
+               where: str = "recorded call") -> Any:
     """Rebuild one argument leaf written by :func:`encode_arg`.
 
     ``tensors(key)`` supplies recorded tensors; a tensor that was not recorded
-    (or an argument only kept as its ``repr``) raises ``DumpFormatError``.
+    (or an argument only kept as its ``repr``) raises ``DumpFormatError``, as
+    does anything that is not plain data (a name that is not a torch dtype,
+    layout or memory format...); ``where`` names the file in messages.
     """
-    if not isinstance(value, dict):
+    if value is None or type(value) in (bool, int, float, str):
         return value
-    if "t" in value:
-        if value["t"] is None or tensors is None:
-            raise DumpFormatError("this op's tensor argument was not recorded; capture with "
-                                  "inputs=True to rebuild it")
-        return tensors(value["t"])
-    if "f" in value:
-        return float(value["f"])
-    if "dtype" in value:
-        return getattr(torch, value["dtype"])
-    if "device" in value:
-        return torch.device(value["device"])
-    if "layout" in value:
-        return getattr(torch, value["layout"])
-    if "memory_format" in value:
-        return getattr(torch, value["memory_format"])
-    if "complex" in value:
-        return complex(*value["complex"])
-    raise DumpFormatError(f"argument {value.get('repr', value)!r} was recorded only as text")
-
-
-def resolve_aten(name: str):
-    """The ``torch.ops`` overload named like ``"aten.native_layer_norm.default"``."""
+    if not isinstance(value, dict) or len(value) != 1:
+        raise DumpFormatError(f"{where}: malformed argument {str(value)[:80]!r}")
+    (tag, data), = value.items()
     try:
-        namespace, op, overload = name.split(".")
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-    except (ValueError, AttributeError, RuntimeError):
-        raise DumpFormatError(f"unknown operator {name!r}") from None
+        if tag == "t":
+            if data is None or tensors is None:
+                raise DumpFormatError(f"{where}: this op's tensor argument was not recorded; "
+                                      "capture with inputs=True to rebuild it")
+            if not isinstance(data, str):
+                raise TypeError
+            return tensors(data)
+        if tag == "f" and data in ("nan", "inf", "-inf"):
+            return float(data)
+        if tag in _ENUMS and isinstance(data, str) and data.isidentifier():
+            found = getattr(torch, data, None)
+            if isinstance(found, _ENUMS[tag]):
+                return found
+        if tag == "device" and isinstance(data, str):
+            return torch.device(data)
+        if tag == "complex" and isinstance(data, list) and len(data) == 2 \
+                and all(type(v) in (int, float) for v in data):
+            return complex(*data)
+    except (TypeError, ValueError, RuntimeError, KeyError):
+        pass
+    if tag == "repr":
+        raise DumpFormatError(f"{where}: argument {str(data)[:80]!r} was recorded only as text")
+    raise DumpFormatError(f"{where}: malformed argument {str(value)[:80]!r}")
+
+
+_SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
+
+
+def load_call_spec(text: str, where: str = "recorded call"):
+    """The argument structure of a recorded call: tuples, lists and dicts only.
+
+    A ``treespec_dumps`` string is checked (node types, depth) before it is
+    given to ``treespec_loads``, so a file cannot name another pytree type.
+    """
+    from torch.utils._pytree import treespec_loads
+
+    try:
+        doc = json.loads(text)
+        todo = [(doc[1], 0)]
+        while todo:
+            node, depth = todo.pop()
+            if (not isinstance(node, dict) or node.get("type") not in _SPEC_TYPES or depth > 32
+                    or not isinstance(node.get("children_spec"), list)):
+                raise ValueError
+            todo.extend((child, depth + 1) for child in node["children_spec"])
+        return treespec_loads(text)
+    except Exception:  # noqa: BLE001 - any failure is a malformed structure
+        raise DumpFormatError(f"{where}: malformed argument structure") from None
 
 
 @dataclass

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_unflatten, treespec_loads
+from torch.utils._pytree import tree_unflatten
 
-from .format import (DumpFormatError, PassFiles, decode_arg, load_pass, read_sidecar,
-                     resolve_aten)
+from .format import DumpFormatError, PassFiles, decode_arg, load_call_spec, load_pass, read_sidecar
 from .naming import parse_key
+from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
 
 
@@ -107,35 +107,57 @@ class PassIndex:
         if self.stored[i]:
             return loaded[key]
         ref = self.ref[i]
-        if not ref:
-            raise DumpFormatError(f"{self.path}: entry {key!r} has no stored tensor")
-        base = self.tensor(ref["of"], loaded)
-        if ref.get("kind") == "view":
-            return self.rebuild_call(i, loaded, override={ref["of"]: base})
-        return base
+        where = f"{self.path}: entry {key!r}"
+        if not isinstance(ref, dict) or not isinstance(ref.get("of"), str):
+            raise DumpFormatError(f"{where} has no stored tensor")
+        j = self.position.get(ref["of"])
+        if j is None or j == i:
+            raise DumpFormatError(f"{where} refers to {ref['of']!r}, which is not in this pass")
+        if ref.get("kind") == "same" and self.stored[j]:
+            return loaded[ref["of"]]
+        if ref.get("kind") == "same" and isinstance(self.ref[j], dict) \
+                and self.ref[j].get("kind") == "view":
+            i, ref, where = j, self.ref[j], f"{self.path}: entry {self.keys[j]!r}"
+            j = self.position.get(ref["of"]) if isinstance(ref.get("of"), str) else None
+        if ref.get("kind") != "view" or j is None or not self.stored[j]:
+            raise DumpFormatError(f"{where}: its reference {str(ref)[:120]} does not lead to a "
+                                  "stored tensor")
+        if "view" not in ref:
+            raise DumpFormatError(f"{where}: a view recorded by an older tdinspect (rebuilt by "
+                                  "running an operator, which is no longer done); capture again")
+        base = loaded[self.keys[j]]
+        if self.dtype[i] != str(base.dtype):
+            raise DumpFormatError(f"{where}: dtype {self.dtype[i]} differs from the stored "
+                                  f"tensor's ({base.dtype})")
+        return reindex(base, ref.get("base"), ref["view"], where)
 
-    def rebuild_args(self, i: int, loaded, override=None, cast=None):
-        """``(op, args, kwargs)`` of the op call recorded at entry ``i``."""
+    def rebuild_args(self, i: int, loaded, cast=None) -> tuple[str, tuple, dict]:
+        """``(op name, args, kwargs)`` of the op call recorded at entry ``i``.
+
+        The operator is only named, never resolved or run here: see
+        :func:`tdinspect.replay`, which decides whether it is safe to run.
+        """
         spec = self.call_args[i]
+        where = f"{self.path}: entry {self.keys[i]!r}"
         if not spec:
-            raise DumpFormatError(f"{self.path}: entry {self.keys[i]!r} has no recorded call "
+            raise DumpFormatError(f"{where} has no recorded call "
                                   "(capture_ops(..., inputs=True) records them)")
-        override = override or {}
+        if (not isinstance(spec, dict) or not isinstance(spec.get("aten"), str)
+                or not isinstance(spec.get("leaves"), list) or not isinstance(spec.get("spec"), str)):
+            raise DumpFormatError(f"{where}: malformed recorded call")
 
         def fetch(key):
-            t = override[key] if key in override else self.tensor(key, loaded)
+            t = self.tensor(key, loaded)
             return cast(t) if cast is not None else t
 
-        leaves = [decode_arg(v, fetch) for v in spec["leaves"]]
-        args, kwargs = tree_unflatten(leaves, treespec_loads(spec["spec"]))
-        return resolve_aten(spec["aten"]), args, kwargs
-
-    def rebuild_call(self, i: int, loaded, override=None):
-        op, args, kwargs = self.rebuild_args(i, loaded, override)
-        out = op(*args, **kwargs)
-        if isinstance(out, (tuple, list)):
-            out = out[parse_key(self.keys[i]).index or 0]
-        return out
+        leaves = [decode_arg(v, fetch, where) for v in spec["leaves"]]
+        structure = load_call_spec(spec["spec"], where)
+        try:
+            args, kwargs = tree_unflatten(leaves, structure)
+        except Exception as exc:  # noqa: BLE001 - leaves and structure disagree
+            raise DumpFormatError(f"{where}: recorded call does not fit its structure "
+                                  f"({type(exc).__name__})") from None
+        return spec["aten"], args, kwargs
 
     # -- statistics --------------------------------------------------------------------
     def ensure_stats(self) -> np.ndarray:

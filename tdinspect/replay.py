@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,75 @@ class ReplayResult:
                 f"against a {str(self.dtype).removeprefix('torch.')} re-run)")
 
 
+# operators refused whatever their schema says: they reach files, other devices' state,
+# or copy into memory they did not allocate
+DENIED = frozenset({"from_file", "save", "load", "_copy_from", "_copy_from_and_resize", "copy",
+                    "copy_", "set_", "_set_from", "record_stream", "_print", "_assert_async",
+                    "_assert_scalar", "_local_scalar_dense", "_nested_tensor_from_mask",
+                    "_foobar", "_make_per_tensor_quantized_tensor"})
+# string arguments that are a fixed choice (``gelu(approximate="tanh")``), never a path
+STRING_CHOICES = frozenset({"approximate", "rounding_mode", "reduce", "equation", "side",
+                            "indexing", "padding_mode", "mode", "interpolation_mode", "UPLO",
+                            "driver"})
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ReplayRefused(DumpFormatError):
+    """The recorded op is not one ``replay`` runs (it could act outside its own outputs)."""
+
+
+def safe_op(name: Any, where: str = "replay"):
+    """The aten overload named ``name``, if running it can have no effect but its fresh outputs.
+
+    The decision is read from the operator's schema: every argument is a
+    plain input (no ``Tensor(a!)`` mutation, no alias of an argument, no
+    ``out=``), no string argument except known fixed choices (a string can be
+    a path), not random (``nondeterministic_seeded``: it moves the generator),
+    in the ``aten`` namespace, and not on the short :data:`DENIED` list.
+
+    Raises
+    ------
+    ReplayRefused
+        Saying why, naming ``where`` (the file and entry).
+
+    Examples
+    --------
+    >>> safe_op("aten.gelu.default")
+    <OpOverload(op='aten.gelu', overload='default')>
+    >>> safe_op("aten.from_file.default")                  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tdinspect.replay.ReplayRefused: replay: aten.from_file.default ... not run ...
+    """
+    parts = name.split(".") if isinstance(name, str) else []
+    if len(parts) != 3 or not all(_NAME.match(p) for p in parts) or parts[0] != "aten":
+        raise ReplayRefused(f"{where}: {str(name)[:80]!r} is not an aten operator name: not run")
+    _, op_name, overload = parts
+    reason = None
+    packet = getattr(torch.ops.aten, op_name, None) if op_name not in DENIED else None
+    if op_name in DENIED:
+        reason = "it is on the list of operators replay never runs"
+    elif not isinstance(packet, torch._ops.OpOverloadPacket) or overload not in packet.overloads():
+        reason = "no such operator in this torch"
+    else:
+        op = getattr(packet, overload)
+        schema = op._schema
+        for arg in schema.arguments:
+            if arg.alias_info is not None or arg.is_out:
+                reason = f"its argument {arg.name!r} is written or aliased"
+            elif "str" in str(arg.type) and arg.name not in STRING_CHOICES:
+                reason = f"it takes a string {arg.name!r} (a path, perhaps)"
+            if reason:
+                break
+        if reason is None and any(r.alias_info is not None for r in schema.returns):
+            reason = "its output aliases an argument"
+        if reason is None and torch.Tag.nondeterministic_seeded in op.tags:
+            reason = "it is random (it would move the random generator and cannot repeat)"
+        if reason is None:
+            return op
+    raise ReplayRefused(f"{where}: {name} is not run by replay: {reason}")
+
+
 def _out0_key(key: str) -> str:
     base, call = split_call(key)
     parts = parse_key(base)
@@ -100,6 +170,11 @@ def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
     Returns
     -------
     ReplayResult
+
+    Raises
+    ------
+    ReplayRefused
+        If the recorded op could act beyond its own outputs (see :func:`safe_op`).
     """
     from .dumpset import DumpSet
 
@@ -115,7 +190,11 @@ def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
         return t.to(dtype) if t.is_floating_point() else t
 
     loaded = pi.load()
-    op, args, kwargs = pi.rebuild_args(i, loaded, cast=cast)
+    spec = pi.call_args[i]
+    if isinstance(spec, dict):  # refused before any argument is even decoded
+        safe_op(spec.get("aten"), f"{pi.path}: entry {out0!r}")
+    name, args, kwargs = pi.rebuild_args(i, loaded, cast=cast)
+    op = safe_op(name, f"{pi.path}: entry {out0!r}")
     rerun = [t for t in tree_flatten(op(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
     result = ReplayResult(str(op), out0, dtype)
     base, call = split_call(out0)

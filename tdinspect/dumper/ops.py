@@ -22,7 +22,10 @@ What is stored (the sidecar says which, see :mod:`tdinspect.format`):
 - an input that is the output (or input) of an op already recorded in the
   same pass, unchanged since, is a reference (``ref = {"kind": "same"}``);
   a view op's output of a recorded tensor is a reference too
-  (``{"kind": "view"}``), rebuilt on load by re-running the view op;
+  (``{"kind": "view", "of": stored_key, "base": geometry, "view": geometry}``,
+  a geometry being ``[sizes, strides, storage_offset]`` in the shared storage),
+  rebuilt on load by re-indexing the stored tensor (:mod:`tdinspect.reindex`),
+  never by running an operator;
 - outputs of ``empty``-like ops are marked ``uninitialized`` and not stored;
 - non-tensor arguments go in the sidecar (``call_args``) so an op can be
   rebuilt and re-run by :func:`tdinspect.replay`.
@@ -54,6 +57,8 @@ _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empt
 # views whose elements are exactly their base's (reordered): they share its statistics
 _SAME_ELEMENTS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "detach", "alias",
                   "unsqueeze", "squeeze", "flatten", "view_as", "_reshape_alias", "unflatten"}
+# views that may reach storage outside their base's elements: stored, not referenced
+_ANY_ELEMENTS = {torch.ops.aten.as_strided.default}
 _META_KEY = "tdinspect_module"
 _SHORT_DTYPE = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
                 torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
@@ -179,7 +184,9 @@ class OpCapture:
         self._write = config.enabled
         self._predicate = config.predicate() if self.enabled else None
         self._keep: dict[str, bool] = {}
-        self._seen: dict[tuple, tuple[Any, str, bool]] = {}
+        # identity -> (weak storage ref, key, uninitialized, root): ``root`` is the stored
+        # entry holding this tensor's elements and that entry's geometry in the storage
+        self._seen: dict[tuple, tuple[Any, str, bool, tuple]] = {}
         self._by_storage: dict[int, set] = {}
         self._writes: dict[Any, list] = {}
         self._specs: dict[Any, str] = {}
@@ -251,21 +258,24 @@ class OpCapture:
         return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                 t.dtype, t.device)
 
-    def _lookup(self, t: torch.Tensor) -> tuple[str, bool] | None:
-        """``(key, uninitialized)`` of the recorded entry ``t`` still equals, else ``None``."""
+    def _lookup(self, t: torch.Tensor) -> tuple[str, bool, tuple] | None:
+        """``(key, uninitialized, root)`` of the recorded entry ``t`` still equals, else ``None``."""
         if t.device.type == "meta":
             return None
         hit = self._seen.get(self._identity(t))
         if hit is None:
             return None
-        ref, key, uninit = hit
-        return (key, uninit) if ref() is not None else None
+        ref, key, uninit, root = hit
+        return (key, uninit, root) if ref() is not None else None
 
-    def _remember(self, t: torch.Tensor, key: str, uninitialized: bool = False) -> None:
+    def _remember(self, t: torch.Tensor, key: str, uninitialized: bool = False,
+                  root: tuple | None = None) -> None:
         if t.device.type != "meta":
             ident = self._identity(t)
+            if root is None:  # a stored entry: its own root, at its place in the storage
+                root = (key, [*ident[2]], [*ident[3]], ident[1])
             # a weak reference to the storage: a freed and reused address is no match
-            self._seen[ident] = (weakref.ref(t.untyped_storage()), key, uninitialized)
+            self._seen[ident] = (weakref.ref(t.untyped_storage()), key, uninitialized, root)
             self._by_storage.setdefault(ident[0], set()).add(ident)
 
     def _forget_written(self, func, args, kwargs) -> None:
@@ -291,7 +301,7 @@ class OpCapture:
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
         mtype = self._tracker.types.get(module, "")
         view_base = self._view_base(func, args)
-        need_args = self.inputs or self.trace is not None or view_base is not None
+        need_args = self.inputs or self.trace is not None
         leaves, spec = tree_flatten((args, kwargs)) if need_args else ((), None)
         in_keys: list[str | None] = [None] * len(leaves)
         if self.inputs and rec is not None:
@@ -326,7 +336,7 @@ class OpCapture:
         if rec is None or not outs:
             return out
         base = self._lookup(view_base) if view_base is not None else None
-        base_key = base[0] if base is not None and not base[1] else None
+        root = base[2] if base is not None and not base[1] else None
         for i, o in enumerate(outs):
             key = f"{site}[out{i}]{suffix}"
             if uninitialized:
@@ -334,19 +344,20 @@ class OpCapture:
                 self._remember(o, key, uninitialized=True)
                 continue
             call_args = None
-            if (self.inputs and i == 0) or base_key is not None:
-                keys = in_keys if self.inputs else [base_key if leaf is view_base else None
-                                                    for leaf in leaves]
+            if self.inputs and i == 0:
                 call_args = {"aten": str(func), "spec": self._spec_json(spec),
-                             "leaves": [encode_arg(v, k) for v, k in zip(leaves, keys)]}
-            if base_key is not None:
-                same = base_key if func._overloadpacket.__name__ in _SAME_ELEMENTS else None
-                rec.record(key, o, module_type=mtype, store=False, aten=str(func),
-                           ref={"kind": "view", "of": base_key}, call_args=call_args,
-                           same_stats_as=same)
+                             "leaves": [encode_arg(v, k) for v, k in zip(leaves, in_keys)]}
+            if root is not None and o.dtype == view_base.dtype:
+                # a view: where its elements sit in the stored entry's storage, nothing to run
+                same = base[0] if func._overloadpacket.__name__ in _SAME_ELEMENTS else None
+                ref = {"kind": "view", "of": root[0], "base": root[1:],
+                       "view": [[*o.shape], [*o.stride()], o.storage_offset()]}
+                rec.record(key, o, module_type=mtype, store=False, aten=str(func), ref=ref,
+                           call_args=call_args, same_stats_as=same)
+                self._remember(o, key, root=root)
             else:
                 rec.record(key, o, module_type=mtype, aten=str(func), call_args=call_args)
-            self._remember(o, key)
+                self._remember(o, key)
         return out
 
     def _spec_json(self, spec) -> str:
@@ -363,7 +374,7 @@ class OpCapture:
     def _view_base(func, args) -> torch.Tensor | None:
         """The input a pure view op aliases (its ``self``), else ``None``."""
         returns = func._schema.returns
-        if not func.is_view or not returns or len(returns) != 1:
+        if not func.is_view or not returns or len(returns) != 1 or func in _ANY_ELEMENTS:
             return None
         alias = returns[0].alias_info
         if alias is None or alias.is_write:
