@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 from .config import ConfigError, DumpConfig
+from .dumper.checks import DivergenceError, NonFinite, NonFiniteError
 from .dumper.modules import ModuleCapture, capture
 from .dumper.writer import CaptureWriteError
 from .format import DumpFormatError, load_pass
@@ -38,7 +39,7 @@ _LAZY = {
 }
 
 __all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
-           "CaptureWriteError", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
+           "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
            "replay", "DumpSet", "Diff", "Divergence", "explore", "plot",
            "load_ipython_extension", "unload_ipython_extension"]
 

@@ -1,4 +1,4 @@
-"""Command line: ``tdinspect ls|stats|diff|first-divergence|demo``.
+"""Command line: ``tdinspect ls|stats|diff|first-divergence|first-nonfinite|demo``.
 
 Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
 (one line on stderr naming the file or argument; ``--debug`` adds the
@@ -14,6 +14,7 @@ Examples
     tdinspect stats dumps/run_a --op 'layers\\.0\\.'
     tdinspect diff dumps/run_a dumps/run_b --metric rel_diff --threshold 1e-3
     tdinspect first-divergence dumps/run_a dumps/run_b --threshold 'attn=1e-2' --json
+    tdinspect first-nonfinite dumps/run_a
 """
 
 from __future__ import annotations
@@ -177,6 +178,22 @@ def cmd_diff(args) -> int:
     return 1
 
 
+def cmd_first_nonfinite(args) -> int:
+    from .dumpset import DumpSet
+
+    found = DumpSet.open(args.path, on_error=args.on_error).first_nonfinite()
+    if args.json:
+        print(_dump(None if found is None else {
+            "key": found.key, "op": found.op, "call": found.call, "pass": found.pass_,
+            "rank": found.rank, "nan": found.nan, "inf": found.inf, "numel": found.numel,
+            "inherited": found.inherited, "order": found.order}))
+    elif found is None:
+        print(f"no NaN/Inf in {args.path}")
+    else:
+        print(f"first non-finite output: {found.describe()}")
+    return 0 if found is None else 1
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -217,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, two=True)
     p.add_argument("--limit", type=int, default=20, help="rows shown")
     common(sub.add_parser("first-divergence", help="the first divergent entry"), two=True)
+    common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
     p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -225,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
-            "first-divergence": cmd_first_divergence, "demo": cmd_demo}
+            "first-divergence": cmd_first_divergence, "first-nonfinite": cmd_first_nonfinite,
+            "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

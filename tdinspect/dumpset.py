@@ -323,6 +323,22 @@ class DumpSet:
             other = DumpSet.open(other, client=self.client)
         return Diff(self, other, **kwargs)
 
+    def first_nonfinite(self):
+        """The first output holding NaN or Inf, in (pass, execution order), or ``None``.
+
+        Read from the statistics (computed for passes without sidecars); at op
+        level says whether the op's recorded inputs already held NaN/Inf. See
+        :mod:`tdinspect.health`.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/run_a").first_nonfinite()     # doctest: +SKIP
+        NonFinite(model.layers.1.mlp.down (call 0, pass 2): 3 NaN and 0 Inf of 2048 elements)
+        """
+        from .health import first_nonfinite
+
+        return first_nonfinite(self)
+
     # -- display --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         calls = max((split_call(k)[1] for pi in self._passes.values() for k in pi.keys), default=0)

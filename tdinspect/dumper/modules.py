@@ -29,7 +29,8 @@ from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatte
 
 from ..config import ConfigError, DumpConfig, FilterSpec
 from ..naming import CALL_SEP, label
-from .recorder import Recorder
+from .checks import CaptureCheckError, HealthCheck
+from .recorder import Recorder, current_rank
 
 
 def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,13 +88,14 @@ class ModuleCapture:
     """A running module-level capture; made by :func:`capture`.
 
     Use it as a context manager, or call :meth:`close` yourself. When dumping
-    is off (no directory in the arguments, config or environment) it installs
-    nothing and every method is a no-op, so it can stay in an engine loop.
+    is off (no directory in the arguments, config or environment) and no check
+    is asked for, it installs nothing and every method is a no-op, so it can
+    stay in an engine loop.
 
     Attributes
     ----------
     enabled : bool
-        Whether hooks are installed and passes are written.
+        Whether hooks are installed (to write passes, to check, or both).
     folder : Path or None
         This process's ``rank<R>_pid<P>`` folder.
     names : list of str
@@ -103,9 +105,10 @@ class ModuleCapture:
     def __init__(self, model: nn.Module | None, config: DumpConfig, *, root: str = "model",
                  modules: str = "leaves", stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
-                 background_write: bool | None = None):
+                 background_write: bool | None = None, on_nonfinite: str | None = None):
         self.config = config
-        self.enabled = config.enabled
+        self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
+        self.enabled = config.enabled or self.health is not None
         self.folder = None
         self.names: list[str] = []
         self._handles: list[Any] = []
@@ -130,7 +133,7 @@ class ModuleCapture:
                           "capturing (hooks do not fire inside compiled graphs)", stacklevel=3)
             self._stance = torch.compiler.set_stance("force_eager")
             self._stance.__enter__()
-        self.recorder = Recorder(config.dump_dir, level="module", stats_only=stats_only,
+        self.recorder = Recorder(config.dump_dir if config.enabled else None, level="module", stats_only=stats_only,
                                  max_pending_bytes=max_pending_bytes, fsync=fsync,
                                  background_write=background_write)
         self.folder = self.recorder.folder
@@ -139,7 +142,7 @@ class ModuleCapture:
             self._handles.append(mod.register_forward_hook(self._make_hook(name, type(mod).__name__)))
 
     def _make_hook(self, name: str, module_type: str):
-        rec, fired = self.recorder, self._fired
+        rec, fired, health = self.recorder, self._fired, self.health
 
         def hook(module, args, output):
             if self._under_graph_capture(output):
@@ -147,7 +150,10 @@ class ModuleCapture:
             call = rec.next_call(name)
             suffix = "" if call == 0 else f"{CALL_SEP}{call}"
             for sub, tensor in flatten_output(output):
-                rec.record(name + sub + suffix, tensor, module_type=module_type)
+                key = name + sub + suffix
+                if health is not None:
+                    self._checked(health.check, key, tensor, pass_=rec.pass_index, order=len(rec))
+                rec.record(key, tensor, module_type=module_type)
             fired.add(name)
             return None
 
@@ -164,21 +170,36 @@ class ModuleCapture:
                           "(DumpConfig.use_cuda_graph).", RuntimeWarning, stacklevel=3)
         return True
 
+    def _checked(self, check, *args, **kwargs):
+        """Run a check; when it raises, leave the model as it was (hooks removed, no partial
+        pass written) before the error leaves ``model(...)`` or ``step()``."""
+        try:
+            return check(*args, **kwargs)
+        except CaptureCheckError:
+            self.close(write_pending=False, warn=False)
+            raise
+
     # -- public API -----------------------------------------------------------------------
     def step(self):
         """End the current pass and write it (always, even when empty).
+
+        With ``on_nonfinite``, flags kept on an accelerator are read here (one
+        copy per step) and the first offending entry is reported.
 
         Returns
         -------
         Path or None
             The pass file being written, or ``None`` when dumping is off.
         """
-        if not self.enabled:
+        if not self.enabled or self.recorder is None:
             return None
         self.recorder.warn_if_empty("no hook fired during this step. Was model.forward() called "
                                     "directly (hooks need model(...)), or did the model run under "
                                     "CUDA-graph replay or torch.compile?")
-        return self.recorder.step()
+        path = self.recorder.step()
+        if self.health is not None:
+            self._checked(self.health.end_pass)
+        return path
 
     @property
     def unfired(self) -> list[str]:
@@ -189,7 +210,7 @@ class ModuleCapture:
         """
         return [n for n in self.names if n not in self._fired]
 
-    def close(self, write_pending: bool = True) -> None:
+    def close(self, write_pending: bool = True, warn: bool = True) -> None:
         """Write a pending non-empty pass, remove every hook, wait for the writer."""
         if not self.enabled or self.recorder is None:
             return
@@ -202,7 +223,7 @@ class ModuleCapture:
         rec, self.recorder = self.recorder, None
         unfired = self.unfired
         rec.close(write_pending=write_pending)
-        if self._warn_unfired and unfired and rec.pass_index:
+        if warn and self._warn_unfired and unfired and rec.pass_index:
             shown = ", ".join(unfired[:5]) + (" ..." if len(unfired) > 5 else "")
             warnings.warn(f"tdinspect: {len(unfired)} selected module(s) never ran a hooked forward: "
                           f"{shown}", RuntimeWarning, stacklevel=2)
@@ -236,7 +257,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
             stats_only: bool = False, max_pending_bytes: int = 2 << 30, fsync: bool = False,
             warn_unfired: bool = True, background_write: bool | None = None,
-            environ=None) -> ModuleCapture:
+            on_nonfinite: str | None = None, environ=None) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
 
     Parameters
@@ -268,6 +289,12 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     background_write : bool, optional
         Write passes in a background thread (overlapping the next step) or in
         ``step()``. Default: in the background when a CPU core is free for it.
+    on_nonfinite : {"raise", "warn"}, optional
+        Check every output for NaN/Inf (one fused reduction on its device),
+        with or without a dump: ``"raise"`` raises
+        :class:`tdinspect.NonFiniteError` naming the first offending module,
+        call and pass (hooks removed, the unfinished pass not written);
+        ``"warn"`` warns once per pass and goes on.
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -285,4 +312,4 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
     return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
                          max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
-                         background_write=background_write)
+                         background_write=background_write, on_nonfinite=on_nonfinite)

@@ -49,8 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import ConfigError, DumpConfig, FilterSpec
 from ..format import encode_arg
 from ..naming import CALL_SEP
+from .checks import CaptureCheckError, HealthCheck, any_nonfinite
 from .modules import resolve_config
-from .recorder import Recorder
+from .recorder import Recorder, current_rank
 
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "empty_permuted"}
@@ -176,9 +177,11 @@ class OpCapture:
     def __init__(self, config: DumpConfig, *, model: nn.Module | None = None, root: str = "model",
                  inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                 background_write: bool | None = None):
+                 background_write: bool | None = None, on_nonfinite: str | None = None):
         self.config = config
-        self.enabled = config.enabled or bool(trace)
+        self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
+        self._failed = False  # a check raised: ops run unrecorded until close()
+        self.enabled = config.enabled or bool(trace) or self.health is not None
         self.inputs = inputs
         self.trace = (sys.stdout if trace is True else trace) or None
         self._write = config.enabled
@@ -204,9 +207,9 @@ class OpCapture:
         """Begin recording (``with`` calls this)."""
         if not self.enabled or self._mode is not None:
             return self
-        if self._write:
-            self.recorder = Recorder(self.config.dump_dir, level="op", stats_only=self._stats_only,
-                                     **self._writer_args)
+        if self._write or self.health is not None:
+            self.recorder = Recorder(self.config.dump_dir if self._write else None, level="op",
+                                     stats_only=self._stats_only, **self._writer_args)
             self.folder = self.recorder.folder
         self._tracker.attach(self._model)
         self._mode = _OpRecorderMode(self)
@@ -221,7 +224,25 @@ class OpCapture:
         self._seen.clear()
         self._by_storage.clear()
         with _disable_current_modes():  # the recorder's own ops are not the model's
-            return self.recorder.step()
+            path = self.recorder.step()
+            if self.health is not None:
+                self._checked(self.health.end_pass)
+            return path
+
+    def _checked(self, check, *args, **kwargs):
+        """Run a check; when it raises, record nothing more and write no partial pass.
+
+        The dispatch mode itself is popped by ``close()`` (``with`` calls it):
+        it cannot leave the mode stack from inside its own dispatch.
+        """
+        try:
+            return check(*args, **kwargs)
+        except CaptureCheckError:
+            self._failed = True
+            rec, self.recorder = self.recorder, None
+            if rec is not None:
+                rec.close(write_pending=False)
+            raise
 
     def close(self, write_pending: bool = True) -> None:
         """Stop recording, write a pending non-empty pass, wait for the writer."""
@@ -292,6 +313,8 @@ class OpCapture:
                     self._seen.pop(ident, None)
 
     def _dispatch(self, func, args, kwargs):
+        if self._failed:
+            return func(*args, **kwargs)
         module = self._tracker.current()
         site = f"{module}/{func}"
         if not self._selected(site):
@@ -325,6 +348,7 @@ class OpCapture:
             self._forget_written(func, args, kwargs)
         traced_in = self._describe([x for x in leaves if isinstance(x, torch.Tensor)]) \
             if self.trace is not None else None
+        health_in = self._health_inputs(func, args, kwargs) if self.health is not None else None
         out = func(*args, **kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else [
             o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -343,6 +367,9 @@ class OpCapture:
                 rec.record(key, o, module_type=mtype, store=False, aten=str(func), uninitialized=True)
                 self._remember(o, key, uninitialized=True)
                 continue
+            if health_in is not None:
+                self._checked(self.health.check, key, o, pass_=rec.pass_index, order=len(rec),
+                              inputs=health_in[0], inputs_before=health_in[1])
             call_args = None
             if self.inputs and i == 0:
                 call_args = {"aten": str(func), "spec": self._spec_json(spec),
@@ -359,6 +386,17 @@ class OpCapture:
                 rec.record(key, o, module_type=mtype, aten=str(func), call_args=call_args)
                 self._remember(o, key)
         return out
+
+    def _health_inputs(self, func, args, kwargs):
+        """The op's tensor inputs, and their NaN/Inf flag taken now when the op will overwrite
+        them (in place, ``out=``) or the flag stays on an accelerator (read at ``step()``)."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        before = None
+        if any(t.device.type != "cpu" for t in tensors):
+            before = HealthCheck.device_flag(tensors)
+        elif any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            before = any_nonfinite(tensors)
+        return tensors, before
 
     def _spec_json(self, spec) -> str:
         """``treespec_dumps`` is slow (dataclass walks); argument structures repeat: cache."""
@@ -391,7 +429,8 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                 filter_fn: str | None = None, config: DumpConfig | None = None, root: str = "model",
                 inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                background_write: bool | None = None, environ=None) -> OpCapture:
+                background_write: bool | None = None, on_nonfinite: str | None = None,
+                environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
     Parameters
@@ -414,6 +453,10 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
         Statistics only, no tensors.
     background_write : bool, optional
         As for :func:`tdinspect.capture`.
+    on_nonfinite : {"raise", "warn"}, optional
+        Check every op output, forward and backward, for NaN/Inf (with or
+        without a dump); the report says whether the op's inputs already held
+        them (inherited) or the op created them. See :func:`tdinspect.capture`.
 
     Returns
     -------
@@ -429,4 +472,4 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
     return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
                      max_pending_bytes=max_pending_bytes, fsync=fsync,
-                     background_write=background_write)
+                     background_write=background_write, on_nonfinite=on_nonfinite)

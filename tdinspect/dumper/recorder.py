@@ -93,8 +93,10 @@ class Recorder:
 
     Parameters
     ----------
-    dump_dir : Path
+    dump_dir : Path or None
         The dump directory; this process writes into ``rank<R>_pid<P>/`` below it.
+        ``None``: nothing is copied or written (keys and call numbers only, for
+        checks that run without a dump).
     level : {"module", "op"}
         Recorded in each sidecar.
     stats_only : bool
@@ -108,14 +110,20 @@ class Recorder:
         for it (see :func:`tdinspect.dumper.writer.default_threaded`).
     """
 
-    def __init__(self, dump_dir: str | os.PathLike, *, level: str, stats_only: bool = False,
+    def __init__(self, dump_dir: str | os.PathLike | None, *, level: str, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
                  background_write: bool | None = None):
         self.rank = current_rank()
-        self.folder = Path(dump_dir) / rank_dirname(self.rank, os.getpid())
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.level = level
         self.stats_only = stats_only
+        self.total_entries = 0
+        self.pass_index = 0
+        self.folder = self.writer = None
+        if dump_dir is None:
+            self._new_pass()
+            return
+        self.folder = Path(dump_dir) / rank_dirname(self.rank, os.getpid())
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
         self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give,
                                   threaded=background_write)
@@ -123,7 +131,6 @@ class Recorder:
         # nothing already written is overwritten
         self.pass_index = 1 + max((n for f in self.folder.iterdir()
                                    if (n := pass_number(f.name)) is not None), default=-1)
-        self.total_entries = 0
         self._calls: dict[str, int] = {}
         self._new_pass()
 
@@ -161,7 +168,7 @@ class Recorder:
             if shared is not None:
                 return self._append(key, tensor, None, shared, module_type, extra)
         copy = stat = None
-        if tensor is not None and not extra.get("uninitialized"):
+        if tensor is not None and self.writer is not None and not extra.get("uninitialized"):
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
             # the writer thread, the bottleneck when full tensors go to disk, only writes
             stat = tensor_stats(tensor)
@@ -191,9 +198,14 @@ class Recorder:
             if len(values) == n:
                 values.append(None)
 
-    def step(self) -> Path:
+    def step(self) -> Path | None:
         """End the pass: hand it to the writer (empty or not); returns its file's path."""
         p = self._pass
+        if self.writer is None:
+            self.total_entries += len(p.keys)
+            self.pass_index += 1
+            self._new_pass()
+            return None
         if any(s is not None for s in p.stats):
             stacked = torch.stack([s.to(torch.float64) for s in p.stats if s is not None])
             if stacked.device.type == "cuda":
@@ -220,7 +232,8 @@ class Recorder:
             if write_pending and len(self):
                 self.step()
         finally:
-            self.writer.close()
+            if self.writer is not None:
+                self.writer.close()
 
     def warn_if_empty(self, what: str) -> None:
         if not len(self):

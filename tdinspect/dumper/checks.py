@@ -1,0 +1,236 @@
+"""Checks run on each entry while the model runs: health (NaN/Inf) and live comparison.
+
+Capture side: torch and the standard library only. The live comparison's
+analysis code (:mod:`tdinspect.live`) is imported only when ``compare_to`` is
+given.
+
+Usage::
+
+    with tdinspect.capture(model, on_nonfinite="raise") as cap:     # writes nothing
+        model(batch); cap.step()
+    # NonFiniteError: model.layers.2.mlp.down (call 0, pass 2): 3 NaN and 0 Inf of 4096 elements
+
+Health check: each output gets one fused reduction (``aminmax``) on its own
+device. On CPU the answer is read at once, so the error is raised inside the
+forward (or backward) that made the value; on an accelerator the flags stay on
+the device and are read once per :meth:`step` (no synchronisation per entry),
+which then names the first offending entry. At op level the error also says
+whether the op's inputs already held NaN/Inf (it inherited them) or were
+finite (the op created them).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from ..naming import split_call
+
+
+class CaptureCheckError(RuntimeError):
+    """Base of the errors a check raises while the model runs; the capture is closed first."""
+
+
+@dataclass
+class NonFinite:
+    """The first entry holding NaN or Inf.
+
+    Attributes
+    ----------
+    key : str
+        The entry's key (``model.layers.2.mlp.down``, ``model.ln/aten.sqrt.default[out0]``).
+    op : str
+        The key without ``::callN``.
+    call, pass_, rank : int
+        Where it is (0-based call).
+    nan, inf, numel : int or None
+        Counts (``None`` where they could not be taken: an accelerator tensor
+        already freed when the step's flags were read).
+    inherited : bool or None
+        Op level: whether the op's inputs already held NaN/Inf. ``None`` at
+        module level or when the inputs are unknown.
+    order : int
+        Position in its pass.
+    """
+
+    key: str
+    op: str
+    call: int
+    pass_: int
+    rank: int = 0
+    nan: int | None = None
+    inf: int | None = None
+    numel: int | None = None
+    inherited: bool | None = None
+    order: int = -1
+
+    def describe(self) -> str:
+        where = f"call {self.call}, pass {self.pass_}" + (f", rank {self.rank}" if self.rank else "")
+        counts = ("NaN/Inf (counts unavailable)" if self.nan is None else
+                  f"{self.nan} NaN and {self.inf} Inf of {self.numel} elements")
+        origin = ("" if self.inherited is None else
+                  "; its inputs already held NaN/Inf (inherited)" if self.inherited else
+                  "; its inputs were finite: this op created them")
+        return f"{self.key} ({where}): {counts}{origin}"
+
+    def __repr__(self) -> str:
+        return f"NonFinite({self.describe()})"
+
+
+class NonFiniteError(CaptureCheckError):
+    """An output held NaN or Inf (``on_nonfinite="raise"``); ``.nonfinite`` says where.
+
+    Examples
+    --------
+    >>> try:                                                   # doctest: +SKIP
+    ...     with tdinspect.capture(model, on_nonfinite="raise") as cap:
+    ...         model(x); cap.step()
+    ... except tdinspect.NonFiniteError as e:
+    ...     print(e.nonfinite.key, e.nonfinite.pass_)
+    """
+
+    def __init__(self, nonfinite: NonFinite):
+        super().__init__(f"first non-finite output: {nonfinite.describe()}")
+        self.nonfinite = nonfinite
+
+
+class DivergenceError(CaptureCheckError):
+    """An entry passed the threshold against the reference (``on_divergence="raise"``).
+
+    ``.divergence`` is the :class:`tdinspect.Divergence` that
+    ``DumpSet.open(ref).diff(run).first_divergence()`` answers for a full dump
+    of the same run.
+    """
+
+    def __init__(self, divergence: Any, evidence: Any = None):
+        where = f"; evidence in {evidence}" if evidence else ""
+        super().__init__(f"live comparison: first divergence at {divergence.key} "
+                         f"(call {divergence.call}, pass {divergence.pass_}): "
+                         f"{divergence.reason}{where}")
+        self.divergence = divergence
+        self.evidence = evidence
+
+
+def _checkable(t: torch.Tensor) -> torch.Tensor | None:
+    """A real floating view of ``t`` to reduce, or ``None`` when it cannot hold NaN/Inf."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+        return None
+    if t.is_complex():
+        return torch.view_as_real(t.detach())
+    if not t.is_floating_point() or t.device.type == "meta":
+        return None
+    return t.detach()
+
+
+def _minmax(v: torch.Tensor) -> torch.Tensor:
+    """One fused reduction whose two values are finite exactly when every element is."""
+    if v.element_size() == 1:  # float8: aminmax has no kernel for it
+        v = v.float()
+    return torch.stack(torch.aminmax(v))
+
+
+def _finite_now(t: torch.Tensor) -> bool:
+    v = _checkable(t)
+    if v is None:
+        return True
+    lo, hi = _minmax(v).tolist()
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
+def counts(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(nan, inf, numel)`` of a tensor."""
+    v = _checkable(t)
+    if v is None:
+        return 0, 0, t.numel()
+    return int(torch.isnan(v).sum()), int(torch.isinf(v).sum()), t.numel()
+
+
+def any_nonfinite(tensors) -> bool:
+    """Whether any of ``tensors`` holds NaN/Inf (a read of each, now)."""
+    return not all(_finite_now(t) for t in tensors)
+
+
+class HealthCheck:
+    """NaN/Inf detection on every checked output; see the module docstring.
+
+    Parameters
+    ----------
+    action : {"raise", "warn"}
+        Raise :class:`NonFiniteError` at the first offending entry, or warn
+        (once per pass) and go on.
+    rank : int
+        Named in the report.
+    """
+
+    def __init__(self, action: str, rank: int = 0):
+        if action not in ("raise", "warn"):
+            raise ConfigError(f"on_nonfinite={action!r}: expected 'raise', 'warn' or None")
+        self.action = action
+        self.rank = rank
+        self.found: list[NonFinite] = []
+        self._pending: list[tuple] = []  # accelerator: flags waiting for step()
+        self._warned: set[int] = set()
+
+    def check(self, key: str, tensor: torch.Tensor, *, pass_: int, order: int,
+              inputs: list | None = None, inputs_before: Any = None) -> None:
+        """Check one output. ``inputs`` (op level) tell inherited from created;
+        ``inputs_before`` is their flag taken before an in-place op ran."""
+        v = _checkable(tensor)
+        if v is None or (self.action == "warn" and pass_ in self._warned):
+            return
+        if v.device.type == "cpu":
+            lo, hi = _minmax(v).tolist()
+            if math.isfinite(lo) and math.isfinite(hi):
+                return
+            inherited = None
+            if inputs is not None:
+                inherited = inputs_before if inputs_before is not None else any_nonfinite(inputs)
+            self._report(self._describe(key, pass_, order, counts(tensor), inherited))
+            return
+        flags = [_minmax(v)]  # stays on the device: read at step()
+        if inputs is not None:
+            flags.append(inputs_before if inputs_before is not None else self.device_flag(inputs))
+        self._pending.append((key, pass_, order, weakref.ref(tensor), flags))
+
+    @staticmethod
+    def device_flag(tensors) -> torch.Tensor | None:
+        """Min and max of every input as one device tensor (finite when all inputs are)."""
+        parts = [_minmax(v) for t in tensors if (v := _checkable(t)) is not None]
+        if not parts:
+            return None
+        return torch.cat([p.to(parts[0].device) for p in parts])
+
+    def end_pass(self) -> None:
+        """Read the accelerator flags of this pass (one copy) and report the first bad entry."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        out_ok = torch.isfinite(torch.stack([p[4][0] for p in pending])).all(dim=1).tolist()
+        if all(out_ok):
+            return
+        key, pass_, order, ref, flags = pending[out_ok.index(False)]
+        alive = ref()
+        n = counts(alive) if alive is not None else (None, None, None)
+        inherited = None
+        if len(flags) > 1:
+            inherited = False if flags[1] is None else not bool(torch.isfinite(flags[1]).all())
+        self._report(self._describe(key, pass_, order, n, inherited))
+
+    def _describe(self, key, pass_, order, n, inherited) -> NonFinite:
+        op, call = split_call(key)
+        return NonFinite(key, op, call, pass_, self.rank, *n, inherited=inherited, order=order)
+
+    def _report(self, found: NonFinite) -> None:
+        self.found.append(found)
+        if self.action == "raise":
+            raise NonFiniteError(found)
+        if found.pass_ not in self._warned:
+            self._warned.add(found.pass_)
+            warnings.warn(f"tdinspect: first non-finite output of pass {found.pass_}: "
+                          f"{found.describe()}", RuntimeWarning, stacklevel=4)
