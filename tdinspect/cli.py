@@ -142,15 +142,21 @@ def _diff(args):
 
 def cmd_first_divergence(args) -> int:
     diff = _diff(args)
-    summary = diff.summary(_threshold(args.threshold), args.metric)
+    summary = diff.summary(_threshold(args.threshold), args.metric, args.structural)
     div = summary["first_divergence"]
     if args.json:
         print(_dump(summary))
-    elif div is None:
+        return 0 if div is None else 1
+    if div is None:
         print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
         print(f"first divergence: {div['key']} ({where}, call {div['call']})\n  {div['reason']}")
+    listed = summary.get("structural_entries")
+    if listed:
+        print(f"{len(listed)} structural entries set aside (--structural report):")
+        print(text_table(["pass", "rank", "key", "key_b", "reason"],
+                         [[r["pass"], r["rank"], r["key"], r["key_b"], r["reason"]] for r in listed]))
     return 0 if div is None else 1
 
 
@@ -233,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="all divergences between two dumps")
     common(p, two=True)
     p.add_argument("--limit", type=int, default=20, help="rows shown")
-    common(sub.add_parser("first-divergence", help="the first divergent entry"), two=True)
+    p = sub.add_parser("first-divergence", help="the first divergent entry")
+    common(p, two=True)
+    p.add_argument("--structural", choices=["diverge", "report"], default="diverge",
+                   help="report: list one-sided/unmatched entries and name the first numerical "
+                        "divergence")
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
     p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")

@@ -40,6 +40,7 @@ from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
+STRUCTURAL_COLUMNS = ["rank", "pass", "order", "key", "key_b", "reason"]
 COLUMNS = ["rank", "pass", "op", "call", "order", "key", "key_b", "dtype_a", "dtype_b", "shape",
            "structural", "reason", *ROW_METRICS]
 
@@ -82,10 +83,16 @@ class Divergence:
     structural: bool = False
     before: list[tuple[str, float]] = field(default_factory=list)
     row: dict[str, Any] = field(default_factory=dict, repr=False)
+    structural_entries: Any = field(default=None, repr=False)
 
     def __repr__(self) -> str:
-        return (f"Divergence({self.key} pass {self.pass_}" + (f" rank {self.rank}" if self.rank else "")
-                + f": {self.reason})")
+        text = (f"Divergence({self.key} pass {self.pass_}" + (f" rank {self.rank}" if self.rank else "")
+                + f": {self.reason}")
+        se = self.structural_entries
+        if se is not None and len(se):
+            shown = "; ".join(f"{k}: {r}" for k, r in zip(se["key"][:3], se["reason"][:3]))
+            text += f"; {len(se)} structural entries set aside ({shown}" + ("; ..." if len(se) > 3 else "") + ")"
+        return text + ")"
 
     def _repr_html_(self) -> str:
         from .report import divergence_html
@@ -465,9 +472,24 @@ class Diff:
                              f"use metric='stats_rel', not {metric_name!r}")
         return metric(metric_name)
 
+    @staticmethod
+    def _layout_rows(rows: pd.DataFrame) -> np.ndarray:
+        """Rows that differ in structure (one-sided, unmatched, shape, transform, arguments),
+        as opposed to numbers (NaN/Inf on one side counts as numbers)."""
+        reason = rows["reason"].astype(str)
+        return rows["structural"].to_numpy(bool) & ~reason.str.startswith("NaN/Inf").to_numpy(bool)
+
+    def structural_entries(self, progress: bool = True) -> pd.DataFrame:
+        """Every entry that differs in structure rather than in numbers (reads every pass).
+
+        Columns ``rank``, ``pass``, ``order``, ``key``, ``key_b``, ``reason``.
+        """
+        df = self.table(progress)
+        return df[self._layout_rows(df)][STRUCTURAL_COLUMNS].reset_index(drop=True)
+
     # -- answers ------------------------------------------------------------------------
     def first_divergence(self, threshold: float | dict | None = None,
-                         metric: str | None = None) -> Divergence | None:
+                         metric: str | None = None, structural: str = "diverge") -> Divergence | None:
         """The earliest entry, in the reference's (pass, order), past ``threshold``.
 
         Passes are compared in order and the search stops at the first pass
@@ -482,20 +504,35 @@ class Diff:
             ``rel_diff`` (default), ``max_abs``, ``mean_abs``, ``max_rel``,
             ``cosine`` and ``sqnr_db`` (diverge below), ``mismatch``,
             ``equal`` (diverges when 0); ``stats_rel`` for statistics-only.
+        structural : {"diverge", "report"}
+            ``"diverge"``: an entry on one side only, unmatched or of another
+            shape is a divergence. ``"report"``: such entries are set aside and
+            listed in ``Divergence.structural_entries`` (those of the passes
+            read) and the repr; the answer is the first numerical divergence
+            (``None`` when there is none: :meth:`structural_entries` lists them all).
 
         Returns
         -------
         Divergence or None
         """
+        if structural not in ("diverge", "report"):
+            raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
         thr_fn = self._threshold_fn(threshold, m.name)
+        report = structural == "report"
+        aside = []
         best = None
         remaining: dict[int, int] = {}  # pass -> ranks not yet seen
         for job in self._jobs():
             remaining[job.pass_] = remaining.get(job.pass_, 0) + 1
         for (rank, p), rows in self.iter_passes(growing=True):
             remaining[p] -= 1
-            hits = np.flatnonzero(self._hits(rows, m, thr_fn))
+            hit = self._hits(rows, m, thr_fn)
+            if report:
+                layout = self._layout_rows(rows)
+                aside.append(rows[layout])
+                hit &= ~layout
+            hits = np.flatnonzero(hit)
             if len(hits):
                 n = int(hits[0])
                 cand = (float(rows["order"].iat[n]), rank, n, rows)
@@ -510,9 +547,14 @@ class Diff:
         reason = self._why(row, m, thr_fn)
         earlier = rows.iloc[max(0, n - 5):n]
         before = list(zip(earlier["key"], earlier[m.name].astype(float)))
+        listed = None
+        if report:
+            listed = pd.concat(aside, ignore_index=True) if aside else pd.DataFrame(columns=COLUMNS)
+            listed = listed.sort_values(["pass", "order", "rank"])[STRUCTURAL_COLUMNS]\
+                .reset_index(drop=True)
         return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
                           row["key"], m.name, float(row[m.name]), thr_fn(row["op"]), reason,
-                          float(row["order"]), bool(row["structural"]), before, row)
+                          float(row["order"]), bool(row["structural"]), before, row, listed)
 
     def table(self, progress: bool = True) -> pd.DataFrame:
         """Every compared entry as a ``pandas.DataFrame`` (reads every pass)."""
@@ -615,14 +657,18 @@ class Diff:
                                "align": self.align})
         return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
 
-    def summary(self, threshold=None, metric=None) -> dict[str, Any]:
-        div = self.first_divergence(threshold, metric)
-        return {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
+    def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
+        div = self.first_divergence(threshold, metric, structural)
+        out = {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
                 "metric": div.metric if div else (metric or self.default_metric),
                 "first_divergence": None if div is None else {
                     "op": div.op, "call": div.call, "pass": div.pass_, "rank": div.rank,
                     "key": div.key, "value": _num(div.value), "threshold": div.threshold,
                     "reason": div.reason, "structural": div.structural}}
+        if structural == "report":
+            se = div.structural_entries if div is not None else self.structural_entries(False)
+            out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
+        return out
 
     def __repr__(self) -> str:
         return (f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, mode={self.mode}, "

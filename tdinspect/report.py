@@ -129,7 +129,11 @@ def _divergence_body(div) -> str:
 
 
 def divergence_html(div) -> str:
-    return _box("<b>First divergence</b>: " + _divergence_body(div))
+    body = "<b>First divergence</b>: " + _divergence_body(div)
+    se = getattr(div, "structural_entries", None)
+    if se is not None and len(se):
+        body += section("structural entries set aside", styled(se), count=len(se))
+    return _box(body)
 
 
 def side_differences(diff) -> list[str]:

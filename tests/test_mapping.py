@@ -239,3 +239,37 @@ def test_random_text_is_parsed_into_allowed_steps_or_refused(spec):
     for s in t.steps:
         flat = [v for a in s.args for v in (a if isinstance(a, tuple) else (a,))]
         assert all(type(v) is int for v in flat)
+
+
+# -- structural="report" ------------------------------------------------------------------
+def test_structural_report_sets_one_sided_entries_aside(pair, capsys):
+    a = DumpSet.open(pair["a"])
+    partial = {k: v for k, v in QKV.items() if "q_proj" not in k}  # q_proj stays unmatched
+    d = a.diff(pair["bad"], mapping=partial)
+    assert d.first_divergence(1e-6).key == "model.q_proj"  # "diverge": the unmatched entry
+    div = d.first_divergence(1e-6, structural="report")
+    assert div.key == "model.k_proj" and not div.structural  # the first numerical one
+    se = div.structural_entries
+    assert list(se["key"]) == ["model.q_proj"] and list(se["pass"]) == [0]  # passes read
+    assert list(se["reason"]) == ["only in A"]  # qkv is no B-only entry: k and v take slices
+    assert "1 structural entries set aside (model.q_proj: only in A)" in repr(div)
+    assert "structural entries set aside" in div._repr_html_()
+    assert d.first_divergence(1e-6, structural="diverge").structural_entries is None
+
+    clean = a.diff(pair["b"], mapping=partial)
+    assert clean.first_divergence(1e-6, structural="report") is None
+    assert list(clean.structural_entries(progress=False)["pass"]) == [0, 1]
+    with pytest.raises(ValueError, match="structural='x'"):
+        clean.first_divergence(structural="x")
+
+    f = pair["a"].parent / "partial.json"
+    f.write_text(json.dumps(partial))
+    args = [str(pair["a"]), str(pair["bad"]), "--mapping", str(f), "--threshold", "1e-6"]
+    assert main(["first-divergence", *args, "--structural", "report"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: model.k_proj" in out and "1 structural entries set aside" in out
+    assert main(["first-divergence", *args, "--structural", "report", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["key"] for e in doc["structural_entries"]] == ["model.q_proj"]
+    assert main(["first-divergence", *args]) == 1
+    assert "first divergence: model.q_proj" in capsys.readouterr().out
