@@ -34,13 +34,14 @@ _LAZY = {
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.diff", "Diff"),
     "Divergence": ("tdinspect.diff", "Divergence"),
+    "suggest_mapping": ("tdinspect.align.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
     "plot": ("tdinspect.jupyter.plots", None),
 }
 
 __all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
            "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
-           "replay", "DumpSet", "Diff", "Divergence", "explore", "plot",
+           "replay", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "plot",
            "load_ipython_extension", "unload_ipython_extension"]
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``tdinspect ls|stats|diff|first-divergence|first-nonfinite|demo``.
+"""Command line: ``tdinspect ls|stats|diff|first-divergence|first-nonfinite|suggest-mapping|demo``.
 
 Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
 (one line on stderr naming the file or argument; ``--debug`` adds the
@@ -200,6 +200,21 @@ def cmd_first_nonfinite(args) -> int:
     return 0 if found is None else 1
 
 
+def cmd_suggest_mapping(args) -> int:
+    from .align.suggest import suggest_mapping
+    from .dumpset import DumpSet
+
+    s = suggest_mapping(DumpSet.open(args.a, on_error=args.on_error),
+                        DumpSet.open(args.b, on_error=args.on_error), pass_=args.pass_,
+                        rank=args.rank, tol=args.tol, min_confidence=args.min_confidence)
+    if args.json:
+        print(_dump({"rules": s.rules, "pairs": s.pairs.to_dict("records"),
+                     "unmatched_a": s.unmatched_a, "unmatched_b": s.unmatched_b}))
+    else:
+        print(s.to_yaml(), end="")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -245,6 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report: list one-sided/unmatched entries and name the first numerical "
                         "divergence")
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
+    p = sub.add_parser("suggest-mapping", help="propose mapping rules (YAML on stdout) pairing "
+                                              "differently named entries of A and B")
+    p.add_argument("a", help="reference dump")
+    p.add_argument("b", help="compared dump (a port, another engine)")
+    p.add_argument("--pass", dest="pass_", type=int, default=None, help="pass to learn from")
+    p.add_argument("--rank", type=int, default=None, help="rank to learn from")
+    p.add_argument("--tol", type=float, default=1e-6, help="rel_diff at which values count as equal")
+    p.add_argument("--min-confidence", type=float, default=0.6,
+                   help="pairs below it are listed as comments, not used")
+    p.add_argument("--json", action="store_true", help="rules, pairs and unmatched entries as JSON")
+    p.add_argument("--on-error", choices=["raise", "warn"], default="raise")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error, print the traceback too")
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
     p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -254,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
             "first-divergence": cmd_first_divergence, "first-nonfinite": cmd_first_nonfinite,
+            "suggest-mapping": cmd_suggest_mapping,
             "demo": cmd_demo}
 
 

@@ -1,0 +1,139 @@
+"""A hand-written port of a tiny Hugging Face Llama against the real thing (issue 11).
+
+The reference is ``transformers``' ``LlamaForCausalLM`` (random weights from a
+tiny config); the port (``tdinspect.examples_port``) has other names, fused
+``qkv`` and ``gate_up`` projections and its own RMSNorm class, loaded with the
+same weights. ``suggest_mapping`` must pair every entry the two have in common,
+and with its rules a fault in the port must be named at its first entry.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tdinspect import DumpSet, suggest_mapping  # noqa: E402
+from tdinspect.cli import main  # noqa: E402
+from tdinspect.examples_port import capture_port_pair  # noqa: E402
+
+LAYERS = 2
+# what the port holds of each reference entry (the ground truth, written by hand)
+COMMON = {"model.model.embed_tokens": ("model.embed", slice(None)),
+          "model.model.norm": ("model.final_norm", slice(None)),
+          "model.lm_head": ("model.head", slice(None))}
+for _i in range(LAYERS):
+    _a, _b = f"model.model.layers.{_i}.", f"model.blocks.{_i}."
+    COMMON.update({
+        _a + "input_layernorm": (_b + "attn_norm", slice(None)),
+        _a + "self_attn.q_proj": (_b + "attn.qkv", slice(0, 32)),
+        _a + "self_attn.k_proj": (_b + "attn.qkv", slice(32, 48)),
+        _a + "self_attn.v_proj": (_b + "attn.qkv", slice(48, 64)),
+        _a + "self_attn.o_proj": (_b + "attn.o", slice(None)),
+        _a + "post_attention_layernorm": (_b + "mlp_norm", slice(None)),
+        _a + "mlp.gate_proj": (_b + "ffn.gate_up", slice(0, 64)),
+        _a + "mlp.up_proj": (_b + "ffn.gate_up", slice(64, 128)),
+        _a + "mlp.down_proj": (_b + "ffn.down", slice(None)),
+    })
+ONLY_A = ["model.model.rotary_emb[0]", "model.model.rotary_emb[1]",
+          "model.model.layers.0.mlp.act_fn", "model.model.layers.1.mlp.act_fn"]
+
+
+@pytest.fixture(scope="module")
+def port(tmp_path_factory):
+    root = tmp_path_factory.mktemp("port")
+    ref, good = capture_port_pair(root / "good", steps=2)
+    _, bad = capture_port_pair(root / "bad", rope="interleaved", steps=2)
+    _, other = capture_port_pair(root / "other", seed=1)  # other weights: values agree on nothing
+    return {"ref": ref, "good": good, "bad": bad, "other": other}
+
+
+@pytest.fixture(scope="module")
+def suggestion(port):
+    return suggest_mapping(DumpSet.open(port["ref"]), DumpSet.open(port["good"]))
+
+
+def test_suggestion_pairs_every_common_entry(port, suggestion):
+    used = suggestion.pairs[suggestion.pairs["used"]]
+    assert dict(zip(used["a"], used["b"])) == {a: b for a, (b, _) in COMMON.items()}
+    assert sorted(suggestion.unmatched_a) == sorted(ONLY_A)
+    assert suggestion.unmatched_b == []
+    assert (used["confidence"] >= 0.9).all()
+    # each transform takes the slice the port's weights put there
+    ref, good = DumpSet.open(port["ref"]), DumpSet.open(port["good"])
+    from tdinspect.align import parse_transform
+    for row in used.itertuples():
+        b, cut = COMMON[row.a]
+        full = good.tensor(b)
+        got = parse_transform(row.transform)(full) if row.transform else full
+        assert torch.equal(got, full[..., cut]), row.a
+    # per-layer pairs fold into one rule each
+    rules = suggestion.rules
+    assert rules[r"model\.model\.layers\.(\d+)\.self_attn\.q_proj"] == [r"model.blocks.\1.attn.qkv",
+                                                                        "chunk(2, -1)[0]"]
+    assert rules[r"model\.model\.layers\.(\d+)\.mlp\.up_proj"] == [r"model.blocks.\1.ffn.gate_up",
+                                                                   "chunk(2, -1)[1]"]
+    assert rules[r"model\.model\.embed_tokens"] == "model.embed"
+    assert len(rules) == 12
+
+
+def test_identical_weights_do_not_diverge_with_the_suggested_rules(port, suggestion):
+    d = DumpSet.open(port["ref"]).diff(port["good"], mapping=suggestion.rules)
+    plan = d.plan()
+    assert set(plan[plan["status"] != "ok"]["a_key"]) == set(ONLY_A)
+    assert d.first_divergence(threshold=1e-10, structural="report") is None
+    table = d.table(progress=False)
+    matched = table[~table["structural"]]
+    assert len(matched) == 2 * len(COMMON)  # both passes, every common entry compared
+    assert matched["rel_diff"].max() <= 1e-10
+    assert sorted(d.structural_entries(progress=False)["key"].unique()) == sorted(ONLY_A)
+
+
+def test_interleaved_rope_is_named_at_its_first_entry(port, suggestion):
+    d = DumpSet.open(port["ref"]).diff(port["bad"], mapping=suggestion.rules)
+    div = d.first_divergence(threshold=1e-6, structural="report")
+    # q, k and v come out of the projections before RoPE: the attention output is the first
+    assert div.key == "model.model.layers.0.self_attn.o_proj" and not div.structural
+    assert div.row["key_b"] == "model.blocks.0.attn.o"
+    assert div.value > 1e-5 and div.pass_ == 0  # identical weights: <= 1e-10 (above)
+    assert sorted(div.structural_entries["key"]) == sorted(ONLY_A)  # those of pass 0, the pass read
+    # without report, a one-sided entry comes first: the reason the option exists
+    assert d.first_divergence(threshold=1e-6).reason == "only in A"
+
+
+def test_guesses_without_support_are_listed_not_used(port):
+    s = suggest_mapping(port["ref"], port["other"])
+    assert s.rules == {} and not s.pairs["used"].any()
+    assert len(s.pairs) > 0 and (s.pairs["confidence"] < 0.6).all()
+    assert any("values differ" in e for e in s.pairs["evidence"])
+    assert "listed, not used" in s.to_yaml()
+
+
+def test_save_yaml_json_and_html(tmp_path, port, suggestion):
+    ref = DumpSet.open(port["ref"])
+    for name in ("map.yaml", "map.json"):
+        path = suggestion.save(tmp_path / name)
+        d = ref.diff(port["good"], mapping=str(path))
+        assert d.first_divergence(threshold=1e-10, structural="report") is None
+    assert json.loads((tmp_path / "map.json").read_text()) == suggestion.rules
+    html = suggestion._repr_html_()
+    assert "Suggested mapping" in html and "self_attn" in html and "rotary_emb" in html
+    assert "12 rules from 21 pairs" in repr(suggestion)
+
+
+def test_cli_suggest_then_diff(tmp_path, port, capsys):
+    assert main(["suggest-mapping", str(port["ref"]), str(port["good"])]) == 0
+    f = tmp_path / "map.yaml"
+    f.write_text(capsys.readouterr().out)
+    assert "# only in A: model.model.rotary_emb[0]" in f.read_text()
+    base = ["--mapping", str(f), "--threshold", "1e-6", "--structural", "report"]
+    assert main(["first-divergence", str(port["ref"]), str(port["good"]), *base]) == 0
+    assert main(["first-divergence", str(port["ref"]), str(port["bad"]), *base]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: model.model.layers.0.self_attn.o_proj" in out
+    assert main(["suggest-mapping", str(port["ref"]), str(port["good"]), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["pairs"]) == 21 and sorted(doc["unmatched_a"]) == sorted(ONLY_A)
