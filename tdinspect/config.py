@@ -10,6 +10,8 @@ documented engine name             tdinspect name                  meaning
 ``PHYAI_DEBUG_TENSOR_DUMP_DIR``    ``TDINSPECT_DUMP_DIR``          output directory; setting it enables dumping
 ``PHYAI_DEBUG_TENSOR_DUMP_FILTER``  ``TDINSPECT_DUMP_FILTER``      JSON array of regexes, or one bare pattern
 ``PHYAI_DEBUG_TENSOR_DUMP_FILTER_FN`` ``TDINSPECT_DUMP_FILTER_FN``  ``"pkg.module:func"`` or ``"/path/file.py:func"``
+``PHYAI_DEBUG_TENSOR_DUMP_RECORD``  ``TDINSPECT_DUMP_RECORD``      what to record per module, a comma list of
+                                                                   ``inputs,outputs,params,grads``
 =================================  ==============================  =========================================
 
 Setting a FILTER and a FILTER_FN together is an error, and so is setting the
@@ -39,6 +41,7 @@ FilterSpec = Union[None, str, "re.Pattern[str]", Sequence[str], Callable[[str, A
 Predicate = Callable[[str, Any], bool]
 
 _FAMILIES = ("PHYAI_DEBUG_TENSOR_DUMP_", "TDINSPECT_DUMP_")
+RECORD_KINDS = ("inputs", "outputs", "params", "grads")
 
 
 class ConfigError(ValueError):
@@ -69,6 +72,26 @@ def parse_filter_env(value: str, variable: str = "TDINSPECT_DUMP_FILTER") -> lis
     return [value]
 
 
+def parse_record(value, source: str = "record") -> tuple[str, ...]:
+    """What module-level capture records: a tuple drawn from :data:`RECORD_KINDS`.
+
+    ``value`` is a string (one kind, or a comma list as in ``..._RECORD``) or
+    a sequence of kinds; order and repeats do not matter.
+
+    Examples
+    --------
+    >>> parse_record("outputs, params")
+    ('outputs', 'params')
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    kinds = {str(k).strip() for k in items} - {""}
+    unknown = sorted(kinds - set(RECORD_KINDS))
+    if unknown or not kinds:
+        raise ConfigError(f"{source}={value!r}: expected one or more of {', '.join(RECORD_KINDS)}"
+                          + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return tuple(k for k in RECORD_KINDS if k in kinds)
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpConfig:
     """Where and what to dump; an engine can keep one in its runtime config.
@@ -83,6 +106,11 @@ class DumpConfig:
     filter_fn : str, optional
         A predicate named as ``"pkg.module:func"`` or ``"/path/file.py:func"``.
         Exclusive with ``filter``.
+    record : tuple of str
+        What module-level capture records for each selected module, any of
+        ``"inputs"`` (``name[in]...``), ``"outputs"`` (``name...``),
+        ``"params"`` (parameters and buffers, ``name.weight``) and ``"grads"``
+        (parameter gradients after backward, ``name.weight.grad``).
 
     Examples
     --------
@@ -95,10 +123,12 @@ class DumpConfig:
     dump_dir: str | os.PathLike | None = None
     filter: FilterSpec = None
     filter_fn: str | None = None
+    record: tuple[str, ...] = ("outputs",)
 
     def __post_init__(self) -> None:
         if self.filter is not None and self.filter_fn is not None:
             raise ConfigError("filter and filter_fn are exclusive: pass one of them")
+        object.__setattr__(self, "record", parse_record(self.record))
 
     @property
     def enabled(self) -> bool:
@@ -111,6 +141,7 @@ class DumpConfig:
         directory = _env(environ, "DIR")
         flt = _env(environ, "FILTER")
         fn = _env(environ, "FILTER_FN")
+        record = _env(environ, "RECORD")
         if flt and fn:
             raise ConfigError(f"{flt[0]} and {fn[0]} are exclusive: set one of them")
         changes: dict[str, Any] = {}
@@ -120,6 +151,8 @@ class DumpConfig:
             changes.update(filter=parse_filter_env(flt[1], flt[0]), filter_fn=None)
         if fn:
             changes.update(filter=None, filter_fn=fn[1])
+        if record:
+            changes["record"] = parse_record(record[1], record[0])
         return dataclasses.replace(self, **changes) if changes else self
 
     def use_cuda_graph(self, requested: bool) -> bool:

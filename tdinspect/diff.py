@@ -230,6 +230,10 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if pa.uninitialized[ia] or pb.uninitialized[ib]:
             row["reason"] = "uninitialized (never compared)"
             continue
+        same = _unchanged_since(pa, ia, pb, ib)
+        if same is not None:
+            row["reason"] = f"unchanged since pass {same} (compared there)"
+            continue
         transform = job.transform(key)
         why, _ = _layout(pa, ia, pb, ib, transform)
         if why:
@@ -270,6 +274,15 @@ def _apply(transform, xb, ya):
     if out.shape != ya.shape:
         return None, f"shape {list(ya.shape)} vs {list(out.shape)} (B after {transform.spec!r})"
     return out, ""
+
+
+def _unchanged_since(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> int | None:
+    """The pass both sides say this entry is unchanged since (a parameter), else ``None``."""
+    ra, rb = pa.ref[ia], pb.ref[ib]
+    if ra and rb and ra.get("pass") is not None and ra.get("pass") == rb.get("pass") \
+            and ra.get("of") == rb.get("of"):
+        return ra["pass"]
+    return None
 
 
 class Diff:

@@ -17,6 +17,9 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
      "entries": {"key": [...], "module_type": [...], "shape": [[...]], "dtype": [...],
                  "stats": [[min, max, mean, std, absmax, l2, nan, inf, numel] | null],
                  "stored": [bool],                      # tensor present in the .pt file
+                 # module level with capture(record=...) beyond outputs:
+                 "kind": [null | "input"|"output"|"param"|"buffer"|"grad"],
+                 "ref": [null | {"kind": "same", "of": key, "pass": N}],  # unchanged since pass N
                  # op level only:
                  "uninitialized": [bool],               # output of empty/empty_like/...
                  "ref": [null | {"kind": "same", "of": key}

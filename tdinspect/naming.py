@@ -8,6 +8,12 @@ A key names one captured tensor::
     op      := aten overload name ("aten.native_layer_norm.default"), op-level capture only
     label   := outN | inN                     op-level: N-th tensor output / input (pytree order)
              | index | field                   module-level structured outputs
+             | "in" label...                   module-level inputs (``capture(record=("inputs",))``)
+
+Parameters, buffers and gradients (``capture(record=("params", "grads"))``)
+are named by extending the module path, as ``named_parameters`` does:
+``module.weight`` and ``module.weight.grad``; they parse as module paths, and
+the sidecar's ``kind`` column says what an entry is.
 
 Examples::
 
@@ -17,6 +23,10 @@ Examples::
     model.head[logits]                               field "logits" of a dict/dataclass output
     model.layers.0.ln1/aten.native_layer_norm.default[out0]
     model.layers.0.ln1/aten.native_layer_norm.default[in2]::call1
+    model.layers.0.mlp.up[in][0]                     positional input 0 of a module
+    model.layers.0.attn[in][mask]::call1             keyword input "mask", second call
+    model.layers.0.mlp.up.weight                     a parameter
+    model.layers.0.mlp.up.weight.grad                its gradient
 
 Filters match ``base`` without the ``[label]`` part for module-level capture
 (the module name) and ``module/op`` for op-level capture.
@@ -33,6 +43,7 @@ import re
 from typing import NamedTuple
 
 CALL_SEP = "::call"
+INPUT_PREFIX = "[in]"  # module-level inputs: name[in][0], name[in][kwarg]
 _KEY_RE = re.compile(r"^(?P<base>.*?)(?:::call(?P<call>[1-9]\d*))?$", re.S)
 _BASE_RE = re.compile(r"^(?P<module>[^/\[\]]*)(?:/(?P<op>[^/\[\]]+))?(?P<labels>(?:\[[^\[\]]*\])*)$")
 _LABEL_RE = re.compile(r"\[([^\[\]]*)\]")

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from .format import DumpFormatError, PassFiles, decode_arg, load_call_spec, load_pass, read_sidecar
+from .format import (DumpFormatError, PassFiles, decode_arg, load_call_spec, load_pass,
+                     pass_filename, read_sidecar, sidecar_filename)
 from .naming import parse_key
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
@@ -44,6 +45,7 @@ class PassIndex:
     stats_only: bool = False
     partial: bool = False
     position: dict[str, int] = field(default_factory=dict)
+    kind: list[Any] | None = None  # "input", "output", "param", "buffer", "grad"; None: output
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -65,7 +67,7 @@ class PassIndex:
                        col("module_type", ""), [bool(v) for v in col("stored", True)], stats,
                        [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
                        col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
-                       bool(doc.get("partial")))
+                       bool(doc.get("partial")), kind=col("kind"))
         tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)
@@ -110,6 +112,8 @@ class PassIndex:
         where = f"{self.path}: entry {key!r}"
         if not isinstance(ref, dict) or not isinstance(ref.get("of"), str):
             raise DumpFormatError(f"{where} has no stored tensor")
+        if ref.get("pass") is not None:  # unchanged since an earlier pass (a parameter)
+            return self.earlier(ref["pass"], key).tensor(ref["of"])
         j = self.position.get(ref["of"])
         if j is None or j == i:
             raise DumpFormatError(f"{where} refers to {ref['of']!r}, which is not in this pass")
@@ -130,6 +134,20 @@ class PassIndex:
             raise DumpFormatError(f"{where}: dtype {self.dtype[i]} differs from the stored "
                                   f"tensor's ({base.dtype})")
         return reindex(base, ref.get("base"), ref["view"], where)
+
+    def earlier(self, index: Any, key: str) -> "PassIndex":
+        """The earlier pass of this folder that an entry of this pass refers to."""
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.index:
+            raise DumpFormatError(f"{self.path}: entry {key!r} refers to pass {index!r}, "
+                                  f"which is not an earlier pass")
+        folder = self.path.parent
+        files = PassFiles(index, folder / pass_filename(index), folder / sidecar_filename(index))
+        if not files.sidecar.is_file():
+            raise DumpFormatError(f"{self.path}: entry {key!r} refers to pass {index}, whose "
+                                  f"sidecar {files.sidecar} is missing")
+        if not files.tensors.is_file():
+            files.tensors = None
+        return PassIndex.read(self.rank, files)
 
     def rebuild_args(self, i: int, loaded, cast=None) -> tuple[str, tuple, dict]:
         """``(op name, args, kwargs)`` of the op call recorded at entry ``i``.

@@ -20,7 +20,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 def _clean_env(monkeypatch):
     """No capture switch from the outer environment leaks into a test."""
     for fam in ("PHYAI_DEBUG_TENSOR_DUMP_", "TDINSPECT_DUMP_"):
-        for suffix in ("DIR", "FILTER", "FILTER_FN"):
+        for suffix in ("DIR", "FILTER", "FILTER_FN", "RECORD"):
             monkeypatch.delenv(fam + suffix, raising=False)
 
 

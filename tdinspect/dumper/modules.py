@@ -13,6 +13,19 @@ under its dotted name rooted at ``model``; structured outputs (tuples, lists,
 dicts, dataclasses, HF ``ModelOutput``) store each tensor under
 ``name[label]...`` (see :mod:`tdinspect.naming`). A module called several
 times in one step stores ``name``, ``name::call1``, ``name::call2``...
+
+``record=`` adds what goes into a module besides what comes out::
+
+    record=("inputs", "outputs", "params", "grads")
+    model.layers.0.mlp.up.weight        parameters and buffers, at the module's first call of a pass
+    model.layers.0.mlp.up[in][0]        positional input 0 (keyword inputs: [in][name])
+    model.layers.0.mlp.up               the output, as before
+    model.layers.0.mlp.up.weight.grad   the gradient, when backward has accumulated it
+
+A parameter unchanged since the pass that stored it (same storage, same
+version counter: nothing wrote to it) is not copied again: its entry refers to
+that pass. The sidecar's ``kind`` column says what each entry is
+(``input``, ``output``, ``param``, ``buffer``, ``grad``).
 """
 
 from __future__ import annotations
@@ -27,8 +40,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path
 
-from ..config import ConfigError, DumpConfig, FilterSpec
-from ..naming import CALL_SEP, label
+from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
+from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key
 from .checks import CaptureCheckError, HealthCheck
 from .recorder import Recorder, current_rank
 
@@ -57,6 +70,19 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.T
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for f in dataclasses.fields(leaf):
                 yield from flatten_output(getattr(leaf, f.name), sub + label(f.name))
+
+
+def flatten_inputs(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` for every tensor a module is called with: positional
+    arguments under ``[in][i]...``, keyword arguments under ``[in][name]...``.
+
+    Examples
+    --------
+    >>> [k for k, _ in flatten_inputs((torch.ones(1), 3), {"mask": torch.ones(1)})]
+    ['[in][0]', '[in][mask]']
+    """
+    yield from flatten_output(tuple(args), INPUT_PREFIX)
+    yield from flatten_output(dict(kwargs), INPUT_PREFIX)
 
 
 def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
@@ -116,6 +142,10 @@ class ModuleCapture:
         self._stance = None
         self._warn_unfired = warn_unfired
         self._graph_warned = False
+        self.record = config.record
+        self._open_calls: dict[str, list[tuple[int, int]]] = {}  # name -> (pass, call) in flight
+        self._params_seen: dict[str, tuple] = {}  # key -> (identity, pass stored, stats)
+        self._on_step: list[Any] = []
         self.recorder: Recorder | None = None
         if not self.enabled:
             return
@@ -137,27 +167,98 @@ class ModuleCapture:
                                  max_pending_bytes=max_pending_bytes, fsync=fsync,
                                  background_write=background_write)
         self.folder = self.recorder.folder
+        # outputs carry an explicit kind once other kinds share the pass (default: no new column)
+        self._out_extra = {} if self.record == ("outputs",) else {"kind": "output"}
         for name, mod in chosen:
             self.names.append(name)
-            self._handles.append(mod.register_forward_hook(self._make_hook(name, type(mod).__name__)))
+            mtype = type(mod).__name__
+            if "inputs" in self.record or "params" in self.record:
+                self._handles.append(mod.register_forward_pre_hook(
+                    self._make_pre_hook(name, mtype), with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._make_hook(name, mtype)))
+            if "grads" in self.record:
+                for pname, param in mod.named_parameters(recurse=False):
+                    if param.requires_grad:
+                        self._handles.append(param.register_post_accumulate_grad_hook(
+                            self._make_grad_hook(f"{name}.{pname}.grad", mtype)))
+
+    def _make_pre_hook(self, name: str, module_type: str):
+        rec, record = self.recorder, self.record
+
+        def pre_hook(module, args, kwargs):
+            if self._under_graph_capture(args[0] if args else None):
+                return None
+            call = rec.next_call(name)
+            # the forward hook of this call takes the same number (a stack: calls may nest)
+            self._open_calls.setdefault(name, []).append((rec.pass_index, call))
+            if "params" in record and call == 0:
+                self._record_params(name, module, module_type)
+            if "inputs" in record:
+                suffix = "" if call == 0 else f"{CALL_SEP}{call}"
+                for sub, tensor in flatten_inputs(args, kwargs):
+                    rec.record(name + sub + suffix, tensor, module_type=module_type, kind="input")
+            return None
+
+        return pre_hook
+
+    def _call_number(self, name: str) -> int:
+        rec = self.recorder
+        stack = self._open_calls.get(name)
+        while stack:
+            pass_index, call = stack.pop()
+            if pass_index == rec.pass_index:  # a stale entry: that forward raised, or the pass ended
+                return call
+        return rec.next_call(name)
 
     def _make_hook(self, name: str, module_type: str):
-        rec, fired, health = self.recorder, self._fired, self.health
+        rec, fired, health, extra = self.recorder, self._fired, self.health, self._out_extra
+        outputs = "outputs" in self.record
 
         def hook(module, args, output):
             if self._under_graph_capture(output):
                 return None
-            call = rec.next_call(name)
+            call = self._call_number(name)
             suffix = "" if call == 0 else f"{CALL_SEP}{call}"
             for sub, tensor in flatten_output(output):
                 key = name + sub + suffix
                 if health is not None:
                     self._checked(health.check, key, tensor, pass_=rec.pass_index, order=len(rec))
-                rec.record(key, tensor, module_type=module_type)
+                if outputs:
+                    rec.record(key, tensor, module_type=module_type, **extra)
             fired.add(name)
             return None
 
         return hook
+
+    def _record_params(self, name: str, module: nn.Module, module_type: str) -> None:
+        """Parameters and buffers of ``module``: copied when they changed since last stored."""
+        rec = self.recorder
+        for kind, items in (("param", module.named_parameters(recurse=False)),
+                            ("buffer", module.named_buffers(recurse=False))):
+            for pname, tensor in items:
+                if tensor is None:
+                    continue
+                key = f"{name}.{pname}"
+                # same storage and version counter: nothing has written to it since
+                ident = (tensor.data_ptr(), tensor._version, tensor.dtype, tuple(tensor.shape))
+                seen = self._params_seen.get(key)
+                if seen is not None and seen[0] == ident:
+                    rec.record_unchanged(key, tensor, seen[2], of_pass=seen[1],
+                                         module_type=module_type, kind=kind)
+                else:
+                    rec.record(key, tensor, module_type=module_type, kind=kind)
+                    self._params_seen[key] = (ident, rec.pass_index, rec.last_stats(key))
+
+    def _make_grad_hook(self, key: str, module_type: str):
+        rec = self.recorder
+
+        def grad_hook(param):
+            if param.grad is None or self._under_graph_capture(param.grad):
+                return
+            rec.record(make_key(key, rec.next_call(key)), param.grad, module_type=module_type,
+                       kind="grad")
+
+        return grad_hook
 
     def _under_graph_capture(self, output: Any) -> bool:
         t = output if isinstance(output, torch.Tensor) else None
@@ -193,6 +294,8 @@ class ModuleCapture:
         """
         if not self.enabled or self.recorder is None:
             return None
+        for callback in self._on_step:
+            callback()
         self.recorder.warn_if_empty("no hook fired during this step. Was model.forward() called "
                                     "directly (hooks need model(...)), or did the model run under "
                                     "CUDA-graph replay or torch.compile?")
@@ -240,10 +343,12 @@ class ModuleCapture:
         return f"ModuleCapture({len(self.names)} modules -> {self.folder})"
 
 
-def resolve_config(dump_dir, filter, filter_fn, config, environ) -> DumpConfig:
+def resolve_config(dump_dir, filter, filter_fn, config, environ, record=None) -> DumpConfig:
     """Arguments over ``config``, then the environment over both."""
     base = config if config is not None else DumpConfig()
     changes = {}
+    if record is not None:
+        changes["record"] = parse_record(record)
     if dump_dir is not None:
         changes["dump_dir"] = dump_dir
     if filter is not None or filter_fn is not None:
@@ -257,7 +362,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
             stats_only: bool = False, max_pending_bytes: int = 2 << 30, fsync: bool = False,
             warn_unfired: bool = True, background_write: bool | None = None,
-            on_nonfinite: str | None = None, environ=None) -> ModuleCapture:
+            on_nonfinite: str | None = None, record=None, environ=None) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
 
     Parameters
@@ -295,6 +400,11 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         :class:`tdinspect.NonFiniteError` naming the first offending module,
         call and pass (hooks removed, the unfinished pass not written);
         ``"warn"`` warns once per pass and goes on.
+    record : str or sequence of str, optional
+        What to record for each selected module: any of ``"inputs"``,
+        ``"outputs"``, ``"params"``, ``"grads"`` (default ``("outputs",)``,
+        or the config's; ``..._DUMP_RECORD`` overrides both). See the module
+        docstring for the names.
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -309,7 +419,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     ...     model(torch.randn(2, 4))
     ...     dump.step()
     """
-    cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
+    cfg = resolve_config(dump_dir, filter, filter_fn, config, environ, record)
     return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
                          max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
                          background_write=background_write, on_nonfinite=on_nonfinite)

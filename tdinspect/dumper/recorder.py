@@ -178,6 +178,22 @@ class Recorder:
                 p.nbytes += copy.numel() * copy.element_size()
         self._append(key, tensor, copy, stat, module_type, extra)
 
+    def record_unchanged(self, key: str, tensor: torch.Tensor, stat: torch.Tensor | None, *,
+                         of_pass: int, module_type: str, **extra: Any) -> None:
+        """Add an entry whose tensor is the one stored under ``key`` in pass ``of_pass``.
+
+        Nothing is copied and no statistic is computed: ``stat`` (the statistics
+        recorded then) is reused, and the sidecar holds a reference
+        ``{"kind": "same", "of": key, "pass": of_pass}``.
+        """
+        self._append(key, tensor, None, stat, module_type,
+                     {**extra, "ref": {"kind": "same", "of": key, "pass": of_pass}})
+
+    def last_stats(self, key: str) -> torch.Tensor | None:
+        """The statistics vector of ``key`` in the current pass (``None`` if absent)."""
+        i = self._index.get(key)
+        return None if i is None else self._pass.stats[i]
+
     def _append(self, key, tensor, copy, stat, module_type, extra) -> None:
         p = self._pass
         shape = list(tensor.shape) if tensor is not None else None
