@@ -22,29 +22,137 @@ def test_diff_explorer_threshold_moves_the_marker(runs):
     assert early.order < late.order  # bf16 error grows along the network
     ex = tdinspect.explore(diff, threshold=1e-7)
     assert ex.divergence.key == early.key and early.key in ex.label.value
-    marker_before = list(ex.ax.lines[-1].get_xdata())
+    marker_before = list(ex.artists.first.get_xdata())
     ex.threshold.value = 1e-5  # the callback runs as it would from the browser
     assert ex.divergence.key == late.key and late.key in ex.label.value
-    assert list(ex.ax.lines[-1].get_xdata()) != marker_before
-    assert list(ex.ax.lines[-2].get_ydata()) == [1e-5, 1e-5]
-    ex.threshold.value = 10.0
+    assert list(ex.artists.first.get_xdata()) != marker_before
+    assert list(ex.artists.thr.get_ydata()) == [1e-5, 1e-5]
+    # the threshold is written as the slider writes it
+    assert ex.artists.thr.get_label().startswith("threshold 1.0e-05")
+    assert ex.entry.value == late.key and ex.shown == late.key  # the side-by-side view followed
+    assert ex.artists.selected.get_xdata()[0] == ex.artists.first.get_xdata()[0]
+    ex.threshold.value = 1.0  # the slider's top: rel_diff cannot pass it
     assert ex.divergence is None and "no divergence" in ex.label.value
+    assert "threshold 1.0e+00" in ex.label.value
     wrong = tdinspect.explore(DumpSet.open(runs["ref"]).diff(runs["wrong"]))
     wrong.metric.value = "cosine"
     wrong.threshold.value = 0.99999
     assert wrong.divergence.key == "model.layers.2.mlp.down"
     wrong.entry.value = "model.lm_head"  # picking an entry shows the side-by-side view
-    assert wrong.shown == "model.lm_head" and wrong.view_fig._suptitle.get_text() == "model.lm_head"
+    assert wrong.shown == "model.lm_head"
+    assert wrong.view_fig._suptitle.get_text() == "model.lm_head  (pass 0)"
+    assert "1 entry" not in wrong.message.value and wrong.view.widget.value[:4] == b"\x89PNG"
+
+
+def test_switching_metric_brings_its_own_threshold_direction_and_scale(runs):
+    ex = tdinspect.explore(DumpSet.open(runs["ref"]).diff(runs["wrong"]), threshold=1e-6)
+    assert ex.ax.get_yscale() == "log" and type(ex.threshold).__name__ == "FloatLogSlider"
+    ex.metric.value = "cosine"
+    assert type(ex.threshold).__name__ == "FloatSlider" and ex.threshold.value == 0.99
+    assert (ex.threshold.min, ex.threshold.max) == (0.0, 1.0) and ex.ax.get_yscale() == "linear"
+    assert "below" in ex.direction.value and ex.threshold_box.children == (ex.threshold,)
+    assert ex.divergence is None and "no divergence</b> at cosine threshold 0.990000" in ex.label.value
+    ex.metric.value = "equal"
+    assert ex.threshold.value == 1.0 and ex.threshold.disabled
+    assert ex.divergence.key == "model.layers.2.mlp.down"  # the first entry not bitwise equal
+    assert "equal 0 &lt; 1" in ex.label.value
+    ex.metric.value = "sqnr_db"
+    assert ex.threshold.value == 30.0 and ex.ax.get_yscale() == "linear"
+    ex.metric.value = "rel_diff"  # back: its own default, not the 1e-6 it was opened with
+    assert ex.threshold.value == pytest.approx(1e-3) and ex.ax.get_yscale() == "log"
+    assert not ex.threshold.disabled
+
+
+def test_side_by_side_picks_pass_opens_on_the_divergence_and_draws_identical_honestly(runs):
+    ref, wrong = DumpSet.open(runs["ref"]), DumpSet.open(runs["wrong"])
+    # B: the reference's pass 0 with the broken run's pass 1 (real files): it parts in pass 1 only
+    mixed = DumpSet(runs["wrong"], {(0, 0): ref.get_pass(0), (0, 1): wrong.get_pass(1)})
+    ex = tdinspect.explore(ref.sel(pass_=[0, 1]).diff(mixed))
+    assert (ex.divergence.key, ex.divergence.pass_) == ("model.layers.2.mlp.down", 1)
+    assert ex.shown_at == ("model.layers.2.mlp.down", 1, 0) and ex.pass_.value == 1
+    assert ex._sbs.same.get_text() == ""  # pass 1 differs: a histogram of |A - B|
+    reads = []
+    for side in (ex.diff.a, ex.diff.b):
+        orig = side.tensor
+        side.tensor = lambda *a, _orig=orig, **k: reads.append(a) or _orig(*a, **k)
+    ex.pass_.value = 0  # the same entry in pass 0 is bitwise identical
+    assert ex.shown_at == ("model.layers.2.mlp.down", 0, 0) and len(reads) == 2
+    assert ex._sbs.same.get_text().startswith("A and B are identical")
+    assert not ex._sbs.axes[1, 1].axison  # no histogram of differences that do not exist
+    assert "identical: 0 everywhere" in ex._sbs.axes[0, 2].get_title()
+    ex.threshold.value = 1e-2  # a threshold move that keeps the divergence re-reads nothing
+    ex.threshold.value = 2e-3
+    ex.pass_.value = 1  # an entry already drawn comes from the cache
+    assert len(reads) == 2
+    assert set(ex.timings) >= {"build", "threshold", "pick"}
+
+
+def test_clicking_a_point_selects_its_entry(runs):
+    from matplotlib.backend_bases import MouseEvent
+
+    ex = tdinspect.explore(DumpSet.open(runs["ref"]).diff(runs["wrong"]))
+    row = ex.table.index[(ex.table["key"] == "model.lm_head") & (ex.table["pass"] == 2)][0]
+    ex.fig.canvas.draw()
+    x, y = ex.ax.transData.transform((row, 1))[0], ex.ax.transAxes.transform((0, 0.5))[1]
+    ex.fig.canvas.callbacks.process("button_press_event",
+                                    MouseEvent("button_press_event", ex.fig.canvas, x, y, button=1))
+    assert ex.shown_at == ("model.lm_head", 2, 0) and ex.pass_.value == 2
+    assert ex.artists.selected.get_xdata()[0] == row
+
+
+def test_divergence_plot_draws_zero_as_zero_and_labels_entries(runs):
+    diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
+    fig = tdinspect.plot.divergence(diff, threshold=1e-6)
+    ax = fig.axes[0]
+    art = ax.get_legend()
+    labels = [t.get_text() for t in art.get_texts()]
+    assert "exactly 0 (identical)" in labels and any(t.startswith("threshold 1.0e-06") for t in labels)
+    assert art.get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1  # beside the data, not on it
+    zeros = next(line for line in ax.lines if line.get_label() == "exactly 0 (identical)")
+    n_zero = int((diff.table(progress=False)["rel_diff"] == 0).sum())
+    assert len(zeros.get_xdata()) == n_zero > 0 and set(zeros.get_ydata()) == {0.03}
+    main = ax.lines[0]
+    assert all(v != v or v > 0 for v in main.get_ydata())  # no made-up floor value for a zero
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert {"embed", "L0", "L3", "lm_head"} <= set(ticks)
+    assert {"pass 0", "pass 1", "pass 2"} <= {t.get_text() for t in ax.texts}
+    assert "model.layers.2.mlp.down" in ax.get_title()
+    cos = tdinspect.plot.divergence(diff, "cosine", 0.99999)
+    assert cos.axes[0].get_yscale() == "linear"
+
+
+def test_heatmap_and_rank_pass_tell_zero_from_missing(runs):
+    import numpy as np
+
+    diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
+    hm = tdinspect.plot.heatmap(diff)
+    ax = hm.axes[0]
+    assert "layer 3" in [t.get_text() for t in ax.get_yticklabels()]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["exactly 0", "missing"]
+    img = ax.images[0]
+    data, (lo, _) = img.get_array(), img.get_clim()
+    zero_cells = np.asarray(data[0]).tolist()  # layer 0 is untouched: every metric is exactly 0
+    assert all(v < lo for v in zero_cells)  # below the colour range: the "exactly 0" colour
+    assert ax.get_xlabel() == "module inside the layer"
+    rp = tdinspect.plot.rank_pass(diff, threshold=1e-3)
+    lo, hi = rp.axes[0].images[0].get_clim()
+    assert hi - lo >= 1.0  # at least a decade: a tiny spread is not the whole colour range
 
 
 def test_dumpset_explorer_search_and_sliders(runs):
     ex = tdinspect.explore(DumpSet.open(runs["ref"]))
-    ex.search.value = r"expert"
-    assert list(ex.op.options) == ["model.expert"]
+    ex.search.value = r"nothing matches this"
+    assert ex.op.value is None and "no op matches" in ex.stats.value
+    ex.search.value = r"expert"  # not stuck after the empty result
+    assert list(ex.op.options) == ["model.expert"] and ex.op.value == "model.expert"
+    assert "model.expert" in ex.stats.value
     ex.call.value = 2
     ex.pass_.value = 1
-    assert "model.expert::call2" in ex.stats.value
-    assert ex.fig.axes  # the heatmap and histogram were drawn into the one figure
+    assert "model.expert::call2" in ex.stats.value and "e-0" in ex.stats.value  # scientific
+    assert "<table" in ex.stats.value and "<style" in ex.stats.value
+    heat, hist = ex.fig.axes[0], ex.fig.axes[1]
+    assert heat.get_xlabel().startswith("last dim") and heat.get_ylabel() == "other dims, flattened"
+    assert (hist.get_xlabel(), hist.get_ylabel()) == ("value", "elements")
     with pytest.raises(TypeError, match="DumpSet or a Diff"):
         tdinspect.explore(42)
 
@@ -53,12 +161,11 @@ def test_plots_return_figures(runs):
     diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
     fig = tdinspect.plot.divergence(diff, threshold=1e-3)
     assert "model.layers.2.mlp.down" in fig.axes[0].get_title()
-    hm = tdinspect.plot.heatmap(diff)
-    assert "layer 3" in [t.get_text() for t in hm.axes[0].get_yticklabels()]
     a = diff.a.tensor("model.layers.2.mlp.down")
     b = diff.b.tensor("model.layers.2.mlp.down")
     sbs = tdinspect.plot.side_by_side(a, b, title="down")
     assert len(sbs.axes) >= 6
+    assert all(ax.get_xlabel() for ax in sbs.axes[:2])
 
 
 def _run(cells, allow_errors=True):
@@ -92,7 +199,14 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
         # the explorer under ipympl (interactive canvas widget) as well as the inline backend
         f"%matplotlib widget\nimport tdinspect\nex = tdinspect.explore(tdinspect.DumpSet.open("
         f"'{runs['ref']}').diff('{runs['bf16']}'), threshold=1e-5)\nfirst = ex.divergence.key\n"
-        f"ex.threshold.value = 1e-7\nprint(type(ex.fig.canvas).__name__, first != ex.divergence.key)",
+        f"ex.threshold.value = 1e-7\nprint(type(ex.fig.canvas).__name__, first != ex.divergence.key)\n"
+        "print(ex.plot.widget is ex.fig.canvas, ex.view.widget is ex.view_fig.canvas)\n"
+        # a click on the canvas selects the entry under it (what ipympl forwards from the browser)
+        "from matplotlib.backend_bases import MouseEvent\n"
+        "row = int(ex.table.index[ex.table['key'] == 'model.lm_head'][0]); ex.fig.canvas.draw()\n"
+        "px, py = ex.ax.transData.transform((row, 1))[0], ex.ax.transAxes.transform((0, 0.5))[1]\n"
+        "ex.fig.canvas.callbacks.process('button_press_event', MouseEvent('button_press_event', "
+        "ex.fig.canvas, px, py, button=1))\nprint('clicked', ex.shown_at)",
     ]
     nb = _run(cells)
 
@@ -108,6 +222,7 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
     assert "--threshold" in text(8) and "--metric" in text(8)  # help from magic_arguments
     assert "UsageError" in text(10) or "not found" in text(10)
     assert "Canvas True" in text(11) and "Error" not in text(11)
+    assert "True True" in text(11) and "clicked ('model.lm_head', 0, 0)" in text(11)
     assert DumpSet.open(tmp_path / "cap").passes == [0, 1]
     assert DumpSet.open(tmp_path / "ops").ops == ["model/aten.ones.default[out0]",
                                                   "model/aten.mul.Tensor[out0]"]

@@ -3,6 +3,11 @@
 Usable without widgets (``tdinspect.plot.divergence(diff)``), in scripts (the
 demo writes a PNG) and by the widgets, which update the artists made here.
 
+Conventions: every metric has one axis scale (:func:`scale`: log for errors,
+linear for cosine, SQNR, mismatch and equality); an exact zero is drawn as a
+zero (a marked band, never a made-up value) and a missing value as missing,
+each with its legend entry; legends sit beside the data, not on it.
+
 Examples
 --------
 >>> fig = tdinspect.plot.divergence(diff, threshold=1e-3)    # doctest: +SKIP
@@ -12,6 +17,7 @@ Examples
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,9 +29,157 @@ def _plt():
     return plt
 
 
+@dataclass(frozen=True)
+class Scale:
+    """How a metric is drawn and chosen: axis scale and the threshold slider's range."""
+
+    log: bool
+    lo: float  # slider range: exponents for log scales, values otherwise
+    hi: float
+    step: float
+    fmt: str  # the slider's readout format; thresholds are written the same way
+
+    def text(self, value: float) -> str:
+        """A threshold written as the slider shows it."""
+        return format(value, self.fmt)
+
+
+_SCALES = {
+    "rel_diff": Scale(True, -12, 0, 0.25, ".1e"),
+    "rel_diff_cast": Scale(True, -12, 0, 0.25, ".1e"),
+    "max_abs": Scale(True, -12, 3, 0.25, ".1e"),
+    "max_abs_cast": Scale(True, -12, 3, 0.25, ".1e"),
+    "mean_abs": Scale(True, -12, 3, 0.25, ".1e"),
+    "max_rel": Scale(True, -12, 3, 0.25, ".1e"),
+    "stats_rel": Scale(True, -12, 3, 0.25, ".1e"),
+    "cosine": Scale(False, 0.0, 1.0, 1e-6, ".6f"),
+    "sqnr_db": Scale(False, 0.0, 200.0, 0.5, ".1f"),
+    "mismatch": Scale(False, 0.0, 1.0, 1e-3, ".3f"),
+    "equal": Scale(False, 0.0, 1.0, 1.0, ".0f"),
+}
+
+
+def scale(metric_name: str) -> Scale:
+    """The axis scale and slider range of a metric (log for errors, linear for the others)."""
+    return _SCALES.get(metric_name, _SCALES["rel_diff"])
+
+
+def _plain(text: str) -> str:
+    """A name from a dump as literal text for matplotlib (no mathtext from ``$``)."""
+    return str(text).replace("$", r"\$")
+
+
+def _group(op: str) -> str:
+    """The label of an entry's group on the x axis: its layer, else its leaf module."""
+    from ..naming import split_module_path
+
+    _, layer, leaf = split_module_path(op.split("/")[0])
+    return f"L{layer}" if layer >= 0 else _plain(leaf)
+
+
+class DivergencePlot:
+    """The artists of a divergence plot, made once and updated in place.
+
+    ``table`` is a Diff table sorted by (pass, order, rank); x is the row.
+    :meth:`draw` sets metric, threshold, first divergence and selected entry.
+    """
+
+    def __init__(self, table, ax):
+        self.table, self.ax = table, ax
+        n = len(table)
+        self.x = np.arange(n, dtype=float)
+        band = ax.get_xaxis_transform()  # x in data, y in axes: a band that never meets the data
+        self.line, = ax.plot([], [], ".-", lw=0.8, ms=3)
+        self.zeros, = ax.plot([], [], "o", ms=3.5, mfc="none", color="C2", transform=band,
+                              label="exactly 0 (identical)")
+        self.inf, = ax.plot([], [], "^", ms=4, color="C2", transform=band, label="identical (inf)")
+        self.struct, = ax.plot([], [], "x", ms=5, color="C3", transform=band,
+                               label="structural (only one side, shape, NaN)")
+        self.missing, = ax.plot([], [], "|", ms=8, color="0.5", transform=band, label="not compared")
+        self.thr = ax.axhline(np.nan, color="C1", ls="--", lw=1)
+        self.first = ax.axvline(np.nan, color="C3", lw=1.2, label="first divergence")
+        self.selected = ax.axvline(np.nan, color="C0", lw=3, alpha=0.25, label="selected entry")
+        self._label_x()
+
+    def _label_x(self) -> None:
+        df, ax = self.table, self.ax
+        passes = df["pass"].to_numpy()
+        groups = [_group(op) for op in df["op"]]
+        ticks, labels = [], []
+        for i, g in enumerate(groups):
+            if i == 0 or g != groups[i - 1] or passes[i] != passes[i - 1]:
+                ticks.append(i)
+                labels.append(g)
+        ax.set_xticks(ticks, labels, rotation=90, fontsize=7)
+        ax.set_xticks(self.x, minor=True)
+        ax.tick_params(axis="x", which="minor", length=2)
+        band = ax.get_xaxis_transform()
+        for i in np.flatnonzero(np.diff(passes)) + 1:
+            ax.axvline(i - 0.5, color="0.5", ls=":", lw=0.8)
+        for p in dict.fromkeys(passes.tolist()):
+            start = int(np.argmax(passes == p))
+            ax.text(start, 1.01, f"pass {p}", transform=band, fontsize=7, va="bottom")
+        ax.set_xlim(-1, max(len(df), 1))
+        ax.set_xlabel("entry in the reference's execution order (L = layer)", fontsize=8)
+
+    def row(self, div) -> float:
+        """The x position of a divergence (NaN when it is not in the table)."""
+        if div is None:
+            return math.nan
+        df = self.table
+        hit = np.flatnonzero((df["pass"].to_numpy() == div.pass_) & (df["rank"].to_numpy() == div.rank)
+                             & (df["key"].to_numpy() == div.key))
+        return float(hit[0]) if len(hit) else math.nan
+
+    def draw(self, metric, threshold: float, div, selected: float = math.nan) -> None:
+        """Show ``metric`` (a :class:`~tdinspect.metrics.Metric`) at ``threshold``."""
+        ax, df, x = self.ax, self.table, self.x
+        sc = scale(metric.name)
+        y = df[metric.name].to_numpy(dtype=float)
+        structural = df["structural"].to_numpy(dtype=bool)
+        nan = np.isnan(y) & ~structural
+        shown = np.isfinite(y) & ((y > 0) if sc.log else True)
+        zero = (y == 0) if sc.log else np.zeros_like(shown)
+        inf = np.isinf(y) & (y > 0)
+        bad_band = 0.97 if metric.higher_is_worse else 0.03
+        ax.set_yscale("log" if sc.log else "linear")
+        self.line.set_data(x, np.where(shown, y, np.nan))
+        self.line.set_label(metric.name)
+        for artist, mask, at in ((self.zeros, zero, 0.03), (self.inf, inf, 0.97),
+                                 (self.struct, structural, bad_band), (self.missing, nan, bad_band)):
+            artist.set_data(x[mask], np.full(mask.sum(), at))
+            artist.set_visible(bool(mask.any()))
+        self.thr.set_ydata([threshold, threshold])
+        self.thr.set_label(f"threshold {sc.text(threshold)} ({'above' if metric.higher_is_worse else 'below'}"
+                           " diverges)")
+        self.first.set_xdata([self.row(div)] * 2)
+        self.selected.set_xdata([selected, selected])
+        values = np.append(y[shown], threshold)
+        if sc.log:
+            lo, hi = values[values > 0].min() / 5, values.max() * 5
+        else:
+            pad = max(float(values.max() - values.min()) * 0.08, 1e-9)
+            lo, hi = values.min() - pad, values.max() + pad
+        ax.set_ylim(lo, hi)
+        ax.set_ylabel(metric.name)
+        handles = [a for a in (self.line, self.zeros, self.inf, self.struct, self.missing, self.thr,
+                               self.first, self.selected) if a.get_visible() and not (
+            a in (self.first, self.selected) and np.isnan(a.get_xdata()[0]))]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
+                  frameon=False)
+        title = "no divergence" if div is None else \
+            f"first divergence: {div.key} (pass {div.pass_}) — {div.reason}"
+        ax.set_title(_plain(title), fontsize=9, pad=14)
+
+
 def divergence(diff, metric: str | None = None, threshold: float | None = None, *,
                pass_: int | None = None, rank: int | None = None, ax=None):
     """A metric along the reference's execution order, threshold line, first divergence marked.
+
+    Exact zeros (identical entries) are marked on a band at the bottom,
+    structural divergences and entries never compared on a band at the bad
+    side, each with a legend entry; the x axis is labelled with the layers
+    and passes.
 
     Parameters
     ----------
@@ -44,51 +198,61 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
     """
     from ..metrics import metric as get_metric
 
-    plt = _plt()
     m = get_metric(metric or diff.default_metric)
     thr = m.default_threshold if threshold is None else threshold
-    df = diff.table(progress=False)
+    df = sorted_table(diff)
     if pass_ is not None:
         df = df[df["pass"] == pass_]
     if rank is not None:
         df = df[df["rank"] == rank]
-    df = df.sort_values(["pass", "order", "rank"]).reset_index(drop=True)
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 3.5))
-    y = df[m.name].to_numpy(dtype=float)
-    x = np.arange(len(df))
-    floor = _floor(y)
-    ax.plot(x, np.where(np.isfinite(y) & (y > 0), y, floor), ".-", lw=0.8, ms=3, label=m.name)
-    structural = df["structural"].to_numpy(dtype=bool)
-    if structural.any():
-        ax.plot(x[structural], np.full(structural.sum(), floor), "x", color="C3", label="structural")
-    ax.axhline(thr, color="C1", ls="--", lw=1, label=f"threshold {thr:g}")
-    if m.name not in ("equal",):
-        ax.set_yscale("log")
-    div = diff.first_divergence(thr, m.name)
-    marker = ax.axvline(np.nan, color="C3", lw=1.2)
-    label = ax.set_title("no divergence")
-    if div is not None:
-        hit = df.index[(df["pass"] == div.pass_) & (df["rank"] == div.rank) & (df["key"] == div.key)]
-        if len(hit):
-            marker.set_xdata([hit[0], hit[0]])
-        label.set_text(f"first divergence: {div.key} (pass {div.pass_}) — {div.reason}")
-    label.set_fontsize(9)
-    ax.set_xlabel("entry, in the reference's execution order")
-    ax.set_ylabel(m.name)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
+    df = df.reset_index(drop=True)
+    fig, ax = (ax.figure, ax) if ax is not None else _plt().subplots(figsize=(11, 3.8))
+    DivergencePlot(df, ax).draw(m, thr, diff.first_divergence(thr, m.name))
+    fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
     return fig
 
 
-def _floor(y: np.ndarray) -> float:
-    pos = y[np.isfinite(y) & (y > 0)]
-    return float(pos.min() / 10) if pos.size else 1e-12
+def sorted_table(diff):
+    """The diff's table in the order the divergence plot uses (pass, order, rank)."""
+    return diff.table(progress=False).sort_values(["pass", "order", "rank"]).reset_index(drop=True)
+
+
+def _zero_missing_image(ax, grid: np.ndarray, log_scale: bool, cmap: str = "viridis"):
+    """``imshow`` a grid where exact zeros get their own colour and missing cells a hatch, with a legend."""
+    import matplotlib as mpl
+    from matplotlib.patches import Patch
+
+    # missing: transparent over a hatched background; exact zero: the "under" colour
+    cm = mpl.colormaps[cmap].with_extremes(bad=(0, 0, 0, 0), under="black")
+    zero = grid == 0
+    if log_scale:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shown = np.log10(np.where(grid > 0, grid, np.nan))
+    else:
+        shown = grid.astype(float).copy()
+    finite = shown[np.isfinite(shown)]
+    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if vmax - vmin < 1e-12:
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    if log_scale:
+        shown = np.where(zero, vmin - 1, shown)  # below the colour range: drawn in the "under" colour
+    ax.patch.set_hatch("///")
+    ax.patch.set_edgecolor("0.6")
+    im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap=cm, vmin=vmin, vmax=vmax,
+                   interpolation="nearest")
+    handles = [Patch(facecolor="none", edgecolor="0.6", hatch="///", label="missing")]
+    if log_scale and zero.any():
+        handles.insert(0, Patch(facecolor="black", label="exactly 0"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.25, 1.0), fontsize=7, frameon=False)
+    return im
 
 
 def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 0, ax=None):
     """A layer × leaf heatmap of a statistic (DumpSet) or metric (Diff).
 
-    Entries without a layer index (embeddings, heads) are left out.
+    Entries without a layer index (embeddings, heads) are left out. Exact
+    zeros are drawn in black ("exactly 0") and missing cells hatched
+    ("missing"), each in the legend.
     """
     from ..diff import Diff
     from ..naming import split_module_path
@@ -97,13 +261,11 @@ def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 
     if isinstance(source, Diff):
         variable = variable or source.default_metric
         df = source.table(progress=False)
-        df = df[(df["pass"] == pass_) & (df["call"] == call)]
-        names, values = df["op"].tolist(), df[variable].to_numpy(dtype=float)
     else:
         variable = variable or "absmax"
         df = source.entries(progress=False)
-        df = df[(df["pass"] == pass_) & (df["call"] == call)]
-        names, values = df["op"].tolist(), df[variable].to_numpy(dtype=float)
+    df = df[(df["pass"] == pass_) & (df["call"] == call)]
+    names, values = df["op"].tolist(), df[variable].to_numpy(dtype=float)
     cells: dict[tuple[int, str], float] = {}
     for name, v in zip(names, values):
         _, layer, leaf = split_module_path(name.split("/")[0])
@@ -116,89 +278,175 @@ def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 
     for (layer, leaf), v in cells.items():
         grid[layers.index(layer), leaves.index(leaf)] = v
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(max(4, 0.5 * len(leaves) + 2), max(2.5, 0.35 * len(layers) + 1.5)))
-    log_scale = variable in ("rel_diff", "max_abs", "mean_abs", "max_rel", "absmax", "l2")
-    shown = np.log10(np.where(grid > 0, grid, np.nan)) if log_scale else grid
-    im = ax.imshow(shown, aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(leaves)), leaves, rotation=60, ha="right", fontsize=8)
+        figsize=(max(5, 0.5 * len(leaves) + 3.5), max(2.5, 0.35 * len(layers) + 1.5)))
+    log_scale = variable in ("absmax", "l2") or (variable in _SCALES and scale(variable).log)
+    im = _zero_missing_image(ax, grid, log_scale)
+    ax.set_xticks(range(len(leaves)), [_plain(v) for v in leaves], rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers], fontsize=8)
+    ax.set_xlabel("module inside the layer", fontsize=8)
     fig.colorbar(im, ax=ax, label=f"log10 {variable}" if log_scale else variable)
     ax.set_title(f"{variable}, pass {pass_}, call {call}", fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def _as_2d(t) -> np.ndarray:
-    """A 2-D float view for heatmaps: rows are everything but the last dim."""
+def _as_2d(t, limit: int = 256) -> tuple[np.ndarray, bool]:
+    """A 2-D float view for heatmaps (rows are everything but the last dim), strided down to
+    ``limit`` × ``limit`` for drawing; returns ``(array, strided)``."""
     t = t.detach()
     if t.is_complex():
         t = t.abs()
-    a = t.to(dtype=torch.float32).numpy()
-    if a.ndim == 0:
-        return a.reshape(1, 1)
-    return a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a.reshape(1, -1)
+    t = t.reshape(1, 1) if t.dim() == 0 else (t.reshape(-1, t.shape[-1]) if t.dim() > 1
+                                              else t.reshape(1, -1))
+    sr, sc = max(1, -(-t.shape[0] // limit)), max(1, -(-t.shape[1] // limit))
+    return t[::sr, ::sc].to(dtype=torch.float32).numpy(), sr * sc > 1
+
+
+def _label_image(ax, strided: bool) -> None:
+    ax.set_xlabel("last dim" + (" (strided)" if strided else ""), fontsize=8)
+    ax.set_ylabel("other dims, flattened", fontsize=8)
+
+
+class SideBySide:
+    """The side-by-side figure's artists, made once; :meth:`update` swaps the tensors in.
+
+    Re-drawing into the same axes (image data, colour limits, histogram
+    steps, texts) instead of building six axes and colour bars again keeps
+    a new entry under a few hundred milliseconds.
+    """
+
+    def __init__(self, fig):
+        self.fig = fig
+        fig.clear()
+        axes = fig.subplots(2, 3)
+        fig.subplots_adjust(left=0.06, right=0.97, bottom=0.09, top=0.88, wspace=0.42, hspace=0.5)
+        self.axes = axes
+        empty = np.zeros((1, 1))
+        self.images = []
+        for ax, name, cmap, label in ((axes[0, 0], "A (reference)", "RdBu_r", "value"),
+                                      (axes[0, 1], "B", "RdBu_r", "value"),
+                                      (axes[0, 2], "|A - B|", "magma", "|A - B|")):
+            im = ax.imshow(empty, aspect="auto", cmap=cmap, interpolation="nearest")
+            ax.set_title(name, fontsize=9)
+            fig.colorbar(im, ax=ax, label=label)
+            self.images.append(im)
+        h = axes[1, 0]
+        self.hist_a = h.stairs([0], [0, 1], label="A")
+        self.hist_b = h.stairs([0], [0, 1], label="B")
+        h.legend(fontsize=8)
+        h.set_title("values", fontsize=9)
+        h.set_xlabel("value", fontsize=8)
+        h.set_ylabel("elements", fontsize=8)
+        d = axes[1, 1]
+        self.hist_d = d.stairs([0], [0, 1], color="C3", fill=True)
+        d.set_xlabel("log10 |A - B|", fontsize=8)
+        d.set_ylabel("elements", fontsize=8)
+        self.same = d.text(0.5, 0.5, "", ha="center", va="center", fontsize=10, transform=d.transAxes)
+        axes[1, 2].axis("off")
+        self.metrics = axes[1, 2].text(0, 1, "", va="top", family="monospace", fontsize=8)
+        self.title = fig.suptitle("", fontsize=10)
+
+    def update(self, a, b, title: str = "") -> None:
+        """Show reference ``a`` and compared ``b`` (same shape)."""
+        from ..metrics import compare_tensors
+
+        xa, strided = _as_2d(a)
+        xb, _ = _as_2d(b)
+        d = np.abs(xa.astype(np.float64) - xb.astype(np.float64))
+        both = np.concatenate([xa.ravel(), xb.ravel()])
+        lim = float(np.nanmax(np.abs(both[np.isfinite(both)]), initial=0)) or 1.0
+        dd = d.ravel()[np.isfinite(d.ravel())]
+        identical = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        top = float(dd.max()) if dd.size and dd.max() > 0 else 1.0
+        for im, data, lo, hi in zip(self.images, (xa, xb, d), (-lim, -lim, 0), (lim, lim, top)):
+            im.set_data(data)
+            im.set_extent((-0.5, data.shape[1] - 0.5, data.shape[0] - 0.5, -0.5))
+            im.set_clim(lo, hi)
+        for ax in self.axes[0]:
+            _label_image(ax, strided)
+        self.axes[0, 2].set_title("|A - B|" + (" (identical: 0 everywhere)" if identical else ""),
+                                  fontsize=9)
+        finite = np.isfinite(xa.ravel()) & np.isfinite(xb.ravel())
+        va, vb = xa.ravel()[finite], xb.ravel()[finite]
+        edges = np.histogram_bin_edges(np.concatenate([va, vb]) if va.size else [0.0, 1.0], bins=60)
+        self.hist_a.set_data(np.histogram(va, edges)[0], edges)
+        self.hist_b.set_data(np.histogram(vb, edges)[0], edges)
+        self._fit(self.axes[1, 0], edges, max(self.hist_a.get_data().values.max(),
+                                              self.hist_b.get_data().values.max()))
+        ax = self.axes[1, 1]
+        nonzero = dd[dd > 0]
+        if nonzero.size:
+            counts, edges = np.histogram(np.log10(nonzero), bins=60)
+            self.hist_d.set_data(counts, edges)
+            self._fit(ax, edges, counts.max())
+            ax.set_title(f"log10 |A - B| ({nonzero.size} of {dd.size} shown elements differ)",
+                         fontsize=9)
+            self.same.set_text("")
+        else:  # nothing to draw: say so, no made-up bar
+            self.hist_d.set_data([0], [0, 1])
+            ax.set_title("log10 |A - B|", fontsize=9)
+            self.same.set_text("A and B are identical\n(|A - B| = 0 everywhere)" if identical else
+                               "no element differs as a number\n(only the dtypes differ)")
+        ax.axis("on" if nonzero.size else "off")
+        m = compare_tensors(b, a) if a.shape == b.shape else {}
+        self.metrics.set_text("\n".join(f"{k}: {v:.3g}" for k, v in m.items()
+                                        if isinstance(v, float) and not math.isnan(v)))
+        self.title.set_text(_plain(title))
+
+    @staticmethod
+    def _fit(ax, edges, top) -> None:
+        ax.set_xlim(edges[0], edges[-1] if edges[-1] > edges[0] else edges[0] + 1)
+        ax.set_ylim(0, max(float(top), 1.0) * 1.05)
 
 
 def side_by_side(a, b, *, title: str = "", fig=None):
     """A, B and |A − B| of one tensor (heatmaps of its 2-D view), and histograms.
 
+    Identical tensors are said to be identical (no made-up bar for a
+    difference that does not exist). Every axis is labelled.
+
     Parameters
     ----------
     a, b : torch.Tensor
         Reference and compared tensor (same shape).
-    """
-    plt = _plt()
-    xa, xb = _as_2d(a), _as_2d(b)
-    fig = fig or plt.figure(figsize=(12, 5.5))
-    fig.clear()
-    axes = fig.subplots(2, 3)
-    d = np.abs(xa.astype(np.float64) - xb.astype(np.float64))
-    lim = float(np.nanmax(np.abs(np.concatenate([xa.ravel(), xb.ravel()])), initial=0)) or 1.0
-    for ax, data, name, cmap, vmin in ((axes[0, 0], xa, "A (reference)", "RdBu_r", -lim),
-                                       (axes[0, 1], xb, "B", "RdBu_r", -lim),
-                                       (axes[0, 2], d, "|A - B|", "magma", 0)):
-        im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=lim if vmin else None,
-                       interpolation="nearest")
-        ax.set_title(name, fontsize=9)
-        fig.colorbar(im, ax=ax)
-    finite = np.isfinite(xa.ravel()) & np.isfinite(xb.ravel())
-    axes[1, 0].hist([xa.ravel()[finite], xb.ravel()[finite]], bins=60, label=["A", "B"],
-                    histtype="step")
-    axes[1, 0].legend(fontsize=8)
-    axes[1, 0].set_title("values", fontsize=9)
-    dd = d.ravel()[np.isfinite(d.ravel())]
-    axes[1, 1].hist(np.log10(dd[dd > 0]) if (dd > 0).any() else [0], bins=60, color="C3")
-    axes[1, 1].set_title("log10 |A - B|" + ("" if (dd > 0).any() else " (identical)"), fontsize=9)
-    axes[1, 2].axis("off")
-    from ..metrics import compare_tensors
+    fig : matplotlib Figure, optional
+        Drawn into (cleared first).
 
-    m = compare_tensors(b, a) if a.shape == b.shape else {}
-    axes[1, 2].text(0, 1, "\n".join(f"{k}: {v:.3g}" for k, v in m.items()
-                                    if isinstance(v, float) and not math.isnan(v)),
-                    va="top", family="monospace", fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig = fig or _plt().figure(figsize=(12, 5.8))
+    SideBySide(fig).update(a, b, title)
     return fig
 
 
 def tensor(t, *, title: str = "", fig=None):
-    """Heatmap and histogram of one tensor (the DumpSet explorer's view)."""
-    plt = _plt()
-    x = _as_2d(t)
-    fig = fig or plt.figure(figsize=(10, 3.5))
+    """Heatmap and histogram of one tensor (the DumpSet explorer's view), axes labelled."""
+    x, strided = _as_2d(t)
+    fig = fig or _plt().figure(figsize=(10, 3.5))
     fig.clear()
     ax1, ax2 = fig.subplots(1, 2)
     im = ax1.imshow(x, aspect="auto", cmap="RdBu_r", interpolation="nearest")
-    fig.colorbar(im, ax=ax1)
+    _label_image(ax1, strided)
+    ax1.set_title(f"values {list(t.shape)}", fontsize=9)
+    fig.colorbar(im, ax=ax1, label="value")
     v = x.ravel()[np.isfinite(x.ravel())]
     ax2.hist(v, bins=60)
-    fig.suptitle(title, fontsize=10)
+    ax2.set_xlabel("value", fontsize=8)
+    ax2.set_ylabel("elements", fontsize=8)
+    ax2.set_title("histogram (finite values)", fontsize=9)
+    fig.suptitle(_plain(title), fontsize=10)
     fig.tight_layout()
     return fig
 
 
 def rank_pass(diff, metric: str | None = None, threshold: float | None = None, ax=None):
     """Which ranks and steps part first: worst metric per (rank, pass), divergent cells outlined.
+
+    The colour scale spans at least a decade (log metrics) around the data
+    and the threshold, so a tiny spread is not blown up into the full
+    colour range; exact zeros and missing cells are marked as such.
 
     Returns
     -------
@@ -208,6 +456,7 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
+    thr = m.default_threshold if threshold is None else threshold
     by = diff.by_rank_pass(threshold, m.name)
     ranks = sorted({r for r, _ in by.index})
     passes = sorted({p for _, p in by.index})
@@ -217,18 +466,28 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
         grid[ranks.index(r), passes.index(p)] = row["worst"]
         bad[ranks.index(r), passes.index(p)] = row["n_divergent"] > 0
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(max(4, 0.4 * len(passes) + 2), max(2, 0.4 * len(ranks) + 1.5)))
-    shown = np.log10(np.where(grid > 0, grid, np.nan)) if m.higher_is_worse else grid
-    im = ax.imshow(shown, aspect="auto", cmap="viridis")
+        figsize=(max(5, 0.4 * len(passes) + 3.5), max(2, 0.4 * len(ranks) + 1.5)))
+    log_scale = scale(m.name).log
+    im = _zero_missing_image(ax, grid, log_scale)
+    lo, hi = im.get_clim()
+    t = math.log10(thr) if log_scale and thr > 0 else thr
+    if log_scale:  # at least one decade, and the threshold inside the range
+        lo, hi = min(lo, t - 0.5), max(hi, t + 0.5)
+        if hi - lo < 1:
+            mid = (hi + lo) / 2
+            lo, hi = mid - 0.5, mid + 0.5
+        im.set_clim(lo, hi)
     ys, xs = np.nonzero(bad)
     ax.scatter(xs, ys, marker="s", s=120, facecolors="none", edgecolors="red", label="diverges")
     ax.set_xticks(range(len(passes)), passes, fontsize=8)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks], fontsize=8)
     ax.set_xlabel("pass (step)")
-    fig.colorbar(im, ax=ax, label=f"{'log10 ' if m.higher_is_worse else ''}worst {m.name}")
+    cb = fig.colorbar(im, ax=ax, label=f"{'log10 ' if log_scale else ''}worst {m.name}")
+    if lo <= t <= hi:
+        cb.ax.axhline(t, color="C1", lw=1.5)
     first = by[by["n_divergent"] > 0].sort_index(level=["pass", "rank"])
     title = "no divergence" if first.empty else (
         f"first: rank {first.index[0][0]}, pass {first.index[0][1]}: {first.iloc[0]['first']}")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_plain(title), fontsize=9)
     fig.tight_layout()
     return fig

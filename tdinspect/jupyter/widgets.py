@@ -1,10 +1,14 @@
 """Interactive explorers: ``tdinspect.explore(dumpset)`` and ``tdinspect.explore(diff)``.
 
-Each explorer builds its figure once and updates its artists from ``observe``
-callbacks; sliders only fire on release (``continuous_update=False``, the
-debounce); callback output and errors go to an ``Output`` widget. The explorer
-objects expose their widgets and an ``update`` method, so the callbacks are
-testable without a browser.
+Each explorer builds its figures once and updates their artists from
+``observe`` callbacks; sliders only fire on release (``continuous_update=False``,
+the debounce). Under ``%matplotlib widget`` (ipympl) a figure is its
+interactive canvas (zoom, pan, click a point to select its entry); otherwise it
+is a PNG in an ``Image`` widget, so a saved notebook keeps what it showed.
+What does not change is cached: the diff table, and each side-by-side view
+already drawn (moving the threshold re-reads nothing). The explorer objects
+expose their widgets and methods, so the callbacks are testable without a
+browser.
 
 Examples
 --------
@@ -14,7 +18,11 @@ Examples
 
 from __future__ import annotations
 
+import html
+import io
 import math
+from collections import OrderedDict
+from contextlib import contextmanager
 
 import ipywidgets as W
 import numpy as np
@@ -23,115 +31,312 @@ from IPython.display import display
 from . import plots
 
 
-class DiffExplorer:
-    """Metric along execution order, a threshold slider, and a side-by-side view of a picked entry.
+def interactive_backend() -> bool:
+    """Whether matplotlib draws into ipympl canvases (``%matplotlib widget``)."""
+    import matplotlib
+
+    backend = matplotlib.get_backend().lower()
+    return "ipympl" in backend or backend == "widget"
+
+
+class FigureView:
+    """One matplotlib figure shown as a widget: the ipympl canvas, or a PNG image.
 
     Attributes
     ----------
-    threshold : ipywidgets.FloatLogSlider
+    fig : matplotlib.figure.Figure
+    widget : ipywidgets.DOMWidget
+    """
+
+    def __init__(self, figsize: tuple[float, float], dpi: int = 90):
+        self.interactive = interactive_backend()
+        self.dpi = dpi
+        if self.interactive:
+            import matplotlib.pyplot as plt
+
+            with plt.ioff():  # shown in the explorer's layout, not by the backend
+                self.fig = plt.figure(figsize=figsize)
+            self.fig.canvas.header_visible = False
+            self.widget = self.fig.canvas
+        else:
+            from matplotlib.figure import Figure
+
+            self.fig = Figure(figsize=figsize)  # no pyplot state: nothing displays it behind our back
+            self.widget = W.Image(format="png", layout=W.Layout(max_width="100%", height="auto"))
+
+    def png(self) -> bytes:
+        buf = io.BytesIO()
+        self.fig.savefig(buf, format="png", dpi=self.dpi)
+        return buf.getvalue()
+
+    def refresh(self, png: bytes | None = None) -> None:
+        """Show the figure's current state (or an already rendered ``png`` of it)."""
+        if self.interactive:
+            self.fig.canvas.draw_idle()
+        else:
+            self.widget.value = png if png is not None else self.png()
+
+
+class DiffExplorer:
+    """Metric along execution order, a threshold slider, and a side-by-side view of a picked entry.
+
+    Parameters
+    ----------
+    diff : Diff
+    metric : str, optional
+        The metric shown first (default: the diff's, ``rel_diff``).
+    threshold : float, optional
+        The first threshold (default: the metric's). Switching the metric
+        brings that metric's default threshold, slider range, direction and
+        axis scale.
+
+    Attributes
+    ----------
     metric : ipywidgets.Dropdown
-    entry : ipywidgets.Dropdown
-        Picks the entry shown side by side (defaults to the first divergence).
+    threshold : ipywidgets.FloatLogSlider or ipywidgets.FloatSlider
+        The slider of the current metric (log for errors, linear for cosine,
+        SQNR and mismatch; fixed for ``equal``).
+    entry, pass_, rank : ipywidgets.Dropdown
+        What the side-by-side view shows (it opens on the first divergence).
     label : ipywidgets.HTML
         Describes the current first divergence.
+    divergence : Divergence or None
+    timings : dict
+        Seconds the last build and the last callback of each kind took.
     """
 
     def __init__(self, diff, metric: str | None = None, threshold: float | None = None):
+        import time
+
         from ..metrics import METRICS
 
+        t0 = time.perf_counter()
         self.diff = diff
-        names = ["stats_rel"] if diff.mode == "stats" else [
-            m for m in METRICS if m != "stats_rel"]
+        self.timings: dict[str, float] = {}
+        names = ["stats_rel"] if diff.mode == "stats" else [m for m in METRICS if m != "stats_rel"]
         metric = metric or diff.default_metric
         self.metric = W.Dropdown(options=names, value=metric, description="metric")
-        thr = METRICS[metric].default_threshold if threshold is None else threshold
-        self.threshold = W.FloatLogSlider(value=max(thr, 1e-12), base=10, min=-12, max=3, step=0.25,
-                                          description="threshold", continuous_update=False,
-                                          readout_format=".1e")
-        self.table = diff.table(progress=False).sort_values(["pass", "order", "rank"]).reset_index(
-            drop=True)
-        keys = list(dict.fromkeys(self.table["key"]))
-        self.entry = W.Dropdown(options=keys, description="entry")
+        self._log_slider = W.FloatLogSlider(base=10, min=-12, max=0, step=0.25, value=1e-3,
+                                            description="threshold", continuous_update=False,
+                                            readout_format=".1e")
+        self._lin_slider = W.FloatSlider(min=0, max=1, step=1e-3, value=0.5, description="threshold",
+                                         continuous_update=False)
+        self.direction = W.HTML()
+        self.table = plots.sorted_table(diff)
+        self.entry = W.Dropdown(options=list(dict.fromkeys(self.table["key"])), description="entry")
+        self.pass_ = W.Dropdown(options=sorted(set(self.table["pass"].tolist())), description="pass")
+        self.rank = W.Dropdown(options=sorted(set(self.table["rank"].tolist())), description="rank",
+                               layout=W.Layout(display="" if self.table["rank"].nunique() > 1
+                                               else "none"))
         self.label = W.HTML()
-        self.out = W.Output()
-        self.fig = plots.divergence(diff, metric, thr)
-        self.ax = self.fig.axes[0]
+        self.message = W.HTML()
+        self.plot = FigureView((11, 3.8))
+        self.fig = self.plot.fig
+        self.ax = self.fig.add_subplot()
+        self.fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
+        self.artists = plots.DivergencePlot(self.table, self.ax)
+        self.view = FigureView((12, 5.8), dpi=72)
+        self.view_fig = self.view.fig
+        self._sbs: plots.SideBySide | None = None  # its axes, made on the first entry shown
+        self._views: OrderedDict[tuple, bytes] = OrderedDict()  # (key, pass, rank) -> PNG
         self.divergence = None
-        self.shown = None
-        import matplotlib.pyplot as plt
+        self.shown: str | None = None
+        self.shown_at: tuple | None = None
+        self._quiet = False
+        self.threshold_box = W.HBox()
+        self._configure_slider(metric, threshold)
+        self.metric.observe(self._on_metric, names="value")
+        for s in (self._log_slider, self._lin_slider):
+            s.observe(self._on_threshold, names="value")
+        for w in (self.entry, self.pass_, self.rank):
+            w.observe(self._on_pick, names="value")
+        self.fig.canvas.mpl_connect("button_press_event", self._on_click)
+        self.widget = W.VBox([W.HBox([self.metric, self.threshold_box, self.direction]), self.label,
+                              self.plot.widget, W.HBox([self.entry, self.pass_, self.rank]),
+                              self.message, self.view.widget])
+        self.update(follow=True)
+        self.timings["build"] = time.perf_counter() - t0
 
-        plt.close(self.fig)  # shown through the Output widget, not by the backend
-        self.metric.observe(self._on_change, names="value")
-        self.threshold.observe(self._on_change, names="value")
-        self.entry.observe(self._on_entry, names="value")
-        self.view = W.Output()
-        self.widget = W.VBox([W.HBox([self.metric, self.threshold]), self.label, self.out,
-                              self.entry, self.view])
-        self.update()
+    # -- the threshold slider follows the metric ---------------------------------------------
+    @property
+    def threshold(self):
+        """The slider of the current metric."""
+        return self._log_slider if plots.scale(self.metric.value).log else self._lin_slider
 
-    def _on_change(self, change) -> None:
-        with self.out:
-            self.update()
+    @contextmanager
+    def _hold(self):
+        """Change several widgets with one redraw at the end (callbacks stay quiet inside)."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = quiet
 
-    def _on_entry(self, change) -> None:
-        with self.view:
-            self.show_entry(change["new"])
+    def _configure_slider(self, name: str, threshold: float | None = None) -> None:
+        from ..metrics import metric
 
-    def update(self) -> None:
-        """Recompute the first divergence and move the marker (the figure is reused)."""
-        m, thr = self.metric.value, self.threshold.value
-        div = self.diff.first_divergence(thr, m)
-        self.divergence = div
-        y = self.table[m].to_numpy(dtype=float)
-        line = self.ax.lines[0]
-        line.set_ydata(np.where(np.isfinite(y) & (y > 0), y, plots._floor(y)))
-        line.set_label(m)
-        self.ax.lines[-2].set_ydata([thr, thr])  # the threshold line (see plots.divergence)
-        self.ax.lines[-2].set_label(f"threshold {thr:g}")
-        self.ax.legend(loc="upper left", fontsize=8)
-        marker = self.ax.lines[-1]
-        if div is None:
-            marker.set_xdata([math.nan, math.nan])
-            self.label.value = f"<b>no divergence</b> at {m} threshold {thr:.1e}"
-        else:
-            idx = self.table.index[(self.table["key"] == div.key) & (self.table["pass"] == div.pass_)
-                                   & (self.table["rank"] == div.rank)]
-            x = float(idx[0]) if len(idx) else math.nan
-            marker.set_xdata([x, x])
-            self.label.value = (f"first divergence: <b>{div.key}</b> (pass {div.pass_}, call "
-                                f"{div.call}) — {div.reason}")
-            if div.key in self.entry.options:
-                self.entry.value = div.key
-        self.ax.set_ylabel(m)
-        self.ax.relim()
-        self.ax.autoscale_view()
-        self.ax.set_title(self.label.value.replace("<b>", "").replace("</b>", ""), fontsize=9)
-        self.fig.canvas.draw_idle()  # ipympl redraws its canvas in place; inline needs the display below
-        self.out.clear_output(wait=True)
-        with self.out:
-            display(self.fig)
+        m, sc = metric(name), plots.scale(name)
+        value = m.default_threshold if threshold is None else float(threshold)
+        slider = self.threshold
+        with self._hold():
+            if sc.log:
+                value = max(value, 10.0 ** sc.lo)
+                slider.min, slider.max = sc.lo, max(sc.hi, math.ceil(math.log10(value)))
+            else:
+                slider.min, slider.max = sc.lo, max(sc.hi, value)
+            slider.step, slider.readout_format = sc.step, sc.fmt
+            slider.value = value
+            slider.disabled = name == "equal"  # bitwise equality has one threshold: 1
+        self.threshold_box.children = [slider]
+        self.direction.value = (f"<small>diverges {'above' if m.higher_is_worse else 'below'}"
+                                f"{' (0 = not bitwise equal)' if name == 'equal' else ''}</small>")
 
-    def show_entry(self, key: str, pass_: int = 0) -> None:
-        """Side-by-side A, B and |A - B| of one entry."""
-        if self.diff.mode == "stats":
-            print("statistics-only dumps hold no tensors to show")
+    # -- callbacks ---------------------------------------------------------------------------
+    def _timed(self, kind: str, fn, *args) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception as exc:  # shown in the explorer, not lost in the kernel's log
+            self.message.value = f"<span style='color:var(--jp-error-color1)'>{html.escape(repr(exc))}</span>"
+            raise
+        finally:
+            self.timings[kind] = time.perf_counter() - t0
+
+    def _on_metric(self, change) -> None:
+        if not self._quiet:
+            self._timed("metric", self._switch_metric, change["new"])
+
+    def _switch_metric(self, name: str) -> None:
+        self._configure_slider(name)
+        self.update(follow=True)
+
+    def _on_threshold(self, change) -> None:
+        if not self._quiet and change["owner"] is self.threshold:
+            self._timed("threshold", self.update, True)
+
+    def _on_pick(self, change) -> None:
+        if not self._quiet:
+            self._timed("pick", self._show_picked)
+
+    def _on_click(self, event) -> None:
+        """Clicking near a point of the divergence plot selects its entry (ipympl)."""
+        if event.inaxes is not self.ax or event.xdata is None:
             return
-        a = self.diff.a.tensor(key, pass_=pass_)
-        b = self.diff.b.tensor(key, pass_=pass_)
-        import matplotlib.pyplot as plt
+        i = int(round(event.xdata))
+        if 0 <= i < len(self.table):
+            row = self.table.iloc[i]
+            self._timed("click", self.select, row["key"], int(row["pass"]), int(row["rank"]))
 
-        self.view.clear_output(wait=True)
-        self.view_fig = plots.side_by_side(a, b, title=key)
-        self.shown = key
-        display(self.view_fig)
-        plt.close(self.view_fig)
+    # -- what the callbacks do -------------------------------------------------------------
+    def select(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
+        """Show ``key`` (at ``pass_``, ``rank``) side by side and mark it on the plot."""
+        with self._hold():
+            if key in self.entry.options:
+                self.entry.value = key
+            if pass_ is not None and pass_ in self.pass_.options:
+                self.pass_.value = pass_
+            if rank is not None and rank in self.rank.options:
+                self.rank.value = rank
+        self._show_picked()
+
+    def _selected_row(self) -> float:
+        df = self.table
+        hit = np.flatnonzero((df["key"].to_numpy() == self.entry.value)
+                             & (df["pass"].to_numpy() == self.pass_.value)
+                             & (df["rank"].to_numpy() == self.rank.value))
+        return float(hit[0]) if len(hit) else math.nan
+
+    def _show_picked(self) -> None:
+        self.show_entry(self.entry.value, self.pass_.value, self.rank.value)
+        self._redraw_plot()
+
+    def update(self, follow: bool = True) -> None:
+        """Recompute the first divergence at the current metric and threshold; redraw the plot.
+
+        With ``follow``, the side-by-side view moves to the new first
+        divergence (drawn only if it is not the entry already shown).
+        """
+        from ..metrics import metric
+
+        m, thr = metric(self.metric.value), self.threshold.value
+        div = self.diff.first_divergence(thr, m.name)
+        self.divergence = div
+        sc = plots.scale(m.name)
+        if div is None:
+            self.label.value = (f"<b>no divergence</b> at {html.escape(m.name)} threshold "
+                                f"{sc.text(thr)}")
+        else:
+            self.label.value = (f"first divergence: <b>{html.escape(div.key)}</b> (pass {div.pass_}, "
+                                f"call {div.call}"
+                                + (f", rank {div.rank}" if self.table['rank'].nunique() > 1 else "")
+                                + f") — {html.escape(div.reason)}")
+        if follow and div is not None and div.key in self.entry.options:
+            self.select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
+        elif follow and self.shown is None:
+            self._show_picked()
+        else:
+            self._redraw_plot()
+
+    def _redraw_plot(self) -> None:
+        from ..metrics import metric
+
+        self.artists.draw(metric(self.metric.value), self.threshold.value, self.divergence,
+                          self._selected_row())
+        self.plot.refresh()
+
+    def show_entry(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
+        """Side-by-side A, B and |A - B| of one entry (cached: drawn once per entry, pass, rank)."""
+        pass_ = self.pass_.value if pass_ is None else pass_
+        rank = self.rank.value if rank is None else rank
+        where = (key, pass_, rank)
+        if where == self.shown_at:
+            return
+        self.shown, self.shown_at = key, where
+        if self.diff.mode == "stats":
+            self.message.value = "statistics-only dumps hold no tensors to show"
+            return
+        if where in self._views:
+            self._views.move_to_end(where)
+            self.message.value = ""
+            self.view.refresh(self._views[where])
+            return
+        sides = []
+        for side in (self.diff.a, self.diff.b):
+            try:
+                sides.append(side.tensor(key, pass_=pass_, rank=rank if len(side.ranks) > 1 else None))
+            except (KeyError, ValueError) as exc:
+                self.message.value = f"{html.escape(key)}, pass {pass_}: {html.escape(str(exc))}"
+                return
+        a, b = sides
+        if a.shape != b.shape:
+            self.message.value = (f"{html.escape(key)}: shapes differ ({list(a.shape)} vs "
+                                  f"{list(b.shape)}); nothing to show side by side")
+            return
+        self.message.value = ""
+        if self._sbs is None:
+            self._sbs = plots.SideBySide(self.view_fig)
+        self._sbs.update(a, b, title=f"{key}  (pass {pass_}" + (f", rank {rank}" if len(
+            self.rank.options) > 1 else "") + ")")
+        png = None if self.view.interactive else self.view.png()
+        if png is not None:
+            self._views[where] = png
+            while len(self._views) > 32:
+                self._views.popitem(last=False)
+        self.view.refresh(png)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
 
 
 class DumpSetExplorer:
-    """Search an op, pick call and pass, see its statistics, heatmap and histogram."""
+    """Search an op, pick call and pass, see its statistics, heatmap and histogram.
+
+    Parameters
+    ----------
+    ds : DumpSet
+    """
 
     def __init__(self, ds):
         self.ds = ds
@@ -142,16 +347,13 @@ class DumpSetExplorer:
         self.call = W.IntSlider(0, 0, max(calls, 0), description="call", continuous_update=False)
         self.pass_ = W.SelectionSlider(options=ds.passes, description="pass", continuous_update=False)
         self.stats = W.HTML()
-        self.out = W.Output()
-        import matplotlib.pyplot as plt
-
-        self.fig = plt.figure(figsize=(10, 3.5))
-        plt.close(self.fig)
+        self.view = FigureView((10, 3.5))
+        self.fig = self.view.fig
         self.search.observe(self._on_search, names="value")
         for w in (self.op, self.call, self.pass_):
             w.observe(self._on_change, names="value")
         self.widget = W.VBox([W.HBox([self.search, self.op]), W.HBox([self.call, self.pass_]),
-                              self.stats, self.out])
+                              self.stats, self.view.widget])
         self.update()
 
     def _on_search(self, change) -> None:
@@ -159,54 +361,77 @@ class DumpSetExplorer:
 
         try:
             pattern = re.compile(change["new"])
-        except re.error:
+        except re.error as exc:
+            self.stats.value = f"invalid regex: {html.escape(str(exc))}"
             return
-        self.op.options = [o for o in self.ds.ops if pattern.search(o)]
+        options = [o for o in self.ds.ops if pattern.search(o)]
+        self.op.options = options  # ipywidgets keeps the old value only if it is still an option
+        if options and self.op.value not in options:
+            self.op.value = options[0]
+        self.update()
 
     def _on_change(self, change) -> None:
-        with self.out:
-            self.update()
+        self.update()
 
     def update(self) -> None:
-        from ..report import _table
+        """Show the picked op's statistics and tensor."""
+        import pandas as pd
+
+        from ..report import styled
 
         if self.op.value is None:
-            self.stats.value = "no op matches"
+            self.stats.value = f"no op matches {html.escape(repr(self.search.value))}"
             return
         rows = self.entries[(self.entries["op"] == self.op.value) & (self.entries["call"] == self.call.value)
                             & (self.entries["pass"] == self.pass_.value)]
         if rows.empty:
-            self.stats.value = f"{self.op.value} has no call {self.call.value} in pass {self.pass_.value}"
-            self.out.clear_output()
+            self.stats.value = (f"{html.escape(self.op.value)} has no call {self.call.value} in pass "
+                                f"{self.pass_.value}")
             return
         r = rows.iloc[0]
-        self.stats.value = _table(["key", "dtype", "shape", "min", "max", "mean", "std", "nan", "inf"],
-                                  [[r["key"], r["dtype"], r["shape"], r["min"], r["max"], r["mean"],
-                                    r["std"], r["nan"], r["inf"]]])
+        cols = ["key", "dtype", "shape", "min", "max", "mean", "std", "nan", "inf"]
+        self.stats.value = styled(pd.DataFrame([[r[c] for c in cols]], columns=cols))
         if self.ds.stats_only:
             return
         t = self.ds.tensor(self.op.value, call=int(self.call.value), pass_=int(self.pass_.value))
         plots.tensor(t, title=r["key"], fig=self.fig)
-        self.out.clear_output(wait=True)
-        with self.out:
-            display(self.fig)
+        self.view.refresh()
 
     def _ipython_display_(self) -> None:
         display(self.widget)
 
 
-def explore(obj, **kwargs):
+def explore(obj, *, metric: str | None = None, threshold: float | None = None):
     """An interactive explorer for a DumpSet or a Diff.
+
+    Parameters
+    ----------
+    obj : DumpSet or Diff
+        A DumpSet gives a search box, call and pass sliders, statistics, a
+        heatmap and a histogram; a Diff gives the metric along execution
+        order, a threshold slider and a side-by-side view.
+    metric : str, optional
+        Diff only: the metric shown first (``rel_diff``, ``cosine``, ...).
+    threshold : float, optional
+        Diff only: the first threshold (default: the metric's default).
+
+    Returns
+    -------
+    DiffExplorer or DumpSetExplorer
+        Displays itself; its widgets are attributes (``ex.threshold.value = 1e-5``).
 
     Examples
     --------
     >>> tdinspect.explore(DumpSet.open("sample_dumps/float32"))   # doctest: +SKIP
+    >>> tdinspect.explore(diff, metric="cosine", threshold=0.9999)  # doctest: +SKIP
     """
     from ..diff import Diff
     from ..dumpset import DumpSet
 
     if isinstance(obj, Diff):
-        return DiffExplorer(obj, **kwargs)
+        return DiffExplorer(obj, metric=metric, threshold=threshold)
     if isinstance(obj, DumpSet):
-        return DumpSetExplorer(obj, **kwargs)
+        if metric is not None or threshold is not None:
+            raise TypeError("explore(DumpSet) takes no metric or threshold (those are for a Diff)")
+        return DumpSetExplorer(obj)
     raise TypeError(f"explore() takes a DumpSet or a Diff, not {type(obj).__name__}")
