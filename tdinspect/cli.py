@@ -137,7 +137,8 @@ def _diff(args):
     if args.mapping:
         from .align.mapping import Mapping
         mapping = Mapping.from_file(args.mapping)
-    return a.diff(b, align=args.align, mapping=mapping)
+    return a.diff(b, align=args.align, mapping=mapping,
+                  unshard=args.unshard, concat=args.concat)
 
 
 def cmd_first_divergence(args) -> int:
@@ -238,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--mapping", metavar="FILE", default=None,
                            help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
                                 "pairing differently named entries")
+            p.add_argument("--unshard", action="store_true",
+                           help="reassemble tensor/context/expert-parallel ranks on both sides")
+            p.add_argument("--concat", metavar="pass:DIM|call:DIM", default=None,
+                           help="put consecutive passes or calls end to end along DIM on both "
+                                "sides (a decode run against one full forward)")
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")
         p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .align.logical import AlignError, LogicalPass, slices_of
 from .align.mapping import Mapping
 from .align.transforms import TransformError
 from .dumpset import DumpSet
@@ -234,6 +235,10 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if same is not None:
             row["reason"] = f"unchanged since pass {same} (compared there)"
             continue
+        problem = _problem(pa, ia, "A") or _problem(pb, ib, "B")
+        if problem:
+            row.update(structural=True, reason=problem)
+            continue
         transform = job.transform(key)
         why, _ = _layout(pa, ia, pb, ib, transform)
         if why:
@@ -250,7 +255,11 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
             continue
         if la is None:
             la, lb = pa.load(), pb.load()
-        ya, xb = pa.tensor(pa.keys[ia], la), pb.tensor(pb.keys[ib], lb)
+        try:
+            ya, xb = _read(pa, ia, la, "A"), _read(pb, ib, lb, "B")
+        except AlignError as exc:
+            row.update(structural=True, reason=str(exc))
+            continue
         if transform is not None:
             xb, why = _apply(transform, xb, ya)
             if why:
@@ -285,6 +294,19 @@ def _unchanged_since(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> int | No
     return None
 
 
+def _problem(pi: PassIndex, i: int, side: str) -> str:
+    """Why a logical entry (unshard, concat) cannot be assembled, naming the side, or ``""``."""
+    problem = pi.problem(i) if isinstance(pi, LogicalPass) else ""
+    return f"{side}: {problem}" if problem else ""
+
+
+def _read(pi: PassIndex, i: int, loaded, side: str):
+    try:
+        return pi.tensor(pi.keys[i], loaded)
+    except AlignError as exc:
+        raise AlignError(f"{side}: {exc}") from None
+
+
 class Diff:
     """Two dumps compared; the first is the reference.
 
@@ -314,6 +336,11 @@ class Diff:
         worker threads). Peak memory is about the imports (~260 MB) plus the
         pass files being compared at once (each worker maps one pair) plus
         a few MB of chunk buffers per worker, whatever the dump's size.
+    unshard : bool
+        Compare both sides' :meth:`DumpSet.unshard` (ranks reassembled).
+    concat : str or (over, dim), optional
+        ``"pass:1"``, ``"call:s"`` or ``("call", 1)``: compare both sides'
+        :meth:`DumpSet.concat` (decode steps put end to end), after unsharding.
 
     Examples
     --------
@@ -323,7 +350,15 @@ class Diff:
 
     def __init__(self, a: DumpSet, b: DumpSet, *, align: str = "name", client: Any = None,
                  chunk: int = 1 << 18, mode: str = "auto", passes_in_flight: int | None = None,
-                 mapping: Any = None):
+                 mapping: Any = None, unshard: bool = False,
+                 concat: str | tuple | None = None):
+        if unshard:
+            a, b = a.unshard(), b.unshard()
+        if concat is not None:
+            from .align.concat import parse_concat
+
+            over, dim = parse_concat(concat)
+            a, b = a.concat(over, dim), b.concat(over, dim)
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
         self.mapping = Mapping.coerce(mapping)
@@ -558,6 +593,8 @@ class Diff:
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
         reason = self._why(row, m, thr_fn)
+        if not row["structural"]:
+            reason += self._locate(row, m, thr_fn(row["op"]))
         earlier = rows.iloc[max(0, n - 5):n]
         before = list(zip(earlier["key"], earlier[m.name].astype(float)))
         listed = None
@@ -568,6 +605,29 @@ class Diff:
         return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
                           row["key"], m.name, float(row[m.name]), thr_fn(row["op"]), reason,
                           float(row["order"]), bool(row["structural"]), before, row, listed)
+
+    def _locate(self, row: dict, m, thr: float) -> str:
+        """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ."""
+        if self.mapping is not None and self.mapping.partner(row["op"])[1] is not None:
+            return ""  # B is transformed: its slices are no longer the shards' slices
+        for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
+            pi = side._passes.get((row["rank"], row["pass"]))
+            node = pi.plans.get(key) if isinstance(pi, LogicalPass) else None
+            parts = slices_of(node, pi.source_shape) if node else []
+            if len(parts) < 2:
+                continue
+            ya = self.a.get_pass(row["pass"], row["rank"]).tensor(row["key"])
+            xb = self.b.get_pass(row["pass"], row["rank"]).tensor(row["key_b"])
+            bad = []
+            for label, spans, dim in parts:
+                y = torch.cat([ya.narrow(dim, s, n) for s, n in spans], dim)
+                x = torch.cat([xb.narrow(dim, s, n) for s, n in spans], dim)
+                value = compare_tensors(x, y, chunk=self.chunk)[m.name]
+                if m.diverges(value, thr):
+                    bad.append(f"{label}: {m.name} {value:.3g}")
+            if bad:
+                return "; in " + ", ".join(bad)
+        return ""
 
     def table(self, progress: bool = True) -> pd.DataFrame:
         """Every compared entry as a ``pandas.DataFrame`` (reads every pass)."""

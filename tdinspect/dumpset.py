@@ -62,7 +62,8 @@ class DumpSet:
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, *, on_error: str = "raise", client: Any = None) -> "DumpSet":
+    def open(cls, path: str | os.PathLike, *, on_error: str = "raise", client: Any = None,
+             dims: dict[str, str] | None = None) -> "DumpSet":
         """Open a dump folder, a rank folder, or one pass file; reads metadata only.
 
         Parameters
@@ -73,6 +74,10 @@ class DumpSet:
             naming the file, or skip it with a warning (listed in ``skipped``).
         client : dask.distributed.Client, optional
             Run per-pass work (statistics, diffs) on this cluster.
+        dims : dict, optional
+            ``{regex: dims spec}`` (``"b s h(tp)"``, :mod:`tdinspect.align.dims`)
+            for entries whose name matches; they override dims recorded at
+            capture (dumps written by other tools have none).
 
         Raises
         ------
@@ -88,6 +93,11 @@ class DumpSet:
         """
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'warn'")
+        rules = None
+        if dims:
+            from .align.dims import DimsRules
+
+            rules = DimsRules(dims, what="DumpSet.open(dims=...)")
         folders = discover(path)
         passes: dict[tuple[int, int], PassIndex] = {}
         skipped = []
@@ -105,6 +115,8 @@ class DumpSet:
                     continue
                 if files.tensors is None and not pi.stats_only:
                     continue  # sidecar written, pass file not yet: a pass in progress
+                if rules is not None:
+                    pi.dims = [rules.lookup(split_call(k)[0]) or d for k, d in zip(pi.keys, pi.dims)]
                 passes[(folder.rank, idx)] = pi
         if not passes:
             raise DumpFormatError(f"{path}: no readable pass" + (f" ({len(skipped)} skipped)"
@@ -306,6 +318,51 @@ class DumpSet:
                         attrs={"path": str(self.path), "level": self.level,
                                "stats_only": int(self.stats_only)})
         return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
+
+    # -- lining up ----------------------------------------------------------------------
+    def unshard(self) -> "DumpSet":
+        """A logical dump without the rank dim: sharded tensors reassembled when read.
+
+        Uses each rank's recorded parallel coordinates and each entry's dims
+        (``capture(..., dims=...)`` or ``DumpSet.open(..., dims=...)``); entries
+        without dims must be identical on every rank. See
+        :mod:`tdinspect.align.unshard`.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/tp2").unshard().ranks      # doctest: +SKIP
+        [0]
+        """
+        from .align.unshard import unshard
+
+        return unshard(self)
+
+    def concat(self, over: str = "call", dim: int | str = 1) -> "DumpSet":
+        """A logical dump whose entries are put end to end over calls or passes along ``dim``.
+
+        A decode run (a prefill call, then one call per token; or a pass per
+        token) then compares with one full-sequence forward of the same
+        tokens. ``dim`` is an int or a name in the entries' dims. See
+        :mod:`tdinspect.align.concat`.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/generate").concat("call", dim=1)     # doctest: +SKIP
+        """
+        from .align.concat import concat
+
+        return concat(self, over, dim)
+
+    def narrow(self, dim: int | str, start: int, length: int) -> "DumpSet":
+        """A logical dump keeping ``length`` positions from ``start`` along ``dim`` of each entry.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/forward").narrow(1, 0, 20)           # doctest: +SKIP
+        """
+        from .align.concat import narrow
+
+        return narrow(self, dim, start, length)
 
     # -- comparing ------------------------------------------------------------------------
     def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> "Diff":

@@ -46,9 +46,13 @@ class PassIndex:
     partial: bool = False
     position: dict[str, int] = field(default_factory=dict)
     kind: list[Any] | None = None  # "input", "output", "param", "buffer", "grad"; None: output
+    parallel: dict[str, list[int]] = field(default_factory=dict)  # {axis: [index, size]}
+    dims: list[str | None] = field(default_factory=list)  # dims spec per entry (or None)
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
+        if len(self.dims) != len(self.keys):
+            self.dims = [None] * len(self.keys)
 
     # -- reading -----------------------------------------------------------------------
     @classmethod
@@ -67,7 +71,8 @@ class PassIndex:
                        col("module_type", ""), [bool(v) for v in col("stored", True)], stats,
                        [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
                        col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
-                       bool(doc.get("partial")), kind=col("kind"))
+                       bool(doc.get("partial")), kind=col("kind"),
+                       parallel=_parallel(doc.get("parallel"), files), dims=col("dims"))
         tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)
@@ -191,6 +196,19 @@ class PassIndex:
 
     def stat_dict(self, i: int) -> dict[str, float]:
         return dict(zip(STAT_NAMES, self.ensure_stats()[i].tolist()))
+
+
+def _parallel(value, files: PassFiles) -> dict[str, list[int]]:
+    """The sidecar's ``parallel`` header, checked (``{axis: [index, size]}``)."""
+    if value is None:
+        return {}
+    ok = isinstance(value, dict) and all(
+        isinstance(c, list) and len(c) == 2 and all(type(v) is int for v in c) and 0 <= c[0] < c[1]
+        for c in value.values())
+    if not ok:
+        raise DumpFormatError(f"{files.sidecar}: malformed 'parallel' header {value!r} "
+                              "(expected {axis: [rank, size]})")
+    return {str(k): list(v) for k, v in value.items()}
 
 
 def _parses(key: str) -> bool:

@@ -1,4 +1,6 @@
-"""Lining two runs up: mappings between names, transforms of tensors, suggested mappings.
+"""Lining two runs up: mappings between names, transforms of tensors, suggested mappings,
+unsharding tensor-parallel dumps (:mod:`.unshard`, dims grammar in :mod:`.dims`) and
+concatenating decode steps (:mod:`.concat`).
 
 Each piece produces a plan that :class:`tdinspect.diff.Diff` applies when
 tensors are read.

@@ -131,7 +131,8 @@ class ModuleCapture:
     def __init__(self, model: nn.Module | None, config: DumpConfig, *, root: str = "model",
                  modules: str = "leaves", stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
-                 background_write: bool | None = None, on_nonfinite: str | None = None):
+                 background_write: bool | None = None, on_nonfinite: str | None = None,
+                 parallel: dict | None = None, dims: dict[str, str] | None = None):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
         self.enabled = config.enabled or self.health is not None
@@ -165,7 +166,7 @@ class ModuleCapture:
             self._stance.__enter__()
         self.recorder = Recorder(config.dump_dir if config.enabled else None, level="module", stats_only=stats_only,
                                  max_pending_bytes=max_pending_bytes, fsync=fsync,
-                                 background_write=background_write)
+                                 background_write=background_write, parallel=parallel, dims=dims)
         self.folder = self.recorder.folder
         # outputs carry an explicit kind once other kinds share the pass (default: no new column)
         self._out_extra = {} if self.record == ("outputs",) else {"kind": "output"}
@@ -362,7 +363,9 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
             stats_only: bool = False, max_pending_bytes: int = 2 << 30, fsync: bool = False,
             warn_unfired: bool = True, background_write: bool | None = None,
-            on_nonfinite: str | None = None, record=None, environ=None) -> ModuleCapture:
+            on_nonfinite: str | None = None, record=None,
+            parallel: dict | None = None, dims: dict[str, str] | None = None,
+            environ=None) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
 
     Parameters
@@ -405,6 +408,14 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         ``"outputs"``, ``"params"``, ``"grads"`` (default ``("outputs",)``,
         or the config's; ``..._DUMP_RECORD`` overrides both). See the module
         docstring for the names.
+    parallel : dict, optional
+        This process's parallel coordinates, ``{"tp": (rank, size), "cp": ...}``,
+        recorded so that :meth:`tdinspect.DumpSet.unshard` can reassemble
+        sharded tensors. Default: the ``torch.distributed`` rank and world
+        size as tensor parallel when it is initialised.
+    dims : dict, optional
+        ``{regex: dims spec}`` per entry name, e.g. ``{r"q_proj$": "b s h(tp)"}``
+        (grammar: :mod:`tdinspect.align.dims`); a bad spec is an error here.
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -422,4 +433,5 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ, record)
     return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
                          max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
-                         background_write=background_write, on_nonfinite=on_nonfinite)
+                         background_write=background_write, on_nonfinite=on_nonfinite,
+                         parallel=parallel, dims=dims)

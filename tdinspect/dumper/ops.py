@@ -51,7 +51,7 @@ from ..format import encode_arg
 from ..naming import CALL_SEP
 from .checks import CaptureCheckError, HealthCheck, any_nonfinite
 from .modules import resolve_config
-from .recorder import Recorder, current_rank
+from .recorder import Recorder, current_rank, parallel_coords
 
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "empty_permuted"}
@@ -177,7 +177,8 @@ class OpCapture:
     def __init__(self, config: DumpConfig, *, model: nn.Module | None = None, root: str = "model",
                  inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                 background_write: bool | None = None, on_nonfinite: str | None = None):
+                 background_write: bool | None = None, on_nonfinite: str | None = None,
+                 parallel: dict | None = None, dims: dict[str, str] | None = None):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
@@ -200,7 +201,13 @@ class OpCapture:
         self.folder = None
         self._stats_only = stats_only
         self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync,
-                                 background_write=background_write)
+                                 background_write=background_write, parallel=parallel, dims=dims)
+        if config.enabled:  # bad coordinates or dims specs are errors here, not at start()
+            parallel_coords(parallel)
+            if dims:
+                from ..align.dims import DimsRules
+
+                DimsRules(dims, what="capture_ops(dims=...)")
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "OpCapture":
@@ -430,6 +437,7 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                 inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
                 background_write: bool | None = None, on_nonfinite: str | None = None,
+                parallel: dict | None = None, dims: dict[str, str] | None = None,
                 environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
@@ -457,6 +465,9 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
         Check every op output, forward and backward, for NaN/Inf (with or
         without a dump); the report says whether the op's inputs already held
         them (inherited) or the op created them. See :func:`tdinspect.capture`.
+    parallel, dims
+        As for :func:`tdinspect.capture` (``dims`` regexes match ``module/op``
+        names).
 
     Returns
     -------
@@ -472,4 +483,5 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
     return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
                      max_pending_bytes=max_pending_bytes, fsync=fsync,
-                     background_write=background_write, on_nonfinite=on_nonfinite)
+                     background_write=background_write, on_nonfinite=on_nonfinite,
+                     parallel=parallel, dims=dims)

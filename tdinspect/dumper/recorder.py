@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..format import pass_filename, pass_number, rank_dirname, sidecar_filename
+from ..naming import split_call
 from ..stats import tensor_stats
 from .writer import AsyncWriter, PendingPass
 
@@ -27,6 +28,33 @@ def current_rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+def parallel_coords(parallel: dict | None) -> dict[str, list[int]]:
+    """This process's coordinates ``{axis: [index, size]}``, checked.
+
+    ``None``: tensor parallel over the ``torch.distributed`` world when it is
+    initialised, else nothing (a single process).
+    """
+    if parallel is None:
+        dist = getattr(torch, "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return {"tp": [dist.get_rank(), dist.get_world_size()]}
+        return {}
+    if not isinstance(parallel, dict):
+        raise TypeError(f"parallel={parallel!r}: expected {{axis: (rank, size)}}, "
+                        "e.g. {'tp': (0, 2)}")
+    out = {}
+    for axis, coord in parallel.items():
+        try:
+            index, size = (int(v) for v in coord)
+        except (TypeError, ValueError):
+            raise ValueError(f"parallel[{axis!r}]={coord!r}: expected (rank, size)") from None
+        if not (isinstance(axis, str) and axis.isidentifier()) or not 0 <= index < size:
+            raise ValueError(f"parallel[{axis!r}]={coord!r}: need an axis name and "
+                             "0 <= rank < size")
+        out[axis] = [index, size]
+    return out
 
 
 class BufferPool:
@@ -108,11 +136,24 @@ class Recorder:
     background_write : bool, optional
         Write passes in a background thread; default: when a core is free
         for it (see :func:`tdinspect.dumper.writer.default_threaded`).
+    parallel : dict, optional
+        This process's parallel coordinates ``{axis: (rank, size)}`` (see
+        :func:`parallel_coords`), written in each sidecar.
+    dims : dict, optional
+        ``{regex: dims spec}``: each entry whose name (without ``::callN``)
+        matches gets a ``dims`` column (:mod:`tdinspect.align.dims`).
     """
 
     def __init__(self, dump_dir: str | os.PathLike | None, *, level: str, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                 background_write: bool | None = None):
+                 background_write: bool | None = None, parallel: dict | None = None,
+                 dims: dict[str, str] | None = None):
+        self.parallel = parallel_coords(parallel)
+        self.dims = None
+        if dims:
+            from ..align.dims import DimsRules  # stdlib-only: checks the specs now
+
+            self.dims = DimsRules(dims, what="capture(dims=...)")
         self.rank = current_rank()
         self.level = level
         self.stats_only = stats_only
@@ -137,7 +178,8 @@ class Recorder:
     def _new_pass(self) -> None:
         self._pass = PendingPass(self.pass_index, self.folder,
                                  {"rank": self.rank, "pid": os.getpid(), "level": self.level,
-                                  "stats_only": self.stats_only},
+                                  "stats_only": self.stats_only,
+                                  **({"parallel": self.parallel} if self.parallel else {})},
                                  columns={"module_type": [], "shape": [], "dtype": [], "stored": []})
         self._in_flight = False
         self._calls = {}
@@ -163,6 +205,8 @@ class Recorder:
         (missing values are ``null``).
         """
         p = self._pass
+        if self.dims is not None:
+            extra["dims"] = self.dims.lookup(split_call(key)[0])
         if same_stats_as is not None and same_stats_as in self._index:
             shared = p.stats[self._index[same_stats_as]]
             if shared is not None:

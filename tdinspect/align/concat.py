@@ -1,0 +1,172 @@
+"""Concat: decode steps put end to end, to meet a one-pass reference.
+
+A decode run calls the model once for the prompt and once per new token
+(calls of one pass, or one pass per token); a reference runs the whole
+sequence once. ``concat(ds, over="call", dim=1)`` makes each entry one
+tensor, its calls concatenated along dim 1 in call order (``over="pass"``:
+its passes, in pass order), so the two compare entry by entry. ``narrow``
+keeps a range of positions (the reference's tokens the decode run also fed).
+
+Examples
+--------
+>>> decode = DumpSet.open("dumps/generate").concat("call", dim=1)      # doctest: +SKIP
+>>> full = DumpSet.open("dumps/forward").narrow(1, 0, 20)              # doctest: +SKIP
+>>> full.diff(decode).per_position("model.layers.0.self_attn[0]", dim=1)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..naming import split_call
+from ..passindex import PassIndex
+from .dims import DimsError, parse_dims
+from .logical import LogicalPass, error, read
+
+
+def parse_concat(value) -> tuple[str, int | str]:
+    """``"pass:1"`` / ``"call:s"`` / ``("call", 1)`` -> ``(over, dim)``; a clear error otherwise."""
+    if isinstance(value, str):
+        over, sep, dim = value.partition(":")
+        if not sep or not dim:
+            raise ValueError(f"concat {value!r}: expected OVER:DIM, e.g. 'call:1' or 'pass:s'")
+    else:
+        try:
+            over, dim = value
+        except (TypeError, ValueError):
+            raise ValueError(f"concat={value!r}: expected 'OVER:DIM' or (over, dim)") from None
+    if over not in ("pass", "call"):
+        raise ValueError(f"concat {value!r}: over must be 'pass' or 'call', not {over!r}")
+    return over, as_dim(dim)
+
+
+def as_dim(dim) -> int | str:
+    """An int (``"1"``, ``"-2"`` read as ints) or a dims name."""
+    if isinstance(dim, str) and dim.lstrip("-").isdigit():
+        return int(dim)
+    if not isinstance(dim, (int, str)) or isinstance(dim, bool):
+        raise ValueError(f"dim={dim!r}: expected an int or a dims name such as 's'")
+    return dim
+
+
+def dim_index(dim: int | str, spec: str | None, ndim: int | None, key: str) -> int:
+    """Where ``dim`` is in an entry's tensor; raises ``ValueError`` saying why not."""
+    if isinstance(dim, int):
+        if ndim is not None and not -ndim <= dim < ndim:
+            raise ValueError(f"dim {dim} is out of range for {key!r} ({ndim} dims)")
+        return dim % ndim if ndim else dim
+    if spec is None:
+        raise ValueError(f"dim {dim!r} needs dims for {key!r} (capture(dims=...) or "
+                         "DumpSet.open(dims=...)), or give dim as an int")
+    try:
+        return parse_dims(spec).index(dim)
+    except DimsError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _cat(key: str, parts: list[tuple[Any, PassIndex, str, str]], dim) -> dict:
+    """The plan of one entry from ``(src, pass, source key, label)`` parts, in order."""
+    _, pi0, k0, _ = parts[0]
+    i0 = pi0.position[k0]
+    shape0 = pi0.shape[i0]
+    try:
+        d = dim_index(dim, pi0.dims[i0], None if shape0 is None else len(shape0), key)
+    except ValueError as exc:
+        return error(str(exc))
+    if len(parts) == 1:
+        return read(parts[0][0], k0)
+    shapes = [pi.shape[pi.position[k]] for _, pi, k, _ in parts]
+    rest = {tuple(s[:d] + s[d + 1:]) if s is not None else None for s in shapes}
+    if len(rest) != 1 or None in rest:
+        seen = ", ".join(f"{label}: {s}" for (_, _, _, label), s in zip(parts, shapes))
+        return error(f"shapes do not concatenate along dim {dim!r} ({seen})")
+    return {"op": "cat", "dim": d, "parts": [read(src, k) for src, _, k, _ in parts],
+            "zigzag": False, "labels": [label for *_, label in parts]}
+
+
+def concat(ds, over: str = "call", dim: int | str = 1):
+    """A logical DumpSet whose entries are concatenated over passes or calls along ``dim``.
+
+    Parameters
+    ----------
+    ds : DumpSet
+    over : {"call", "pass"}
+        ``"call"``: ``name``, ``name::call1``, ... of each pass become
+        ``name``; ``"pass"``: each rank's passes become one pass (numbered
+        as its first), entries matched by key.
+    dim : int or str
+        The dim to concatenate along, or its name in the entries' dims.
+
+    Entries that cannot be concatenated (missing in some pass, shapes that
+    do not fit) become structural divergences with the reason.
+    """
+    from ..dumpset import DumpSet
+
+    over, dim = parse_concat((over, dim))
+    out = {}
+    if over == "pass":
+        by_rank: dict[int, dict[int, PassIndex]] = {}
+        for (rank, p), pi in ds._passes.items():
+            by_rank.setdefault(rank, {})[p] = pi
+        for rank, passes in by_rank.items():
+            order = dict.fromkeys(k for p in sorted(passes) for k in passes[p].keys)
+            plans, first, dims = {}, {}, {}
+            for key in order:
+                have = [p for p in sorted(passes) if key in passes[p].position]
+                first[key] = (have[0], passes[have[0]].position[key])
+                dims[key] = passes[have[0]].dims[first[key][1]]
+                lost = [p for p in passes if p not in have]
+                plans[key] = error(f"in passes {have} only, not in {lost}") if lost else \
+                    _cat(key, [(p, passes[p], key, f"pass {p}") for p in have], dim)
+            p0 = min(passes)
+            out[(rank, p0)] = LogicalPass.build(rank, p0, passes, plans, first, dims=dims,
+                                                what=f"passes {sorted(passes)} concatenated")
+    else:
+        for (rank, p), pi in ds._passes.items():
+            calls: dict[str, list[tuple[int, str]]] = {}
+            for key in pi.keys:
+                base, call = split_call(key)
+                calls.setdefault(base, []).append((call, key))
+            plans, first, dims = {}, {}, {}
+            for base, found in calls.items():
+                found.sort()
+                numbers = [c for c, _ in found]
+                first[base] = (0, pi.position[found[0][1]])
+                dims[base] = pi.dims[first[base][1]]
+                plans[base] = error(f"calls {numbers} (some are missing)") \
+                    if numbers != list(range(len(numbers))) else \
+                    _cat(base, [(0, pi, k, f"call {c}") for c, k in found], dim)
+            out[(rank, p)] = LogicalPass.build(rank, p, {0: pi}, plans, first, dims=dims,
+                                               what=f"calls of pass {p} concatenated")
+    return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)
+
+
+def narrow(ds, dim: int | str, start: int, length: int):
+    """A logical DumpSet keeping positions ``start .. start+length`` along ``dim`` of every entry.
+
+    Entries too short, or without the named dim, become structural
+    divergences with the reason.
+    """
+    from ..dumpset import DumpSet
+
+    dim = as_dim(dim)
+    out = {}
+    for (rank, p), pi in ds._passes.items():
+        plans, first, dims = {}, {}, {}
+        for i, key in enumerate(pi.keys):
+            first[key], dims[key] = (0, i), pi.dims[i]
+            shape = pi.shape[i]
+            try:
+                d = dim_index(dim, pi.dims[i], None if shape is None else len(shape), key)
+            except ValueError as exc:
+                plans[key] = error(str(exc))
+                continue
+            if shape is None or shape[d] < start + length:
+                plans[key] = error(f"{key!r} has {None if shape is None else shape[d]} positions "
+                                   f"along dim {dim!r}, fewer than {start} + {length}")
+                continue
+            plans[key] = {"op": "narrow", "dim": d, "start": start, "length": length,
+                          "part": read(0, key)}
+        out[(rank, p)] = LogicalPass.build(rank, p, {0: pi}, plans, first, dims=dims,
+                                           what=f"positions {start}..{start + length} of dim {dim}")
+    return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)

@@ -1,0 +1,224 @@
+"""Logical passes: entries assembled from other passes' tensors by a plan of plain data.
+
+:func:`tdinspect.align.unshard.unshard` and :func:`tdinspect.align.concat.concat`
+each write, per logical entry, a small tree of dicts (readable, picklable,
+printable in a notebook) that :func:`evaluate` applies when the tensor is
+read. Nodes::
+
+    {"op": "read", "src": S, "key": K}                 source pass S's entry K
+    {"op": "cat", "dim": d, "parts": [...], "zigzag": bool, "labels": [...]}
+    {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
+    {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken
+    {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
+    {"op": "error", "reason": text}                    cannot be assembled: why
+
+A :class:`LogicalPass` is a :class:`~tdinspect.passindex.PassIndex` whose
+tensors come from such plans, so :class:`~tdinspect.diff.Diff`, statistics
+and the cube use it unchanged; memory stays at the parts of one entry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..passindex import PassIndex
+from ..stats import STAT_NAMES, tensor_stats
+
+
+class AlignError(ValueError):
+    """A logical entry that cannot be assembled; the message says why (and names ranks)."""
+
+
+def read(src: Any, key: str) -> dict:
+    return {"op": "read", "src": src, "key": key}
+
+
+def error(reason: str) -> dict:
+    return {"op": "error", "reason": reason}
+
+
+def shape_of(node: dict, shape) -> list[int] | None:
+    """The shape ``node`` produces; ``shape(src, key)`` gives a source entry's shape."""
+    op = node["op"]
+    if op == "read":
+        s = shape(node["src"], node["key"])
+        return None if s is None else list(s)
+    if op == "error":
+        return None
+    if op == "narrow":
+        s = shape_of(node["part"], shape)
+        if s is not None:
+            s[node["dim"]] = node["length"]
+        return s
+    shapes = [shape_of(p, shape) for p in node["parts"]]
+    if any(s is None for s in shapes):
+        return None
+    if op == "cat":
+        out = list(shapes[0])
+        out[node["dim"]] = sum(s[node["dim"]] for s in shapes)
+        return out
+    return list(shapes[0])
+
+
+def evaluate(node: dict, fetch) -> torch.Tensor:
+    """Apply a plan; ``fetch(src, key)`` reads a source tensor. Raises :class:`AlignError`."""
+    op = node["op"]
+    if op == "read":
+        return fetch(node["src"], node["key"])
+    if op == "error":
+        raise AlignError(node["reason"])
+    if op == "narrow":
+        return evaluate(node["part"], fetch).narrow(node["dim"], node["start"], node["length"])
+    parts = [evaluate(p, fetch) for p in node["parts"]]
+    if op == "cat":
+        dim = node["dim"]
+        if node.get("zigzag"):  # rank r holds chunks r and 2C-1-r: put the halves in place
+            halves = [h for t in parts for h in t.chunk(2, dim)]
+            c = len(parts)
+            order = [None] * (2 * c)
+            for r in range(c):
+                order[r], order[2 * c - 1 - r] = halves[2 * r], halves[2 * r + 1]
+            parts = order
+        return torch.cat(parts, dim)
+    if op == "sum":
+        out = parts[0].clone()
+        for t in parts[1:]:
+            out += t
+        return out
+    if op == "same":
+        first = parts[0]
+        for label, t in zip(node["labels"][1:], parts[1:]):
+            if not torch.equal(first, t):
+                delta = (first.double() - t.double()).abs().max().item() if first.shape == t.shape \
+                    else math.nan
+                raise AlignError(f"no dims and not replicated: {node['labels'][0]} and {label} "
+                                 f"differ (max |Δ| {delta:.3g}); give the entry dims, e.g. "
+                                 f"dims={{regex: 'b s h(tp)'}}")
+        return first
+    raise AlignError(f"unknown plan step {op!r}")
+
+
+def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]:
+    """``(label, [(start, length), ...], dim)`` of each part of a top-level ``cat``.
+
+    Lets a divergence be traced to the shard (rank) whose slice differs.
+    """
+    if node["op"] != "cat":
+        return []
+    dim, out, start = node["dim"], [], 0
+    sizes = [shape_of(p, shape)[dim] for p in node["parts"]]
+    if node.get("zigzag"):
+        c, total = len(sizes), sum(sizes)
+        chunk = total // (2 * c)
+        return [(label, [(r * chunk, chunk), ((2 * c - 1 - r) * chunk, chunk)], dim)
+                for r, label in enumerate(node["labels"])]
+    for label, size in zip(node["labels"], sizes):
+        out.append((label, [(start, size)], dim))
+        start += size
+    return out
+
+
+def describe(node: dict) -> str:
+    """A one-line reading of a plan: ``cat(dim 2: tp 0 [rank 0], tp 1 [rank 1])``."""
+    op = node["op"]
+    if op == "read":
+        return f"{node['key']}@{node['src']}"
+    if op == "error":
+        return f"error({node['reason']})"
+    if op == "narrow":
+        return (f"narrow(dim {node['dim']}, {node['start']}, {node['length']}: "
+                f"{describe(node['part'])})")
+    inner = ", ".join(describe(p) for p in node["parts"])
+    head = f"dim {node['dim']}{', zigzag' if node.get('zigzag') else ''}: " if op == "cat" else ""
+    return f"{op}({head}{inner})"
+
+
+class _Loaded:
+    """What :meth:`LogicalPass.load` returns: source passes opened on first use, entries on demand."""
+
+    def __init__(self, owner: "LogicalPass"):
+        self.owner = owner
+        self._open: dict[Any, Any] = {}
+
+    def fetch(self, src, key) -> torch.Tensor:
+        pi = self.owner.sources[src]
+        if src not in self._open:
+            self._open[src] = pi.load()
+        return pi.tensor(key, self._open[src])
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.owner.tensor(key, self)
+
+    def keys(self):
+        return self.owner.plans.keys()
+
+
+@dataclass
+class LogicalPass(PassIndex):
+    """A pass whose entries are plans over ``sources`` (a dict of :class:`PassIndex`)."""
+
+    sources: dict[Any, PassIndex] = field(default_factory=dict)
+    plans: dict[str, dict] = field(default_factory=dict)
+    what: str = ""
+
+    @classmethod
+    def build(cls, rank: int, index: int, sources: dict[Any, PassIndex], plans: dict[str, dict],
+              first: dict[str, tuple[Any, int]], *, dims: dict[str, str | None] | None = None,
+              what: str = "") -> "LogicalPass":
+        """A logical pass with entries ``plans`` (in order); ``first[key] = (src, i)``
+        is a source entry whose metadata (dtype, module type) the logical entry takes."""
+        keys = list(plans)
+
+        def shape(src, key):
+            pi = sources[src]
+            return pi.shape[pi.position[key]]
+
+        def meta(attr, key):
+            src, i = first[key]
+            return getattr(sources[src], attr)[i]
+
+        n = len(keys)
+        some = next(iter(sources.values()))
+        return cls(rank, index, some.files, keys, [shape_of(plans[k], shape) for k in keys],
+                   [meta("dtype", k) for k in keys], [meta("module_type", k) for k in keys],
+                   [True] * n, None, [False] * n, [None] * n, [None] * n,
+                   [meta("aten", k) for k in keys], some.level, False, False,
+                   parallel={}, dims=[(dims or {}).get(k) for k in keys],
+                   sources=sources, plans=plans, what=what)
+
+    def load(self) -> _Loaded:
+        return _Loaded(self)
+
+    def tensor(self, key: str, loaded=None) -> torch.Tensor:
+        if key not in self.plans:
+            raise KeyError(f"{self.path}: no entry {key!r} ({self.what})")
+        if not isinstance(loaded, _Loaded):
+            loaded = self.load()
+        return evaluate(self.plans[key], loaded.fetch)
+
+    def problem(self, i: int) -> str:
+        """Why entry ``i`` cannot be assembled (known before reading), or ``""``."""
+        node = self.plans[self.keys[i]]
+        return node["reason"] if node["op"] == "error" else ""
+
+    def source_shape(self, src, key):
+        pi = self.sources[src]
+        return pi.shape[pi.position[key]]
+
+    def ensure_stats(self) -> np.ndarray:
+        """Statistics of the assembled tensors (NaN for entries that cannot be assembled)."""
+        if self.stats is None:
+            loaded = self.load()
+            rows = []
+            for key in self.keys:
+                try:
+                    rows.append(tensor_stats(self.tensor(key, loaded)).tolist())
+                except AlignError:
+                    rows.append([math.nan] * len(STAT_NAMES))
+            self.stats = np.asarray(rows, dtype=np.float64).reshape(len(self.keys), len(STAT_NAMES))
+        return self.stats

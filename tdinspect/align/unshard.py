@@ -1,0 +1,152 @@
+"""Unshard: one logical dump from the ranks of a sharded run.
+
+Each rank's parallel coordinates (``{"tp": [index, size], ...}``, recorded by
+capture; for dumps without them, rank ``i`` of ``n`` is tensor-parallel
+``(i, n)``) and each entry's dims spec (:mod:`tdinspect.align.dims`) say how a
+logical tensor is put back together: concatenated along the dims tagged with
+an axis, in that axis's rank order (zigzag for ``cp,zigzag``), summed over the
+axes of a ``partial`` dim. Entries without dims must be identical on every
+rank (replicated): the first rank's copy is taken, after checking it.
+
+Examples
+--------
+>>> ds = DumpSet.open("dumps/tp2", dims={r"q_proj$": "b s h(tp)"})   # doctest: +SKIP
+>>> ds.unshard().tensor("model.layers.0.q_proj").shape               # doctest: +SKIP
+torch.Size([1, 16, 64])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..format import DumpFormatError
+from ..passindex import PassIndex
+from .dims import DimsError, parse_dims
+from .logical import LogicalPass, error, read
+
+
+def coordinates(passes: dict[int, PassIndex]) -> dict[int, dict[str, list[int]]]:
+    """``{rank: {axis: [index, size]}}`` for the ranks of one pass."""
+    ranks = sorted(passes)
+    out = {}
+    for r in ranks:
+        recorded = passes[r].parallel
+        out[r] = dict(recorded) if recorded else (
+            {"tp": [ranks.index(r), len(ranks)]} if len(ranks) > 1 else {})
+    sizes: dict[str, int] = {}
+    for r, coords in out.items():
+        for axis, (_, size) in coords.items():
+            if sizes.setdefault(axis, size) != size:
+                raise DumpFormatError(f"{passes[r].path}: rank {r} says {axis} size {size}, "
+                                      f"another rank says {sizes[axis]}")
+    return out
+
+
+def _label(ranks: list[int], axis: str, i: int, size: int) -> str:
+    who = ", ".join(str(r) for r in ranks)
+    return f"rank {who} ({axis} {i} of {size})" if len(ranks) == 1 else \
+        f"ranks {who} ({axis} {i} of {size})"
+
+
+def plan_entry(key: str, spec_text: str | None, holders: list[int],
+               coords: dict[int, dict[str, list[int]]], shapes: dict[int, Any]) -> dict:
+    """The plan of one logical entry from the ranks in ``holders`` that hold ``key``."""
+    everyone = sorted(coords)
+    if spec_text is None:
+        if len(holders) == 1 and len(everyone) == 1:
+            return read(holders[0], key)
+        missing = [r for r in everyone if r not in holders]
+        if missing:
+            return error(f"no dims and only on ranks {holders} (not on {missing})")
+        if len({tuple(shapes[r] or ()) for r in holders}) > 1:
+            seen = ", ".join(f"rank {r}: {shapes[r]}" for r in holders)
+            return error(f"no dims and shapes differ across ranks ({seen}); give it dims")
+        return {"op": "same", "parts": [read(r, key) for r in holders],
+                "labels": [f"rank {r}" for r in holders]}
+    try:
+        spec = parse_dims(spec_text)
+    except DimsError as exc:
+        return error(str(exc))
+    shape = shapes[holders[0]]
+    if shape is not None and len(shape) != len(spec.dims):
+        return error(f"dims {spec_text!r} names {len(spec.dims)} dims, the tensor has "
+                     f"{len(shape)} ({list(shape)})")
+    steps = spec.sharded()
+    axes = [s[2] for s in steps]
+
+    def coord(r, axis):
+        return coords[r].get(axis, [0, 1])
+
+    # ranks off index 0 of an axis the spec does not name hold copies: the first is taken
+    chosen = [r for r in holders
+              if all(c[0] == 0 for a, c in coords[r].items() if a not in axes)]
+
+    def build(ranks: list[int], level: int) -> dict:
+        if level == len(steps):
+            if len(ranks) != 1:
+                return error(f"ranks {ranks} hold the same shard of dims {spec_text!r}")
+            return read(ranks[0], key)
+        _, dim, axis, how, zigzag = steps[level]
+        size = coord(ranks[0], axis)[1]
+        groups = [[r for r in ranks if coord(r, axis)[0] == i] for i in range(size)]
+        lost = [i for i, g in enumerate(groups) if not g]
+        if lost:
+            return error(f"dims {spec_text!r}: no rank holds {axis} shard {lost[0]} of {size}")
+        parts = [build(g, level + 1) for g in groups]
+        if len(parts) == 1:
+            return parts[0]
+        labels = [_label(g, axis, i, size) for i, g in enumerate(groups)]
+        if how == "sum":
+            return {"op": "sum", "parts": parts, "labels": labels}
+        return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels}
+
+    if not chosen:
+        return error(f"dims {spec_text!r}: no rank at index 0 of the unnamed axes holds it")
+    return build(chosen, 0)
+
+
+def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:
+    """One logical pass from the same pass of every rank."""
+    coords = coordinates(passes)
+    ranks = sorted(passes)
+    order: dict[str, None] = {}
+    for r in ranks:
+        for k in passes[r].keys:
+            order.setdefault(k, None)
+    plans, first, dims = {}, {}, {}
+    for key in order:
+        holders = [r for r in ranks if key in passes[r].position]
+        specs = {passes[r].dims[passes[r].position[key]] for r in holders}
+        shapes = {r: passes[r].shape[passes[r].position[key]] for r in holders}
+        first[key] = (holders[0], passes[holders[0]].position[key])
+        if len(specs) > 1:
+            plans[key] = error(f"ranks disagree on its dims: {sorted(map(str, specs))}")
+            continue
+        spec = specs.pop()
+        dims[key] = spec
+        plans[key] = plan_entry(key, spec, holders, coords, shapes)
+    some = passes[ranks[0]]
+    return LogicalPass.build(0, some.index, dict(passes), plans, first, dims=dims,
+                             what=f"unsharded from ranks {ranks}")
+
+
+def unshard(ds) -> "Any":
+    """A logical :class:`~tdinspect.dumpset.DumpSet` (one rank, 0) of ``ds``'s ranks reassembled.
+
+    Tensors are assembled when read; statistics are recomputed from them.
+
+    Raises
+    ------
+    DumpFormatError
+        For a statistics-only dump (there are no shards to put together) or
+        ranks that disagree on an axis's size.
+    """
+    from ..dumpset import DumpSet
+
+    if ds.stats_only:
+        raise DumpFormatError(f"{ds.path}: statistics-only dump: unshard needs the tensors")
+    by_pass: dict[int, dict[int, PassIndex]] = {}
+    for (rank, p), pi in ds._passes.items():
+        by_pass.setdefault(p, {})[rank] = pi
+    passes = {(0, p): unshard_pass(group) for p, group in by_pass.items()}
+    return DumpSet(ds.path, passes, op_pattern=ds._op_pattern, client=ds.client)

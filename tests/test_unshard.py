@@ -1,0 +1,194 @@
+"""Sharded runs: the dims grammar, parallel coordinates, unshard, and a real 2-process TP run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect.align.dims import DimsError, DimsRules, parse_dims, zigzag_chunks
+from tdinspect.dumper.recorder import Recorder
+
+from .conftest import ROOT
+from .tp_block import DIMS, run
+
+
+# -- the dims grammar ---------------------------------------------------------------------
+def test_dims_parse_reads_axes_and_flags():
+    spec = parse_dims("b s(cp,zigzag) h(tp) d")
+    assert spec.names == ("b", "s", "h", "d")
+    assert spec.sharded() == [("s", 1, "cp", "cat", True), ("h", 2, "tp", "cat", False)]
+    assert parse_dims("b s h(tp,partial)").sharded() == [("h", 2, "tp", "sum", False)]
+    assert parse_dims("e(ep) t h(sp)").index("h") == 2
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", "expected space-separated"),
+    ("b s h(xp)", "unknown modifier 'xp'"),
+    ("b h h", "dim 'h' appears twice"),
+    ("b s(tp) h(tp)", "axis 'tp' shards both 's' and 'h'"),
+    ("b h(partial)", "partial over no axis"),
+    ("b s(tp,zigzag)", "zigzag in 's(tp,zigzag)' needs cp"),
+    ("b s(cp,cp)", "repeated modifier"),
+    ("b h(tp,)", "empty modifier"),
+    ("b h(tp", "cannot read 'h(tp'"),
+])
+def test_dims_errors_name_the_spec(spec, words):
+    with pytest.raises(DimsError) as err:
+        parse_dims(spec)
+    assert words in str(err.value)
+    if spec:
+        assert repr(spec) in str(err.value)
+
+
+def test_dims_rules_name_the_rule():
+    assert DimsRules({r"q$": "b s h(tp)"}).lookup("layers.0.q") == "b s h(tp)"
+    with pytest.raises(DimsError, match=r"rule 'q\$'.*unknown modifier"):
+        DimsRules({r"q$": "b s h(tq)"})
+    with pytest.raises(DimsError, match="invalid regex"):
+        DimsRules({"(": "b"})
+
+
+def test_capture_rejects_bad_dims_and_coordinates(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(DimsError, match="b s h\\(tpp\\)"):
+        tdinspect.capture(model, tmp_path / "a", dims={"0": "b s h(tpp)"})
+    with pytest.raises(ValueError, match="0 <= rank < size"):
+        tdinspect.capture(model, tmp_path / "b", parallel={"tp": (2, 2)})
+    with pytest.raises(DimsError):
+        tdinspect.capture_ops(tmp_path / "c", dims={"0": "x(zigzag)"})
+
+
+# -- assembling shards --------------------------------------------------------------------
+def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict):
+    os.environ["RANK"] = str(rank)
+    try:
+        rec = Recorder(root, level="module", parallel=coords, dims=dims, background_write=False)
+    finally:
+        del os.environ["RANK"]
+    for key, t in entries.items():
+        rec.record(key, t, module_type="Linear")
+    rec.step()
+    rec.close()
+
+
+def test_coordinates_and_dims_are_in_the_sidecar(tmp_path):
+    _write_rank(tmp_path, 1, {"tp": (1, 2), "cp": (0, 1)}, {"m.q": torch.ones(2, 3)},
+                {r"\.q$": "s h(tp)"})
+    (sidecar,) = tmp_path.glob("rank1_*/pass00000.json")
+    doc = json.loads(sidecar.read_text())
+    assert doc["parallel"] == {"tp": [1, 2], "cp": [0, 1]}
+    assert doc["entries"]["dims"] == ["s h(tp)"]
+
+
+def test_zigzag_partial_and_tp_reassemble_exactly(tmp_path):
+    """cp=2 zigzag along s, tp=2 along h, a partial-sum entry and a replicated one, 4 ranks."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(1, 8, 6, generator=gen)  # s = 8: 4 chunks of 2
+    parts = [torch.randn(1, 8, 6, generator=gen) for _ in range(2)]
+    rep = torch.randn(3, generator=gen)
+    chunks = full.chunk(4, 1)
+    for rank in range(4):
+        cp, tp = divmod(rank, 2)
+        a, b = zigzag_chunks(cp, 2)
+        mine = torch.cat([chunks[a], chunks[b]], 1).chunk(2, 2)[tp]
+        _write_rank(tmp_path, rank, {"cp": (cp, 2), "tp": (tp, 2)},
+                    {"x.zz": mine, "x.partial": parts[tp], "x.rep": rep},
+                    {r"\.zz$": "b s(cp,zigzag) h(tp)", r"\.partial$": "b s h(tp,partial)"})
+    u = tdinspect.DumpSet.open(tmp_path).unshard()
+    assert u.ranks == [0]
+    assert torch.equal(u.tensor("x.zz"), full)
+    assert torch.equal(u.tensor("x.partial"), parts[0] + parts[1])
+    assert torch.equal(u.tensor("x.rep"), rep)
+    cube = u.to_xarray(progress=False)
+    assert cube["max"].sel(op="x.zz").item() == pytest.approx(full.max().item())
+    assert zigzag_chunks(0, 2) == (0, 3) and zigzag_chunks(1, 4) == (1, 6)
+
+
+def test_unsharded_entries_without_dims_must_agree(tmp_path):
+    for rank in range(2):
+        _write_rank(tmp_path / "b", rank, {"tp": (rank, 2)},
+                    {"x.same": torch.ones(4), "x.differs": torch.full((4,), float(rank))}, {})
+    _write_rank(tmp_path / "a", 0, {}, {"x.same": torch.ones(4), "x.differs": torch.zeros(4)}, {})
+    u = tdinspect.DumpSet.open(tmp_path / "b").unshard()
+    assert torch.equal(u.tensor("x.same"), torch.ones(4))
+    with pytest.raises(ValueError, match="not replicated: rank 0 and rank 1 differ"):
+        u.tensor("x.differs")
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True) \
+        .first_divergence()
+    assert div.key == "x.differs" and div.structural
+    assert "B: no dims and not replicated: rank 0 and rank 1" in div.reason
+
+
+def test_dims_given_at_open_for_foreign_dumps(tmp_path):
+    """Pass files without sidecars (another tool): ranks are tp ranks, dims come from open()."""
+    full = torch.arange(12.0).reshape(3, 4)
+    for rank in range(2):
+        folder = tmp_path / f"rank{rank}_pid{100 + rank}"
+        folder.mkdir()
+        torch.save({"lin": full.chunk(2, 1)[rank]}, folder / "pass00000.pt")
+    with pytest.raises(ValueError, match="not replicated"):
+        tdinspect.DumpSet.open(tmp_path).unshard().tensor("lin")
+    u = tdinspect.DumpSet.open(tmp_path, dims={"lin": "s h(tp)"}).unshard()
+    assert torch.equal(u.tensor("lin"), full)
+
+
+# -- a real two-process tensor-parallel run -------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp2(out, fault_layer=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    port = _free_port()
+    extra = [] if fault_layer is None else [str(fault_layer)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_block", str(r), "2", str(port),
+                               str(out), *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE)
+             for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    run(str(root / "tp1"))
+    return {"tp1": root / "tp1", "tp2": _tp2(root / "tp2"), "fault": _tp2(root / "fault", 1)}
+
+
+def test_tp2_unsharded_matches_tp1(tp_runs):
+    tp2 = tdinspect.DumpSet.open(tp_runs["tp2"])
+    assert tp2.ranks == [0, 1]
+    assert tp2.get_pass(0, 1).parallel == {"tp": [1, 2]}  # from torch.distributed
+    q = tp2.tensor("model.blocks.0.q", rank=1)
+    assert q.shape == (1, 16, 16)
+    diff = tdinspect.DumpSet.open(tp_runs["tp1"]).diff(tp2, unshard=True)
+    table = diff.table(progress=False)
+    assert len(table) == 20 and not table["structural"].any()
+    assert diff.first_divergence(threshold=1e-10) is None  # float32 noise is ~1e-14 in rel_diff
+    assert table["max_abs"].max() < 1e-5
+    # without unsharding, the same dumps do not line up
+    assert tdinspect.DumpSet.open(tp_runs["tp1"]).diff(tp2).first_divergence().structural
+
+
+def test_tp2_fault_in_rank1_shard_is_named_with_its_rank(tp_runs):
+    diff = tdinspect.DumpSet.open(tp_runs["tp1"]).diff(tp_runs["fault"], unshard=True)
+    div = diff.first_divergence(threshold=1e-10)
+    assert div.key == "model.blocks.1.up"
+    assert "rank 1 (tp 1 of 2)" in div.reason and "rank 0 (tp 0" not in div.reason
+    from tdinspect.cli import main
+
+    assert main(["first-divergence", str(tp_runs["tp1"]), str(tp_runs["fault"]), "--unshard",
+                 "--threshold", "1e-10"]) == 1
