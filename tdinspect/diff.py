@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .align.args import arg_difference
 from .align.logical import AlignError, LogicalPass, slices_of
 from .align.mapping import Mapping
 from .align.transforms import TransformError
@@ -247,28 +248,31 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if job.mode == "stats" and transform is not None:
             row["reason"] = f"transform {transform.spec!r} needs tensors (statistics-only dump)"
             continue
+        args_why = arg_difference(pa.call_args[ia], pb.call_args[ib])  # "" unless both recorded
         if job.mode == "stats":
             sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
             row["stats_rel"] = stats_rel(sb, sa)
             if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
                 row.update(structural=True, reason="NaN/Inf on one side")
-            continue
-        if la is None:
-            la, lb = pa.load(), pb.load()
-        try:
-            ya, xb = _read(pa, ia, la, "A"), _read(pb, ib, lb, "B")
-        except AlignError as exc:
-            row.update(structural=True, reason=str(exc))
-            continue
-        if transform is not None:
-            xb, why = _apply(transform, xb, ya)
-            if why:
-                row.update(structural=True, reason=why)
+        else:
+            if la is None:
+                la, lb = pa.load(), pb.load()
+            try:
+                ya, xb = _read(pa, ia, la, "A"), _read(pb, ib, lb, "B")
+            except AlignError as exc:
+                row.update(structural=True, reason=str(exc))
                 continue
-        row.update(compare_tensors(xb, ya, chunk=job.chunk))
-        bad = row.pop("nonfinite_mismatch", 0)
-        if bad:
-            row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
+            if transform is not None:
+                xb, why = _apply(transform, xb, ya)
+                if why:
+                    row.update(structural=True, reason=why)
+                    continue
+            row.update(compare_tensors(xb, ya, chunk=job.chunk))
+            bad = row.pop("nonfinite_mismatch", 0)
+            if bad:
+                row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
+        if args_why:  # the metrics stay in the row: how much the other argument changed
+            row.update(structural=True, reason=args_why)
     return rows
 
 

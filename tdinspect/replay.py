@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .align.args import describe_args
 from .format import DumpFormatError
 from .metrics import compare_tensors
 from .naming import make_key, parse_key, split_call
@@ -43,12 +44,18 @@ class ReplayResult:
         The ``[out0]`` key of the replayed call.
     outputs : list of dict
         Per recorded output: its key and the metrics of recorded vs re-run.
+    args : list of (name, value)
+        The recorded arguments of the call, as text (tensors by key).
+    other_args : list of (name, value), optional
+        The same call's recorded arguments in the other run (``replay(..., other=)``).
     """
 
     op: str
     key: str
     dtype: torch.dtype
     outputs: list[dict[str, Any]] = field(default_factory=list)
+    args: list[tuple[str, str]] = field(default_factory=list)
+    other_args: list[tuple[str, str]] | None = None
 
     def worst(self, metric: str = "rel_diff") -> float:
         values = [o[metric] for o in self.outputs if not math.isnan(o.get(metric, math.nan))]
@@ -69,8 +76,13 @@ class ReplayResult:
         return replay_html(self)
 
     def __repr__(self) -> str:
-        return (f"ReplayResult({self.key}: rel_diff={self.rel_diff:.3g}, max_abs={self.max_abs:.3g} "
-                f"against a {str(self.dtype).removeprefix('torch.')} re-run)")
+        def shown(args):
+            return ", ".join(f"{n}={v}" for n, v in args)
+        text = (f"ReplayResult({self.key}: rel_diff={self.rel_diff:.3g}, max_abs={self.max_abs:.3g} "
+                f"against a {str(self.dtype).removeprefix('torch.')} re-run; args: {shown(self.args)}")
+        if self.other_args is not None:
+            text += f"; other run's args: {shown(self.other_args)}"
+        return text + ")"
 
 
 # operators refused whatever their schema says: they reach files, other devices' state,
@@ -151,7 +163,8 @@ def _out0_key(key: str) -> str:
 
 
 def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
-           dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> ReplayResult:
+           dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu",
+           other=None, other_key: str | None = None) -> ReplayResult:
     """Re-run a recorded op on its recorded inputs and measure its own error.
 
     Parameters
@@ -166,6 +179,11 @@ def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
     dtype : torch.dtype
         Floating inputs are cast to it for the re-run (float64 by default).
     device : str or torch.device
+    other : DumpSet or path, optional
+        The other run of a diff: its recorded arguments for the same call
+        (``other_key``, default ``key``) are shown next to this run's
+        (nothing of it is re-run).
+    other_key : str, optional
 
     Returns
     -------
@@ -196,7 +214,14 @@ def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
     name, args, kwargs = pi.rebuild_args(i, loaded, cast=cast)
     op = safe_op(name, f"{pi.path}: entry {out0!r}")
     rerun = [t for t in tree_flatten(op(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
-    result = ReplayResult(str(op), out0, dtype)
+    result = ReplayResult(str(op), out0, dtype, args=describe_args(spec))
+    if other is not None:
+        ods = other if isinstance(other, DumpSet) else DumpSet.open(os.fspath(other))
+        opi = ods.get_pass(pass_, rank)
+        j = opi.position.get(_out0_key(other_key or key))
+        if j is None:
+            raise KeyError(f"{opi.path}: no op call {_out0_key(other_key or key)!r}")
+        result.other_args = describe_args(opi.call_args[j])
     base, call = split_call(out0)
     prefix = base[: -len("[out0]")]
     for n, fresh in enumerate(rerun):

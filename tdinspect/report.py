@@ -243,6 +243,15 @@ def replay_html(result) -> str:
 
     rows = pd.DataFrame([[o["key"], o.get("rel_diff"), o.get("max_abs"), o.get("cosine")]
                          for o in result.outputs], columns=["output", "rel_diff", "max_abs", "cosine"])
+    args = getattr(result, "args", [])
+    other = getattr(result, "other_args", None)
+    names = list(dict.fromkeys([n for n, _ in args] + [n for n, _ in other or []]))
+    a, b = dict(args), dict(other or [])
+    table = pd.DataFrame([[n, a.get(n, "")] + ([b.get(n, "")] if other is not None else [])
+                          for n in names],
+                         columns=["argument", "recorded"] + (["other run"] if other is not None else []))
     return _box(f"<b>Replay</b> of {html.escape(result.op)} against a "
                 f"{html.escape(str(result.dtype).removeprefix('torch.'))} re-run on its recorded "
-                f"inputs: the op's own error{styled(rows)}")
+                f"inputs: the op's own error{styled(rows)}"
+                + (section("recorded arguments", styled(table), count=len(names), open_=True)
+                   if names else ""))

@@ -137,3 +137,54 @@ def test_cli_suggest_then_diff(tmp_path, port, capsys):
     assert main(["suggest-mapping", str(port["ref"]), str(port["good"]), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert len(doc["pairs"]) == 21 and sorted(doc["unmatched_a"]) == sorted(ONLY_A)
+
+
+# -- op level: a non-tensor argument that differs ----------------------------------------
+@pytest.fixture(scope="module")
+def eps_runs(tmp_path_factory):
+    """Op-level dumps (inputs recorded) of the HF Llama with RMSNorm eps 1e-6 and 1e-4."""
+    import tdinspect
+    from tdinspect.examples_port import make_hf_llama, port_tokens
+
+    root = tmp_path_factory.mktemp("eps")
+    out = {}
+    for name, eps in (("a", 1e-6), ("b", 1e-4), ("a2", 1e-6)):
+        model = make_hf_llama(seed=0, rms_norm_eps=eps, num_hidden_layers=1)
+        with torch.no_grad(), tdinspect.capture_ops(root / name, model=model, inputs=True,
+                                                    filter=r"layers\.0\.input_layernorm") as dump:
+            model(port_tokens(length=6, batch=1))
+            dump.step()
+        out[name] = root / name
+    return out
+
+
+def test_eps_difference_is_named_with_its_argument(eps_runs):
+    from tdinspect import replay
+
+    a = DumpSet.open(eps_runs["a"])
+    assert a.diff(eps_runs["a2"]).first_divergence(threshold=0) is None  # same eps: nothing
+    div = a.diff(eps_runs["b"]).first_divergence()
+    assert div.structural
+    assert div.key == "model.model.layers.0.input_layernorm/aten.add.Tensor[out0]"
+    assert div.reason == "argument 'other' of aten.add.Tensor: 1e-06 vs 0.0001"
+    assert div.row["rel_diff"] > 0  # the numbers stay in the row
+    # replay shows the recorded arguments of both runs
+    r = replay(a, div.key, other=eps_runs["b"])
+    assert ("other", "1e-06") in r.args and ("other", "0.0001") in r.other_args
+    assert r.args[0][0] == "self" and r.args[0][1].startswith("tensor model.model.layers.0")
+    assert "other=1e-06" in repr(r) and "other run's args" in repr(r) and "0.0001" in repr(r)
+    assert "recorded arguments" in r._repr_html_() and "0.0001" in r._repr_html_()
+
+
+def test_shape_arguments_differ_by_name():
+    from tdinspect.align.args import arg_difference, describe_args
+
+    from torch.utils._pytree import tree_flatten, treespec_dumps
+
+    spec = treespec_dumps(tree_flatten(((torch.ones(1), [2, 6]), {}))[1])  # view(x, [2, 6])
+    a = {"aten": "aten.view.default", "spec": spec, "leaves": [{"t": "x"}, 2, 6]}
+    b = {"aten": "aten.view.default", "spec": spec, "leaves": [{"t": "y"}, 3, 4]}
+    assert describe_args(a) == [("self", "tensor x"), ("size", "[2, 6]")]
+    assert arg_difference(a, b) == "argument 'size' of aten.view.default: [2, 6] vs [3, 4]"
+    assert arg_difference(a, {**a, "leaves": [{"t": "other_name"}, 2, 6]}) == ""  # tensor keys
+    assert arg_difference(a, None) == ""
