@@ -252,6 +252,7 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if job.mode == "stats":
             sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
             row["stats_rel"] = stats_rel(sb, sa)
+            row["equal"] = _same_checksum(pa, ia, pb, ib)
             if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
                 row.update(structural=True, reason="NaN/Inf on one side")
         else:
@@ -287,6 +288,15 @@ def _apply(transform, xb, ya):
     if out.shape != ya.shape:
         return None, f"shape {list(ya.shape)} vs {list(out.shape)} (B after {transform.spec!r})"
     return out, ""
+
+
+def _same_checksum(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> float:
+    """``equal`` from the sidecars' checksums (1 or 0); NaN when a side has none."""
+    ca = pa.checksum[ia] if pa.checksum else None
+    cb = pb.checksum[ib] if pb.checksum else None
+    if not (isinstance(ca, str) and isinstance(cb, str)):
+        return math.nan
+    return float(ca == cb and pa.dtype[ia] == pb.dtype[ib])
 
 
 def _unchanged_since(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> int | None:
@@ -519,9 +529,17 @@ class Diff:
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
-        if self.mode == "stats" and metric_name != "stats_rel":
+        if self.mode == "stats" and metric_name == "equal":
+            for name, side in (("A", self.a), ("B", self.b)):
+                if not any(pi.checksum and any(c is not None for c in pi.checksum)
+                           for pi in side._passes.values()):
+                    raise ValueError(f"metric='equal' on a statistics-only diff compares checksums, "
+                                     f"and {name} ({side.path}) has none: capture it with "
+                                     "checksum=True")
+        elif self.mode == "stats" and metric_name != "stats_rel":
             raise ValueError(f"this diff compares statistics only (a side is stats_only): "
-                             f"use metric='stats_rel', not {metric_name!r}")
+                             f"use metric='stats_rel' (or 'equal' with checksums), "
+                             f"not {metric_name!r}")
         return metric(metric_name)
 
     @staticmethod

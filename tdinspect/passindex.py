@@ -48,6 +48,7 @@ class PassIndex:
     kind: list[Any] | None = None  # "input", "output", "param", "buffer", "grad"; None: output
     parallel: dict[str, list[int]] = field(default_factory=dict)  # {axis: [index, size]}
     dims: list[str | None] = field(default_factory=list)  # dims spec per entry (or None)
+    checksum: list[Any] | None = None  # 16 hex digits (tdinspect.checksum) or None
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -72,7 +73,8 @@ class PassIndex:
                        [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
                        col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
                        bool(doc.get("partial")), kind=col("kind"),
-                       parallel=_parallel(doc.get("parallel"), files), dims=col("dims"))
+                       parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
+                       checksum=col("checksum"))
         tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)

@@ -129,7 +129,7 @@ class ModuleCapture:
     """
 
     def __init__(self, model: nn.Module | None, config: DumpConfig, *, root: str = "model",
-                 modules: str = "leaves", stats_only: bool = False,
+                 modules: str = "leaves", stats_only: bool = False, checksum: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
                  background_write: bool | None = None, on_nonfinite: str | None = None,
                  parallel: dict | None = None, dims: dict[str, str] | None = None):
@@ -165,6 +165,7 @@ class ModuleCapture:
             self._stance = torch.compiler.set_stance("force_eager")
             self._stance.__enter__()
         self.recorder = Recorder(config.dump_dir if config.enabled else None, level="module", stats_only=stats_only,
+                                 checksum=checksum,
                                  max_pending_bytes=max_pending_bytes, fsync=fsync,
                                  background_write=background_write, parallel=parallel, dims=dims)
         self.folder = self.recorder.folder
@@ -248,7 +249,7 @@ class ModuleCapture:
                                          module_type=module_type, kind=kind)
                 else:
                     rec.record(key, tensor, module_type=module_type, kind=kind)
-                    self._params_seen[key] = (ident, rec.pass_index, rec.last_stats(key))
+                    self._params_seen[key] = (ident, rec.pass_index, rec.facts(key))
 
     def _make_grad_hook(self, key: str, module_type: str):
         rec = self.recorder
@@ -361,7 +362,8 @@ def resolve_config(dump_dir, filter, filter_fn, config, environ, record=None) ->
 def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None = None, *,
             filter: FilterSpec = None, filter_fn: str | None = None,
             config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
-            stats_only: bool = False, max_pending_bytes: int = 2 << 30, fsync: bool = False,
+            stats_only: bool = False, checksum: bool = False,
+            max_pending_bytes: int = 2 << 30, fsync: bool = False,
             warn_unfired: bool = True, background_write: bool | None = None,
             on_nonfinite: str | None = None, record=None,
             parallel: dict | None = None, dims: dict[str, str] | None = None,
@@ -388,6 +390,11 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         Hook leaf modules only (the documented behaviour) or every module.
     stats_only : bool
         Write statistics (sidecar) without tensors, for dumps too big for disk.
+    checksum : bool
+        Also store a bitwise fingerprint of every tensor (computed on its
+        device, one int64 to the host; :mod:`tdinspect.checksum` states its
+        collision rate), so that two ``stats_only`` runs can be checked for
+        bitwise equality: ``diff.first_divergence(metric="equal")``.
     max_pending_bytes : int
         Host memory that queued passes may hold before ``step()`` waits.
     fsync : bool
@@ -432,6 +439,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     """
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ, record)
     return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
+                         checksum=checksum,
                          max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
                          background_write=background_write, on_nonfinite=on_nonfinite,
                          parallel=parallel, dims=dims)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checksum import tensor_checksum
 from ..format import pass_filename, pass_number, rank_dirname, sidecar_filename
 from ..naming import split_call
 from ..stats import tensor_stats
@@ -142,12 +143,16 @@ class Recorder:
     dims : dict, optional
         ``{regex: dims spec}``: each entry whose name (without ``::callN``)
         matches gets a ``dims`` column (:mod:`tdinspect.align.dims`).
+    checksum : bool
+        Also record a bitwise fingerprint of each tensor, computed on its
+        device (:func:`tdinspect.checksum.tensor_checksum`), in the sidecar's
+        ``checksum`` column.
     """
 
     def __init__(self, dump_dir: str | os.PathLike | None, *, level: str, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
                  background_write: bool | None = None, parallel: dict | None = None,
-                 dims: dict[str, str] | None = None):
+                 dims: dict[str, str] | None = None, checksum: bool = False):
         self.parallel = parallel_coords(parallel)
         self.dims = None
         if dims:
@@ -157,6 +162,7 @@ class Recorder:
         self.rank = current_rank()
         self.level = level
         self.stats_only = stats_only
+        self.checksum = checksum
         self.total_entries = 0
         self.pass_index = 0
         self.folder = self.writer = None
@@ -207,10 +213,14 @@ class Recorder:
         p = self._pass
         if self.dims is not None:
             extra["dims"] = self.dims.lookup(split_call(key)[0])
+        digest = None
+        if self.checksum and tensor is not None and self.writer is not None \
+                and not extra.get("uninitialized"):
+            digest = tensor_checksum(tensor)  # on the device; one int64 goes to the host at step()
         if same_stats_as is not None and same_stats_as in self._index:
             shared = p.stats[self._index[same_stats_as]]
             if shared is not None:
-                return self._append(key, tensor, None, shared, module_type, extra)
+                return self._append(key, tensor, None, shared, module_type, extra, digest)
         copy = stat = None
         if tensor is not None and self.writer is not None and not extra.get("uninitialized"):
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
@@ -220,26 +230,27 @@ class Recorder:
                 copy, in_flight = host_copy(tensor, self.pool)
                 self._in_flight |= in_flight
                 p.nbytes += copy.numel() * copy.element_size()
-        self._append(key, tensor, copy, stat, module_type, extra)
+        self._append(key, tensor, copy, stat, module_type, extra, digest)
 
-    def record_unchanged(self, key: str, tensor: torch.Tensor, stat: torch.Tensor | None, *,
+    def record_unchanged(self, key: str, tensor: torch.Tensor, facts: tuple, *,
                          of_pass: int, module_type: str, **extra: Any) -> None:
         """Add an entry whose tensor is the one stored under ``key`` in pass ``of_pass``.
 
-        Nothing is copied and no statistic is computed: ``stat`` (the statistics
-        recorded then) is reused, and the sidecar holds a reference
-        ``{"kind": "same", "of": key, "pass": of_pass}``.
+        Nothing is copied and nothing computed: ``facts`` (the statistics and
+        checksum recorded then, from :meth:`facts`) are reused, and the
+        sidecar holds a reference ``{"kind": "same", "of": key, "pass": of_pass}``.
         """
-        self._append(key, tensor, None, stat, module_type,
-                     {**extra, "ref": {"kind": "same", "of": key, "pass": of_pass}})
+        self._append(key, tensor, None, facts[0], module_type,
+                     {**extra, "ref": {"kind": "same", "of": key, "pass": of_pass}}, facts[1])
 
-    def last_stats(self, key: str) -> torch.Tensor | None:
-        """The statistics vector of ``key`` in the current pass (``None`` if absent)."""
+    def facts(self, key: str) -> tuple:
+        """``(statistics, checksum)`` of ``key`` in the current pass (device tensors or ``None``)."""
         i = self._index.get(key)
-        return None if i is None else self._pass.stats[i]
+        return (None, None) if i is None else (self._pass.stats[i], self._pass.checksums[i])
 
-    def _append(self, key, tensor, copy, stat, module_type, extra) -> None:
+    def _append(self, key, tensor, copy, stat, module_type, extra, digest=None) -> None:
         p = self._pass
+        p.checksums.append(digest)
         shape = list(tensor.shape) if tensor is not None else None
         dtype = str(tensor.dtype) if tensor is not None else None
         n = len(p.keys)
@@ -274,6 +285,14 @@ class Recorder:
                 p.host_stats, self._in_flight = host, True
             else:
                 p.host_stats = stacked.cpu()
+        if any(c is not None for c in p.checksums):
+            digests = torch.stack([c for c in p.checksums if c is not None])
+            if digests.device.type == "cuda":
+                host = torch.empty(digests.shape, dtype=digests.dtype, pin_memory=True)
+                host.copy_(digests, non_blocking=True)
+                p.host_checksums, self._in_flight = host, True
+            else:
+                p.host_checksums = digests
         if self._in_flight:
             p.ready = torch.cuda.Event()
             p.ready.record()

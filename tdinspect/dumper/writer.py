@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..checksum import checksum_hex
 from ..format import pass_filename, save_pass, sidecar_filename, write_sidecar
 
 
@@ -37,6 +38,8 @@ class PendingPass:
     columns: dict[str, list[Any]] = field(default_factory=dict)
     ready: Any = None  # a CUDA event to wait on before reading host copies
     host_stats: torch.Tensor | None = None  # stats gathered on device, copied once per step
+    checksums: list[torch.Tensor | None] = field(default_factory=list)
+    host_checksums: torch.Tensor | None = None  # likewise for checksums
     nbytes: int = 0
 
     def write(self, fsync: bool) -> None:
@@ -45,6 +48,10 @@ class PendingPass:
         gathered = iter(self.host_stats.tolist()) if self.host_stats is not None else None
         rows = [None if stat is None else next(gathered) for stat in self.stats]
         entries = {"key": self.keys, **self.columns, "stats": rows}
+        if self.host_checksums is not None:
+            digests = iter(self.host_checksums.tolist())
+            entries["checksum"] = [None if c is None else checksum_hex(next(digests))
+                                   for c in self.checksums]
         sidecar = self.folder / sidecar_filename(self.index)
         write_sidecar(sidecar, {**self.header, "pass": self.index, "entries": entries}, fsync=fsync)
         if not self.header.get("stats_only"):
