@@ -338,16 +338,17 @@ def _match_order(A: _Side, B: _Side, tol: float, found: dict) -> None:
 
 
 def _generalize(a: str, b: str) -> tuple[str, str] | None:
-    """``(a_regex, b_template)`` with the digit runs of ``a`` as groups, or None without digits."""
+    """``(a_regex, b_template)`` with the digit runs of ``a`` that reappear in ``b`` as groups
+    (``norm1`` stays literal unless ``b`` holds its 1), or None when none does."""
     parts = re.split(r"(\d+)", a)
-    if len(parts) == 1:
+    in_b = set(re.findall(r"\d+", b))
+    grouped = [v for v in parts[1::2] if v in in_b]
+    if not grouped:
         return None
-    groups = parts[1::2]
-    pattern = "".join(re.escape(p) if k % 2 == 0 else r"(\d+)" for k, p in enumerate(parts))
+    pattern = "".join(r"(\d+)" if k % 2 and p in in_b else re.escape(p) for k, p in enumerate(parts))
 
     def sub(m):
-        v = m.group(0)
-        return "\\" + str(groups.index(v) + 1) if v in groups else v
+        return "\\" + str(grouped.index(m.group(0)) + 1) if m.group(0) in grouped else m.group(0)
     template = re.sub(r"\d+", sub, b.replace("\\", "\\\\"))
     return pattern, template
 
@@ -373,19 +374,21 @@ def _rules(partner: dict[str, tuple[str, str | None]], a_names: list[str], b_nam
             if len(members) < 2:
                 continue
             rx = re.compile(pattern)
-            ok = True
+            ok, covered = True, []
             for a in a_names:  # exact on everything it covers, and nothing it should not
                 m = rx.fullmatch(a)
                 if m is None:
                     continue
                 want = partner.get(a)
                 got = (m.expand(template), t)
-                if want != got and not (want is None and got[0] not in b_names and a not in b_names):
+                if want == got:
+                    covered.append(a)
+                elif not (want is None and got[0] not in b_names and a not in b_names):
                     ok = False
                     break
             if ok:
                 rules[pattern] = (min(pos[a] for a in members), _rule_value(template, t))
-                done.update(members)
+                done.update(covered)
     for a, (b, t) in need.items():
         if a not in done:
             rules[re.escape(a)] = (pos[a], _rule_value(b.replace("\\", "\\\\"), t))
