@@ -651,6 +651,81 @@ class Diff:
                 return "; in " + ", ".join(bad)
         return ""
 
+    def per_position(self, key: str, dim: int | str = 1, metric: str | None = None,
+                     threshold: float | None = None) -> "xr.DataArray":
+        """The metric of one entry along ``dim``: where along the tokens two runs part.
+
+        One value per position for each pass and call (and rank) where both
+        sides hold the entry, each from :func:`tdinspect.metrics.compare_tensors`
+        on the two slices (the one metric definition). A RoPE or KV-cache bug
+        shows as error from the first decode position on; a layer bug as error
+        everywhere.
+
+        Parameters
+        ----------
+        key : str
+            Entry name (without ``::callN``; every call is computed).
+        dim : int or str
+            The position dim, or its name in the entry's dims (``"s"``).
+        metric, threshold : optional
+            Default: the diff's metric and that metric's threshold.
+
+        Returns
+        -------
+        xarray.DataArray
+            Dims ``pass``, ``call``, ``position`` (``rank`` first when several);
+            NaN where a call is shorter. ``attrs["first_position"]`` is the
+            first position past the threshold (-1 when none).
+
+        Examples
+        --------
+        >>> da = full.diff(decode, concat="call:1").per_position("model.layers.0.mlp", dim=1)  # doctest: +SKIP
+        >>> da.attrs["first_position"]                                                      # doctest: +SKIP
+        16
+        """
+        import xarray as xr
+
+        from .align.concat import dim_index
+
+        m = self._check_metric(metric)
+        if self.mode == "stats":
+            raise ValueError("per_position compares tensors: a side is statistics-only")
+        thr = m.default_threshold if threshold is None else float(threshold)
+        base = split_call(key)[0]
+        cells, skipped = [], []
+        for (rank, p), rows in self.iter_passes():
+            for row in rows[(rows["op"] == base) & (rows["key_b"] != "")].to_dict("records"):
+                pa, pb = self.a.get_pass(p, rank), self.b.get_pass(p, rank)
+                i = pa.position[row["key"]]
+                ya, xb = pa.tensor(row["key"]), pb.tensor(row["key_b"])
+                if ya.shape != xb.shape:
+                    skipped.append(f"pass {p} call {row['call']}: shape {list(ya.shape)} vs "
+                                   f"{list(xb.shape)}")
+                    continue
+                d = dim_index(dim, pa.dims[i], ya.dim(), row["key"])
+                values = [compare_tensors(xb.select(d, j), ya.select(d, j), chunk=self.chunk)[m.name]
+                          for j in range(ya.shape[d])]
+                cells.append((rank, p, int(row["call"]), values))
+        if not cells:
+            raise KeyError(f"{key!r}: no pass where both sides hold it with one shape"
+                           + (f" ({'; '.join(skipped[:3])})" if skipped else ""))
+        ranks = sorted({c[0] for c in cells})
+        passes = sorted({c[1] for c in cells})
+        ncall = max(c[2] for c in cells) + 1
+        npos = max(len(c[3]) for c in cells)
+        data = np.full((len(ranks), len(passes), ncall, npos), np.nan)
+        for rank, p, call, values in cells:
+            data[ranks.index(rank), passes.index(p), call, :len(values)] = values
+        with np.errstate(invalid="ignore"):
+            over = data > thr if m.higher_is_worse else data < thr
+        hit = np.flatnonzero(over.any(axis=(0, 1, 2)))
+        da = xr.DataArray(data, dims=("rank", "pass", "call", "position"),
+                          coords={"rank": ranks, "pass": passes, "call": np.arange(ncall),
+                                  "position": np.arange(npos)}, name=m.name,
+                          attrs={"key": base, "dim": str(dim), "metric": m.name, "threshold": thr,
+                                 "first_position": int(hit[0]) if len(hit) else -1})
+        return da.isel(rank=0, drop=True) if len(ranks) == 1 else da
+
     def table(self, progress: bool = True) -> pd.DataFrame:
         """Every compared entry as a ``pandas.DataFrame`` (reads every pass)."""
         from tqdm.auto import tqdm

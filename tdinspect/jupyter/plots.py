@@ -491,3 +491,81 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
     ax.set_title(_plain(title), fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
+                 threshold: float | None = None, *, ax=None):
+    """Entries × positions: the metric of each entry along ``dim``, first divergent position marked.
+
+    Each row is :meth:`tdinspect.diff.Diff.per_position` of one entry, reduced
+    over passes and calls (and ranks) to its worst value; each row's first
+    position past the threshold is marked, and the earliest of them is drawn
+    as a line and written in the title ("diverges from position 16 on"), so a
+    RoPE or KV-cache bug (error from the first decode token on) tells itself
+    from a layer bug (error at every position) at a glance.
+
+    Parameters
+    ----------
+    diff : Diff
+    dim : int or str
+        The position dim (or its dims name).
+    keys : list of str, optional
+        Entries (default: every entry both sides hold with one shape, in execution order).
+    metric, threshold : optional
+        Default: the diff's metric and its default threshold.
+    ax : matplotlib Axes, optional
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Examples
+    --------
+    >>> fig = tdinspect.plot.per_position(full.diff(decode, concat="call:1"), dim=1)  # doctest: +SKIP
+    """
+    from ..metrics import metric as get_metric
+
+    plt = _plt()
+    m = get_metric(metric or diff.default_metric)
+    thr = m.default_threshold if threshold is None else threshold
+    if keys is None:
+        table = diff.table(progress=False)
+        table = table[~table["structural"]].sort_values(["pass", "order", "rank"])
+        keys = list(dict.fromkeys(table["op"]))
+    rows, names = [], []
+    for key in keys:
+        try:
+            da = diff.per_position(key, dim=dim, metric=m.name, threshold=thr)
+        except (KeyError, ValueError):
+            continue  # no such dim, or not held by both sides with one shape
+        worst = da.max if m.higher_is_worse else da.min
+        rows.append(worst([d for d in da.dims if d != "position"]).to_numpy())
+        names.append(key)
+    if not rows:
+        raise ValueError(f"no entry of this diff has a dim {dim!r} held by both sides")
+    npos = max(len(r) for r in rows)
+    grid = np.full((len(rows), npos), np.nan)
+    for i, r in enumerate(rows):
+        grid[i, :len(r)] = r
+    with np.errstate(invalid="ignore"):
+        over = grid > thr if m.higher_is_worse else grid < thr
+    shown = np.log10(np.where(grid > 0, grid, _floor(grid))) if m.higher_is_worse else grid
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
+        figsize=(min(14, 4 + 0.25 * npos), 1.5 + 0.22 * len(rows)))
+    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(im, ax=ax, label=f"log10 {m.name}" if m.higher_is_worse else m.name)
+    firsts = [int(np.flatnonzero(o)[0]) if o.any() else -1 for o in over]
+    for i, f in enumerate(firsts):
+        if f >= 0:
+            ax.plot(f, i, marker="x", color="red", ms=7, mew=2)
+    start = min((f for f in firsts if f >= 0), default=-1)
+    if start >= 0:
+        ax.axvline(start - 0.5, color="red", ls="--", lw=1)
+        verdict = f"diverges from position {start} on"
+    else:
+        verdict = "no position past the threshold"
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xlabel(f"position along dim {dim}")
+    ax.set_title(f"{m.name} per position (threshold {thr:g}): {verdict}")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,115 @@
+"""A KV-cache decode run (HF Llama ``generate``) against one full-sequence forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tdinspect
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT, NEW = 16, 5
+FED = PROMPT + NEW - 1  # generate never feeds its last token back through the model
+CAPTURED = r"^model\.model\."  # lm_head is computed for the last position only during generate
+THRESHOLD = 1e-8  # rel_diff; float32 noise here is ~1e-14
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _positions_off_by_one_after_prefill(module, args, kwargs):
+    """The injected decode bug: RoPE sees position n+1 for every decoded token."""
+    x = args[0] if args else kwargs["x"]
+    if x.shape[1] == 1:
+        kwargs = {**kwargs, "position_ids": kwargs["position_ids"] + 1}
+    return args, kwargs
+
+
+@pytest.fixture(scope="module")
+def decode_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode")
+    model = _llama()
+    prompt = torch.randint(1, 64, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with tdinspect.capture(model, root / "generate", filter=CAPTURED) as dump:
+            tokens = model.generate(prompt, max_new_tokens=NEW, do_sample=False)
+            dump.step()
+        assert tokens.shape == (1, PROMPT + NEW)
+        with tdinspect.capture(model, root / "forward", filter=CAPTURED) as dump:
+            model(tokens)
+            dump.step()
+        handle = model.model.rotary_emb.register_forward_pre_hook(
+            _positions_off_by_one_after_prefill, with_kwargs=True)
+        try:
+            with tdinspect.capture(model, root / "buggy", filter=CAPTURED) as dump:
+                model.generate(prompt, max_new_tokens=NEW, do_sample=False)
+                dump.step()
+        finally:
+            handle.remove()
+    return root
+
+
+def _diff(root, decode: str):
+    full = tdinspect.DumpSet.open(root / "forward").narrow(1, 0, FED)
+    return full.diff(tdinspect.DumpSet.open(root / decode).concat("call", dim=1))
+
+
+def test_decode_steps_concatenated_match_the_full_forward(decode_runs):
+    gen = tdinspect.DumpSet.open(decode_runs / "generate")
+    assert gen.summary()["max_calls"] == NEW  # a prefill call and 4 decode calls per module
+    diff = _diff(decode_runs, "generate")
+    table = diff.table(progress=False)
+    assert len(table) == len(gen.ops) and len(table) > 20
+    assert (table["shape"] == str([1, FED, 32])).sum() > 10
+    assert not table["structural"].any()
+    assert diff.first_divergence(threshold=THRESHOLD) is None
+    assert table["rel_diff"].max() < 1e-10
+    # without lining the steps up there is nothing to compare
+    unaligned = tdinspect.DumpSet.open(decode_runs / "forward").diff(gen).first_divergence()
+    assert unaligned.structural and "shape" in unaligned.reason
+
+
+def test_decode_bug_is_named_and_starts_at_the_first_decode_position(decode_runs):
+    diff = _diff(decode_runs, "buggy")
+    div = diff.first_divergence(threshold=THRESHOLD)
+    assert div.key == "model.model.rotary_emb[0]"
+    assert "in call 1" in div.reason  # the first decode call, not the prefill (call 0)
+    for key in ("model.model.rotary_emb[0]", "model.model.layers.1.self_attn.o_proj"):
+        da = diff.per_position(key, dim=1, threshold=THRESHOLD)
+        assert da.dims == ("pass", "call", "position") and da.sizes["position"] == FED
+        assert da.attrs["first_position"] == PROMPT
+        values = da[0, 0]
+        assert float(values[:PROMPT].max()) < 1e-10
+        assert bool((values[PROMPT:] > THRESHOLD).all())
+
+
+def test_per_position_uses_the_one_metric_definition(decode_runs):
+    from tdinspect.metrics import compare_tensors
+
+    diff = _diff(decode_runs, "buggy")
+    key = "model.model.layers.0.self_attn.q_proj"
+    da = diff.per_position(key, dim=1, metric="max_abs")
+    a = diff.a.tensor(key)
+    b = diff.b.tensor(key)
+    for j in (0, PROMPT, FED - 1):
+        assert float(da[0, 0, j]) == compare_tensors(b[:, j], a[:, j])["max_abs"]
+
+
+def test_per_position_plot_marks_the_first_divergent_position(decode_runs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = tdinspect.plot.per_position(_diff(decode_runs, "buggy"), dim=1, threshold=THRESHOLD)
+    ax = fig.axes[0]
+    assert f"diverges from position {PROMPT} on" in ax.get_title()
+    assert len(ax.get_yticklabels()) > 20
+    healthy = tdinspect.plot.per_position(_diff(decode_runs, "generate"), dim=1,
+                                          threshold=THRESHOLD)
+    assert "no position past the threshold" in healthy.axes[0].get_title()
