@@ -113,3 +113,11 @@ def test_per_position_plot_marks_the_first_divergent_position(decode_runs):
     healthy = tdinspect.plot.per_position(_diff(decode_runs, "generate"), dim=1,
                                           threshold=THRESHOLD)
     assert "no position past the threshold" in healthy.axes[0].get_title()
+
+
+def test_explore_shows_the_per_position_panel(decode_runs):
+    ex = tdinspect.explore(_diff(decode_runs, "buggy"), positions=1, threshold=THRESHOLD)
+    assert ex.positions in ex.widget.children
+    assert f"diverges from position {PROMPT} on" in ex.positions_fig.axes[0].get_title()
+    ex.threshold.value = 1e2  # nothing is that far off: the panel follows the slider
+    assert "no position past the threshold" in ex.positions_fig.axes[0].get_title()

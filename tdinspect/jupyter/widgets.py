@@ -89,6 +89,10 @@ class DiffExplorer:
         The first threshold (default: the metric's). Switching the metric
         brings that metric's default threshold, slider range, direction and
         axis scale.
+    positions : int or str, optional
+        Add the entries × positions panel along this dim
+        (:func:`tdinspect.plot.per_position`), redrawn with the metric and
+        threshold: where along the tokens the runs part.
 
     Attributes
     ----------
@@ -105,7 +109,8 @@ class DiffExplorer:
         Seconds the last build and the last callback of each kind took.
     """
 
-    def __init__(self, diff, metric: str | None = None, threshold: float | None = None):
+    def __init__(self, diff, metric: str | None = None, threshold: float | None = None,
+                 positions: int | str | None = None):
         import time
 
         from ..metrics import METRICS
@@ -151,8 +156,11 @@ class DiffExplorer:
         for w in (self.entry, self.pass_, self.rank):
             w.observe(self._on_pick, names="value")
         self.fig.canvas.mpl_connect("button_press_event", self._on_click)
+        self.position_dim, self.positions, self.positions_fig = positions, W.Output(), None
         self.widget = W.VBox([W.HBox([self.metric, self.threshold_box, self.direction]), self.label,
-                              self.plot.widget, W.HBox([self.entry, self.pass_, self.rank]),
+                              self.plot.widget,
+                              *([self.positions] if positions is not None else []),
+                              W.HBox([self.entry, self.pass_, self.rank]),
                               self.message, self.view.widget])
         self.update(follow=True)
         self.timings["build"] = time.perf_counter() - t0
@@ -278,6 +286,20 @@ class DiffExplorer:
             self._show_picked()
         else:
             self._redraw_plot()
+        if getattr(self, "position_dim", None) is not None:
+            self.show_positions()
+
+    def show_positions(self) -> None:
+        """Redraw the per-position panel (entries × positions, first divergent position marked)."""
+        import matplotlib.pyplot as plt
+
+        self.positions.clear_output(wait=True)
+        with self.positions:
+            self.positions_fig = plots.per_position(self.diff, dim=self.position_dim,
+                                                    metric=self.metric.value,
+                                                    threshold=self.threshold.value)
+            display(self.positions_fig)
+            plt.close(self.positions_fig)
 
     def _redraw_plot(self) -> None:
         from ..metrics import metric
@@ -401,7 +423,8 @@ class DumpSetExplorer:
         display(self.widget)
 
 
-def explore(obj, *, metric: str | None = None, threshold: float | None = None):
+def explore(obj, *, metric: str | None = None, threshold: float | None = None,
+            positions: int | str | None = None):
     """An interactive explorer for a DumpSet or a Diff.
 
     Parameters
@@ -414,6 +437,9 @@ def explore(obj, *, metric: str | None = None, threshold: float | None = None):
         Diff only: the metric shown first (``rel_diff``, ``cosine``, ...).
     threshold : float, optional
         Diff only: the first threshold (default: the metric's default).
+    positions : int or str, optional
+        Diff only: add the entries × positions panel along this dim (a decode
+        run against a full forward: the first divergent token at a glance).
 
     Returns
     -------
@@ -429,9 +455,10 @@ def explore(obj, *, metric: str | None = None, threshold: float | None = None):
     from ..dumpset import DumpSet
 
     if isinstance(obj, Diff):
-        return DiffExplorer(obj, metric=metric, threshold=threshold)
+        return DiffExplorer(obj, metric=metric, threshold=threshold, positions=positions)
     if isinstance(obj, DumpSet):
-        if metric is not None or threshold is not None:
-            raise TypeError("explore(DumpSet) takes no metric or threshold (those are for a Diff)")
+        if metric is not None or threshold is not None or positions is not None:
+            raise TypeError("explore(DumpSet) takes no metric, threshold or positions (those are "
+                            "for a Diff)")
         return DumpSetExplorer(obj)
     raise TypeError(f"explore() takes a DumpSet or a Diff, not {type(obj).__name__}")
