@@ -549,11 +549,11 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
         grid[i, :len(r)] = r
     with np.errstate(invalid="ignore"):
         over = grid > thr if m.higher_is_worse else grid < thr
-    shown = np.log10(np.where(grid > 0, grid, _floor(grid))) if m.higher_is_worse else grid
+    log = scale(m.name).log
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(min(14, 4 + 0.25 * npos), 1.5 + 0.22 * len(rows)))
-    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis")
-    fig.colorbar(im, ax=ax, label=f"log10 {m.name}" if m.higher_is_worse else m.name)
+        figsize=(min(14, 5 + 0.25 * npos), 1.5 + 0.22 * len(rows)))
+    im = _zero_missing_image(ax, grid, log)
+    fig.colorbar(im, ax=ax, label=f"log10 {m.name}" if log else m.name)
     firsts = [int(np.flatnonzero(o)[0]) if o.any() else -1 for o in over]
     for i, f in enumerate(firsts):
         if f >= 0:
