@@ -257,7 +257,7 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
                 row.update(structural=True, reason="NaN/Inf on one side")
         else:
             if la is None:
-                la, lb = pa.load(), pb.load()
+                la, lb = _open(pa), _open(pb)
             try:
                 ya, xb = _read(pa, ia, la, "A"), _read(pb, ib, lb, "B")
             except AlignError as exc:
@@ -312,6 +312,11 @@ def _problem(pi: PassIndex, i: int, side: str) -> str:
     """Why a logical entry (unshard, concat) cannot be assembled, naming the side, or ``""``."""
     problem = pi.problem(i) if isinstance(pi, LogicalPass) else ""
     return f"{side}: {problem}" if problem else ""
+
+
+def _open(pi: PassIndex):
+    """A pass's tensors for comparing entry by entry (assembled ones into reused buffers)."""
+    return pi.load(scratch=True) if isinstance(pi, LogicalPass) else pi.load()
 
 
 def _read(pi: PassIndex, i: int, loaded, side: str):

@@ -65,8 +65,13 @@ def shape_of(node: dict, shape) -> list[int] | None:
     return list(shapes[0])
 
 
-def evaluate(node: dict, fetch) -> torch.Tensor:
-    """Apply a plan; ``fetch(src, key)`` reads a source tensor. Raises :class:`AlignError`."""
+def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
+    """Apply a plan; ``fetch(src, key)`` reads a source tensor. Raises :class:`AlignError`.
+
+    ``out(shape, dtype)``, when given, supplies the buffer of the top-level
+    ``cat`` or ``sum`` (a reused one spares the page faults of a fresh
+    allocation, which cost more than the copy itself).
+    """
     op = node["op"]
     if op == "read":
         return fetch(node["src"], node["key"])
@@ -84,12 +89,16 @@ def evaluate(node: dict, fetch) -> torch.Tensor:
             for r in range(c):
                 order[r], order[2 * c - 1 - r] = halves[2 * r], halves[2 * r + 1]
             parts = order
-        return torch.cat(parts, dim)
+        if out is None:
+            return torch.cat(parts, dim)
+        shape = list(parts[0].shape)
+        shape[dim] = sum(t.shape[dim] for t in parts)
+        return torch.cat(parts, dim, out=out(shape, parts[0].dtype))
     if op == "sum":
-        out = parts[0].clone()
+        total = parts[0].clone() if out is None else out(parts[0].shape, parts[0].dtype).copy_(parts[0])
         for t in parts[1:]:
-            out += t
-        return out
+            total += t
+        return total
     if op == "same":
         first = parts[0]
         for label, t in zip(node["labels"][1:], parts[1:]):
@@ -139,11 +148,24 @@ def describe(node: dict) -> str:
 
 
 class _Loaded:
-    """What :meth:`LogicalPass.load` returns: source passes opened on first use, entries on demand."""
+    """What :meth:`LogicalPass.load` returns: source passes opened on first use, entries on demand.
 
-    def __init__(self, owner: "LogicalPass"):
+    With ``scratch``, assembled tensors are written into buffers reused by
+    shape and dtype: a tensor read through it is valid until the next one of
+    the same shape (what a diff, which compares one entry at a time, needs).
+    """
+
+    def __init__(self, owner: "LogicalPass", scratch: bool = False):
         self.owner = owner
         self._open: dict[Any, Any] = {}
+        self._buffers: dict[tuple, torch.Tensor] | None = {} if scratch else None
+
+    def buffer(self, shape, dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(key[0], dtype=dtype)
+        return buf
 
     def fetch(self, src, key) -> torch.Tensor:
         pi = self.owner.sources[src]
@@ -191,15 +213,17 @@ class LogicalPass(PassIndex):
                    parallel={}, dims=[(dims or {}).get(k) for k in keys],
                    sources=sources, plans=plans, what=what)
 
-    def load(self) -> _Loaded:
-        return _Loaded(self)
+    def load(self, scratch: bool = False) -> _Loaded:
+        """Open the sources lazily; ``scratch``: reuse output buffers (see :class:`_Loaded`)."""
+        return _Loaded(self, scratch)
 
     def tensor(self, key: str, loaded=None) -> torch.Tensor:
         if key not in self.plans:
             raise KeyError(f"{self.path}: no entry {key!r} ({self.what})")
         if not isinstance(loaded, _Loaded):
             loaded = self.load()
-        return evaluate(self.plans[key], loaded.fetch)
+        return evaluate(self.plans[key], loaded.fetch,
+                        loaded.buffer if loaded._buffers is not None else None)
 
     def problem(self, i: int) -> str:
         """Why entry ``i`` cannot be assembled (known before reading), or ``""``."""
