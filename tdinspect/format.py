@@ -80,7 +80,8 @@ def rank_dirname(rank: int, pid: int) -> str:
     return f"rank{rank}_pid{pid}"
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync: bool = False) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync: bool = False,
+                 before_replace: Callable[[str], None] | None = None) -> None:
     """Write ``path`` through ``write(fileobj)`` so that it appears whole or not at all.
 
     The data goes to a temporary file in the same folder, which is renamed over
@@ -95,6 +96,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], *, fsync
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -125,54 +128,70 @@ def _stats_row(row: list[float]) -> list[Any]:
     return out
 
 
-def write_sidecar(path: str | os.PathLike, meta: dict, *, fsync: bool = False) -> None:
-    """Atomically write a sidecar (NaN statistics become ``null``)."""
+def write_sidecar(path: str | os.PathLike, meta: dict, *, fsync: bool = False,
+                  pass_file: str | os.PathLike | None = None) -> None:
+    """Atomically write a sidecar (NaN statistics become ``null``), bound to ``pass_file``
+    (the pass file it describes, see :mod:`tdinspect.sidecars`)."""
+    from .sidecars import seal
+
     entries = dict(meta["entries"])
     entries["stats"] = [None if s is None else _stats_row(list(s)) for s in entries["stats"]]
     doc = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, **meta, "entries": entries}
-    data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    doc.pop("binding", None)
+    data = seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), pass_file)
     atomic_write(path, lambda f: f.write(data), fsync=fsync)
 
 
-def read_sidecar(path: str | os.PathLike) -> dict:
-    """Read and check a sidecar; ``null`` statistics come back as NaN.
+def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = None) -> dict | None:
+    """Read and validate a sidecar; ``null`` statistics come back as NaN.
+
+    With ``pass_file``, a sidecar that does not describe it (stale, edited,
+    or written without a binding) is ignored with a warning: ``None`` is
+    returned and the caller reads the pass file itself.
 
     Raises
     ------
     DumpFormatError
-        If the file is not a tdinspect sidecar of a known version, or its
-        columns disagree in length.
+        If the file is not a tdinspect sidecar of a known version, or any
+        column the reader uses is malformed (see :func:`tdinspect.sidecars.validate`).
     """
+    from .sidecars import mismatch, validate, warn_ignored
+    from .stats import STAT_NAMES
+
     path = Path(path)
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise DumpFormatError(f"{path}: unreadable sidecar ({exc})") from None
+        raw = path.read_bytes()
+        doc = json.loads(raw)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise DumpFormatError(f"{path}: unreadable sidecar ({type(exc).__name__}: "
+                              f"{str(exc)[:100]})") from None
     if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT:
         raise DumpFormatError(f"{path}: not a tdinspect sidecar")
     if doc.get("version") != SIDECAR_VERSION:
-        raise DumpFormatError(f"{path}: sidecar version {doc.get('version')!r} is not supported "
-                              f"(this tdinspect reads version {SIDECAR_VERSION})")
-    entries = doc.get("entries")
-    if not isinstance(entries, dict) or not isinstance(entries.get("key"), list):
-        raise DumpFormatError(f"{path}: sidecar has no entries.key column")
+        raise DumpFormatError(f"{path}: sidecar version {str(doc.get('version'))[:20]!r} is not "
+                              f"supported (this tdinspect reads version {SIDECAR_VERSION})")
+    if pass_file is not None:
+        reason = mismatch(raw, doc, Path(pass_file))
+        if reason is not None:
+            warn_ignored(path, reason)
+            return None
+    validate(path, doc, len(STAT_NAMES))
+    entries = doc["entries"]
     n = len(entries["key"])
-    for col, values in entries.items():
-        if not isinstance(values, list) or len(values) != n:
-            raise DumpFormatError(f"{path}: sidecar column {col!r} has {len(values)} values "
-                                  f"for {n} keys")
-    nan_row = [math.nan] * 9
+    nan_row = [math.nan] * len(STAT_NAMES)
     # a null row becomes NaNs here; null values inside a row become NaN when the loader makes
     # a float array of them (numpy converts None to NaN), which keeps opening fast
     entries["stats"] = [nan_row if s is None else s for s in entries.get("stats", [None] * n)]
     return doc
 
 
-def save_pass(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, fsync: bool = False) -> None:
-    """Atomically ``torch.save`` a pass dict."""
+def save_pass(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, fsync: bool = False,
+              before_replace: Callable[[str], None] | None = None) -> None:
+    """Atomically ``torch.save`` a pass dict; ``before_replace(temporary_path)`` runs once the
+    file is complete, before it takes its name (the writer binds the sidecar to it there)."""
     # through a file object: the archive's inner folder is then always "archive", so the
     # same tensors give the same bytes (saving by name would embed the temporary name)
-    atomic_write(path, lambda f: torch.save(tensors, f), fsync=fsync)
+    atomic_write(path, lambda f: torch.save(tensors, f), fsync=fsync, before_replace=before_replace)
 
 
 def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch.Tensor]:

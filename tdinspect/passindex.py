@@ -59,8 +59,8 @@ class PassIndex:
     @classmethod
     def read(cls, rank: int, files: PassFiles) -> "PassIndex":
         """Index one pass from its sidecar, or from the pass file's metadata."""
-        if files.sidecar is not None:
-            doc = read_sidecar(files.sidecar)
+        doc = read_sidecar(files.sidecar, files.tensors) if files.sidecar is not None else None
+        if doc is not None:
             e = doc["entries"]
             n = len(e["key"])
             stats = np.asarray(e["stats"], dtype=np.float64).reshape(n, len(STAT_NAMES))
@@ -123,7 +123,8 @@ class PassIndex:
             return self.earlier(ref["pass"], key).tensor(ref["of"])
         j = self.position.get(ref["of"])
         if j is None or j == i:
-            raise DumpFormatError(f"{where} refers to {ref['of']!r}, which is not in this pass")
+            raise DumpFormatError(f"{where} refers to {ref['of']!r}, which is not another entry "
+                                  "of this pass")
         if ref.get("kind") == "same" and self.stored[j]:
             return loaded[ref["of"]]
         if ref.get("kind") == "same" and isinstance(self.ref[j], dict) \

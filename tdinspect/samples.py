@@ -34,6 +34,7 @@ from .dumper.modules import capture
 from .dumper.ops import capture_ops
 from .examples import layernorm_test, make_model, make_tokens
 from .format import SIDECAR_RE, atomic_write
+from .sidecars import seal
 
 STEPS = 2
 PERTURB_SCALE = 1.2  # a 20% error in one weight: rel_diff of that layer near 1e-2
@@ -48,7 +49,10 @@ def _normalise(run_dir: Path) -> None:
         if SIDECAR_RE.match(f.name):
             doc = json.loads(f.read_bytes())
             doc["pid"] = 0
-            data = json.dumps(doc, separators=(",", ":")).encode()
+            doc.pop("binding", None)
+            pass_file = f.with_suffix(".pt")
+            data = seal(json.dumps(doc, separators=(",", ":")).encode(),
+                        pass_file if pass_file.exists() else None)  # bound again, as written
             atomic_write(f, lambda fh: fh.write(data))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -52,3 +53,17 @@ def runs(tmp_path_factory):
 def only_folder(run: Path) -> Path:
     (folder,) = [p for p in Path(run).iterdir() if p.is_dir()]
     return folder
+
+
+def rewrite_sidecar(sidecar: Path, doc: dict, bind: bool = True) -> None:
+    """Write ``doc`` as ``sidecar``: bound to its pass file as the writer does (a careful
+    attacker), or (``bind=False``) as an editor would, keeping whatever binding it holds."""
+    from tdinspect.sidecars import seal
+
+    if not bind:
+        sidecar.write_text(json.dumps(doc, separators=(",", ":")))
+        return
+    data = json.dumps({k: v for k, v in doc.items() if k != "binding"},
+                      separators=(",", ":")).encode()
+    pass_file = sidecar.with_suffix(".pt")
+    sidecar.write_bytes(seal(data, pass_file if pass_file.exists() else None))

@@ -130,11 +130,11 @@ def test_full_disk_stops_capture_with_clear_error(tmp_path, model, tokens, monke
     real = writer.save_pass
     state = {"n": 0}
 
-    def enospc(path, tensors, fsync=False):
+    def enospc(path, tensors, fsync=False, **kw):
         state["n"] += 1
         if state["n"] == 2:
             raise OSError(28, "No space left on device")
-        return real(path, tensors, fsync=fsync)
+        return real(path, tensors, fsync=fsync, **kw)
 
     monkeypatch.setattr(writer, "save_pass", enospc)
     with pytest.raises(tdinspect.CaptureWriteError, match="pass 1.*No space left"):

@@ -87,7 +87,7 @@ def test_full_disk_inside_torch_save_names_the_cause(tmp_path, monkeypatch):
     def fdopen(fd, mode="r", *args, **kwargs):
         f = real_fdopen(fd, mode, *args, **kwargs)
         passes["n"] += 1
-        return Full(f, 1000) if passes["n"] == 4 else f  # the second pass file
+        return Full(f, 1000) if passes["n"] == 3 else f  # the second pass file (.pt, then .json)
 
     monkeypatch.setattr(fmt.os, "fdopen", fdopen)
     model, x = _big_model(), torch.randn(2, 64)
@@ -107,14 +107,14 @@ def test_ctrl_c_during_inline_write_is_a_keyboard_interrupt(tmp_path, monkeypatc
     real = writer.save_pass
     calls = {"n": 0}
 
-    def interrupted(path, tensors, fsync=False):
+    def interrupted(path, tensors, fsync=False, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             def write(f):
                 f.write(b"PK\x03\x04 half a pass")
                 raise KeyboardInterrupt
             atomic_write(path, write)
-        return real(path, tensors, fsync=fsync)
+        return real(path, tensors, fsync=fsync, **kw)
 
     monkeypatch.setattr(writer, "save_pass", interrupted)
     model, x = _big_model(), torch.randn(2, 64)

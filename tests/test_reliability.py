@@ -20,7 +20,7 @@ import tdinspect
 from tdinspect import DumpFormatError, DumpSet, load_pass
 from tdinspect.examples import make_model, make_tokens
 
-from .conftest import ROOT, only_folder
+from .conftest import ROOT, only_folder, rewrite_sidecar
 from .test_dumpset_diff import write_dump
 
 ALL_DTYPES = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -69,12 +69,12 @@ def test_sidecar_disagreeing_with_pass_file(tmp_path, model, tokens):
     side = only_folder(tmp_path) / "pass00000.json"
     doc = json.loads(side.read_text())
     doc["entries"]["key"][0] = "model.renamed"
-    side.write_text(json.dumps(doc))
+    rewrite_sidecar(side, doc)  # consistently re-bound: only the tensors can tell
     ds = DumpSet.open(tmp_path)
     with pytest.raises(DumpFormatError, match=r"pass00000\.pt: sidecar and pass file disagree.*renamed"):
         ds.tensor("model.lm_head")
     doc["entries"]["dtype"] = doc["entries"]["dtype"][:1]
-    side.write_text(json.dumps(doc))
+    rewrite_sidecar(side, doc)
     with pytest.raises(DumpFormatError, match=r"pass00000\.json: sidecar column 'dtype'"):
         DumpSet.open(tmp_path)
     side.write_text("{not json")

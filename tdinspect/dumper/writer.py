@@ -53,12 +53,17 @@ class PendingPass:
             entries["checksum"] = [None if c is None else checksum_hex(next(digests))
                                    for c in self.checksums]
         sidecar = self.folder / sidecar_filename(self.index)
-        write_sidecar(sidecar, {**self.header, "pass": self.index, "entries": entries}, fsync=fsync)
-        if not self.header.get("stats_only"):
+        meta = {**self.header, "pass": self.index, "entries": entries}
+        if self.header.get("stats_only"):
+            write_sidecar(sidecar, meta, fsync=fsync)
+        else:
             stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"])
                       if keep}
             try:
-                save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync)
+                # the sidecar, bound to the complete pass file, lands before the pass file does
+                save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync,
+                          before_replace=lambda tmp: write_sidecar(sidecar, meta, fsync=fsync,
+                                                                   pass_file=tmp))
             except BaseException:
                 sidecar.unlink(missing_ok=True)  # no sidecar of a pass that was never written
                 raise

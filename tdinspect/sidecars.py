@@ -1,0 +1,162 @@
+"""Sidecars are checked caches: bound to their pass file, and validated column by column.
+
+A sidecar holds facts about its pass file (keys, shapes, statistics...) so
+that a dump opens without reading tensors. A stale, edited or hostile sidecar
+must never give a wrong answer, nor make the reader fail other than with a
+:class:`~tdinspect.format.DumpFormatError` naming the file:
+
+- **Binding.** When the writer saves a pass, the sidecar gets a ``binding``
+  (its last field): the pass file's size, a digest of the archive's records
+  (name, CRC-32 and size of every record, read from the zip's central
+  directory without reading tensor data) and a digest of the sidecar's own
+  bytes before the binding. On open, any mismatch (a pass file rewritten
+  since, a sidecar edited by hand, a sidecar of another run, a forged
+  ``stats_only``) makes the reader ignore the sidecar, warn naming it, and
+  recompute the facts from the tensors, as for a dump written without
+  sidecars. A statistics-only pass has no pass file to bind to: its sidecar
+  is validated only. The binding detects stale and edited sidecars; it is
+  not a signature (anyone can recompute it), which is why reading never
+  does more than read tensors, whatever a sidecar says.
+- **Validation.** Every column the reader uses is checked for type and
+  shape before use: deep nesting, malformed rows, non-string keys or refs
+  pointing nowhere raise ``DumpFormatError``.
+
+Examples
+--------
+>>> sealed = seal(b'{"format":"tdinspect.pass"}', None)
+>>> b'"binding"' in sealed
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from .format import DumpFormatError
+
+_BINDING = b',"binding":'
+
+
+def records_digest(pass_file: str | os.PathLike) -> str | None:
+    """SHA-256 of (name, CRC-32, size) of every record of a zip pass file; ``None`` if unreadable.
+
+    Only the central directory is read (a few KB at the end of the file).
+    """
+    try:
+        with zipfile.ZipFile(pass_file) as archive:
+            infos = archive.infolist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    h = hashlib.sha256()
+    for info in infos:
+        h.update(f"{info.filename}\0{info.CRC}\0{info.file_size}\n".encode())
+    return h.hexdigest()
+
+
+def seal(data: bytes, pass_file: str | os.PathLike | None) -> bytes:
+    """Append the ``binding`` field to a sidecar's JSON bytes (a ``{...}`` object)."""
+    binding = {"sidecar": hashlib.sha256(data).hexdigest()}
+    if pass_file is not None:
+        binding["pass_bytes"] = os.path.getsize(pass_file)
+        binding["pass_records"] = records_digest(pass_file)
+    return data[:-1] + _BINDING + json.dumps(binding, separators=(",", ":")).encode() + b"}"
+
+
+def mismatch(raw: bytes, doc: dict, pass_file: Path) -> str | None:
+    """Why the sidecar ``raw`` (parsed: ``doc``) does not describe ``pass_file``; ``None`` if it does."""
+    binding = doc.get("binding")
+    if not isinstance(binding, dict):
+        return "has no binding to its pass file (written by an older tdinspect or another tool)"
+    cut = raw.rfind(_BINDING)
+    if cut < 0 or hashlib.sha256(raw[:cut] + b"}").hexdigest() != binding.get("sidecar"):
+        return "was edited after it was written"
+    try:
+        size = os.path.getsize(pass_file)
+    except OSError:
+        size = None
+    if binding.get("pass_bytes") != size or binding.get("pass_records") != records_digest(pass_file):
+        return f"does not describe {pass_file.name} (stale, or the pass file was replaced)"
+    if doc.get("stats_only") is not False:
+        return f"says statistics only, but {pass_file.name} holds tensors"
+    return None
+
+
+def warn_ignored(path: Path, reason: str) -> None:
+    warnings.warn(f"tdinspect: {path}: sidecar {reason}; ignored, facts are recomputed from the "
+                  "tensors", RuntimeWarning, stacklevel=4)
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return v is None or type(v) in (int, float)
+
+
+def _ref_ok(ref: Any) -> bool:
+    if ref is None:
+        return True
+    if not isinstance(ref, dict) or ref.get("kind") not in ("same", "view"):
+        return False
+    return isinstance(ref.get("of"), str)
+
+
+def _call_ok(call: Any) -> bool:
+    return call is None or (isinstance(call, dict) and isinstance(call.get("aten"), str)
+                            and isinstance(call.get("spec"), str)
+                            and isinstance(call.get("leaves"), list))
+
+
+def validate(path: Path, doc: Any, stat_width: int) -> dict:
+    """Check every header field and column the reader uses; returns ``doc``.
+
+    Raises
+    ------
+    DumpFormatError
+        Naming ``path``, the column and the first bad row.
+    """
+    if not isinstance(doc, dict):
+        raise DumpFormatError(f"{path}: not a tdinspect sidecar")
+    for name, kinds in (("level", str), ("stats_only", bool), ("partial", bool)):
+        if name in doc and not isinstance(doc[name], kinds):
+            raise DumpFormatError(f"{path}: sidecar field {name!r} is {doc[name]!r}, "
+                                  f"expected {kinds.__name__}")
+    entries = doc.get("entries")
+    if not isinstance(entries, dict) or not isinstance(entries.get("key"), list):
+        raise DumpFormatError(f"{path}: sidecar has no entries.key column")
+    keys = entries["key"]
+    n = len(keys)
+    for col, values in entries.items():
+        if not isinstance(values, list) or len(values) != n:
+            length = len(values) if isinstance(values, list) else type(values).__name__
+            raise DumpFormatError(f"{path}: sidecar column {col!r} has {length} values "
+                                  f"for {n} keys")
+    checks = {
+        "key": lambda v: isinstance(v, str),
+        "module_type": lambda v: v is None or isinstance(v, str),
+        "dtype": lambda v: v is None or isinstance(v, str),
+        "aten": lambda v: v is None or isinstance(v, str),
+        "shape": lambda v: v is None or (isinstance(v, list) and all(map(_is_int, v))),
+        "stored": lambda v: v is None or isinstance(v, bool),
+        "uninitialized": lambda v: v is None or isinstance(v, bool),
+        "stats": lambda v: v is None or (isinstance(v, list) and len(v) == stat_width
+                                         and all(map(_is_number, v))),
+        "ref": _ref_ok,
+        "call_args": _call_ok,
+    }
+    for col, ok in checks.items():
+        for i, value in enumerate(entries.get(col, ())):
+            if not ok(value):
+                where = repr(keys[i]) if isinstance(keys[i], str) else f"row {i}"
+                raise DumpFormatError(f"{path}: sidecar column {col!r}, entry {where}: "
+                                      f"malformed value {str(value)[:80]!r}")
+    if len(set(keys)) != n:
+        raise DumpFormatError(f"{path}: sidecar lists a key twice")
+    return doc
