@@ -153,7 +153,16 @@ def side_differences(diff) -> list[str]:
     for key in sorted(set(a._passes) & set(b._passes), key=lambda k: (k[1], k[0])):
         ka = {k for k in a._passes[key].keys if a._keep(k)}
         kb = {k for k in b._passes[key].keys if a._keep(k)}
-        for side, extra in (("A", ka - kb), ("B", kb - ka)):
+        mapping = getattr(diff, "mapping", None)
+        if mapping is not None:  # pairs through the rules: A entries are named by their partners
+            from .diff import _mapped_key
+
+            partner = {k: _mapped_key(mapping, k) for k in ka}
+            only_a = {k for k, m in partner.items() if m not in b._passes[key].position}
+            only_b = kb - set(partner.values())
+        else:
+            only_a, only_b = ka - kb, kb - ka
+        for side, extra in (("A", only_a), ("B", only_b)):
             if extra:
                 only[side].append((key, sorted(extra)))
     for side, found in only.items():

@@ -273,3 +273,16 @@ def test_structural_report_sets_one_sided_entries_aside(pair, capsys):
     assert [e["key"] for e in doc["structural_entries"]] == ["model.q_proj"]
     assert main(["first-divergence", *args]) == 1
     assert "first divergence: model.q_proj" in capsys.readouterr().out
+
+
+def test_side_differences_and_html_follow_the_mapping(pair):
+    from tdinspect.report import side_differences
+
+    a = DumpSet.open(pair["a"])
+    assert any("only in A" in x for x in side_differences(a.diff(pair["b"])))  # by name: all differ
+    d = a.diff(pair["b"], mapping=QKV)
+    assert side_differences(d) == []
+    partial = {k: v for k, v in QKV.items() if "q_proj" not in k}
+    lines = side_differences(a.diff(pair["b"], mapping=partial))
+    assert lines == ["entry names only in A: 2 in 2 pass(es) (first: pass 0, rank 0: model.q_proj)"]
+    assert "model.q_proj" in a.diff(pair["b"], mapping=partial)._repr_html_()

@@ -8,8 +8,10 @@ tensors are read.
 
 from __future__ import annotations
 
+from .args import arg_difference, describe_args
 from .mapping import Mapping, MappingError, Rule
+from .suggest import Suggestion, suggest_mapping
 from .transforms import Transform, TransformError, as_transform, parse_transform
 
-__all__ = ["Mapping", "MappingError", "Rule", "Transform", "TransformError", "as_transform",
-           "parse_transform"]
+__all__ = ["Mapping", "MappingError", "Rule", "Suggestion", "Transform", "TransformError",
+           "arg_difference", "as_transform", "describe_args", "parse_transform", "suggest_mapping"]
