@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from .align.args import arg_difference
-from .align.logical import AlignError, LogicalPass, slices_of
+from .align.logical import AlignError, LogicalPass, describe, slices_of
 from .align.mapping import Mapping
 from .align.transforms import TransformError
 from .dumpset import DumpSet
@@ -314,6 +314,13 @@ def _problem(pi: PassIndex, i: int, side: str) -> str:
     return f"{side}: {problem}" if problem else ""
 
 
+def _assembled(pi: PassIndex | None, i: int | None) -> str:
+    """How an entry of an unsharded / concatenated side is put together (``""`` for a stored one)."""
+    if not isinstance(pi, LogicalPass) or i is None:
+        return ""
+    return describe(pi.plans[pi.keys[i]])
+
+
 def _open(pi: PassIndex):
     """A pass's tensors for comparing entry by entry (assembled ones into reused buffers)."""
     return pi.load(scratch=True) if isinstance(pi, LogicalPass) else pi.load()
@@ -450,8 +457,10 @@ class Diff:
         one-sided entry) with ``rank``, ``pass``, ``a_key``, ``b_key``,
         ``transform``, ``rule`` (the mapping rule that paired it, ``""`` for
         identical names), ``shape_a``, ``shape_b`` (as stored), ``shape_b_after``
-        (after the transform) and ``status`` (``"ok"`` or the structural reason
-        the diff will give).
+        (after the transform), ``status`` (``"ok"`` or the structural reason
+        the diff will give), and ``assembled_a`` / ``assembled_b``: how an
+        unsharded or concatenated entry is put together (``cat(dim 2: rank 0
+        (tp 0 of 2), rank 1 (tp 1 of 2))``; ``""`` for a stored entry).
 
         Parameters
         ----------
@@ -479,15 +488,19 @@ class Diff:
                        if self.mapping is not None and ia is not None else "",
                        "shape_a": pa.shape[ia] if ia is not None else None,
                        "shape_b": pb.shape[ib] if ib is not None else None,
-                       "shape_b_after": None, "status": "ok"}
+                       "shape_b_after": None, "status": "ok",
+                       "assembled_a": _assembled(pa, ia), "assembled_b": _assembled(pb, ib)}
                 if ia is None or ib is None:
                     row["status"] = _missing(job, ia, ib)
+                elif _problem(pa, ia, "A") or _problem(pb, ib, "B"):
+                    row["status"] = _problem(pa, ia, "A") or _problem(pb, ib, "B")
                 else:
                     why, row["shape_b_after"] = _layout(pa, ia, pb, ib, transform)
                     row["status"] = why or "ok"
                 out.append(row)
         return pd.DataFrame(out, columns=["rank", "pass", "a_key", "b_key", "transform", "rule",
-                                          "shape_a", "shape_b", "shape_b_after", "status"])
+                                          "shape_a", "shape_b", "shape_b_after", "status",
+                                          "assembled_a", "assembled_b"])
 
     # -- thresholds ---------------------------------------------------------------------
     def _threshold_fn(self, threshold, metric_name: str):

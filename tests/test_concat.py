@@ -55,6 +55,10 @@ def test_concat_errors_are_reasons(steps):
     passes = tdinspect.DumpSet.open(steps / "passes")
     div = tdinspect.DumpSet.open(steps / "full").diff(passes, concat="pass:s").first_divergence()
     assert div.structural and "dim 's' needs dims for 'model.0'" in div.reason
+    plan = tdinspect.DumpSet.open(steps / "full").diff(passes, concat="pass:s").plan()
+    assert plan["status"].iloc[0].startswith("B: dim 's' needs dims")
+    plan = tdinspect.DumpSet.open(steps / "full").diff(passes, concat="pass:1").plan()
+    assert plan["assembled_b"].iloc[0] == "cat(dim 1: pass 0, pass 1, pass 2, pass 3, pass 4)"
     narrow = passes.narrow(1, 0, 4)
     div = narrow.diff(passes).first_divergence()
     assert "has 2 positions along dim 1, fewer than 0 + 4" in div.reason

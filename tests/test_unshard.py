@@ -175,6 +175,14 @@ def test_tp2_unsharded_matches_tp1(tp_runs):
     q = tp2.tensor("model.blocks.0.q", rank=1)
     assert q.shape == (1, 16, 16)
     diff = tdinspect.DumpSet.open(tp_runs["tp1"]).diff(tp2, unshard=True)
+    plan = diff.plan().set_index("a_key")  # readable before any tensor is read
+    assert plan.loc["model.blocks.0.q", "assembled_b"] == \
+        "cat(dim 2: rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))"
+    assert plan.loc["model.blocks.0.o", "assembled_b"] == \
+        "sum(rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))"
+    assert plan.loc["model.blocks.0.ln1", "assembled_b"] == "same(rank 0, rank 1)"
+    assert plan.loc["model.blocks.0.q", "assembled_a"] == "model.blocks.0.q of 0"
+    assert (plan["status"] == "ok").all()
     table = diff.table(progress=False)
     assert len(table) == 20 and not table["structural"].any()
     assert diff.first_divergence(threshold=1e-10) is None  # float32 noise is ~1e-14 in rel_diff

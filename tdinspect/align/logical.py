@@ -133,18 +133,26 @@ def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]
 
 
 def describe(node: dict) -> str:
-    """A one-line reading of a plan: ``cat(dim 2: tp 0 [rank 0], tp 1 [rank 1])``."""
+    """A one-line reading of a plan, e.g. ``cat(dim 2: rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))``.
+
+    Examples
+    --------
+    >>> describe({"op": "sum", "labels": ["rank 0", "rank 1"],
+    ...           "parts": [read(0, "o"), read(1, "o")]})
+    'sum(rank 0, rank 1)'
+    """
     op = node["op"]
     if op == "read":
-        return f"{node['key']}@{node['src']}"
+        return f"{node['key']} of {node['src']}"
     if op == "error":
-        return f"error({node['reason']})"
+        return f"cannot: {node['reason']}"
     if op == "narrow":
-        return (f"narrow(dim {node['dim']}, {node['start']}, {node['length']}: "
+        return (f"narrow(dim {node['dim']}, {node['start']}..{node['start'] + node['length']}: "
                 f"{describe(node['part'])})")
-    inner = ", ".join(describe(p) for p in node["parts"])
+    parts = [label if part["op"] == "read" else f"{label} [{describe(part)}]"
+             for label, part in zip(node["labels"], node["parts"])]
     head = f"dim {node['dim']}{', zigzag' if node.get('zigzag') else ''}: " if op == "cat" else ""
-    return f"{op}({head}{inner})"
+    return f"{op}({head}{', '.join(parts)})"
 
 
 class _Loaded:
