@@ -31,6 +31,9 @@ _LAZY = {
     "capture_ops": ("tdinspect.dumper.ops", "capture_ops"),
     "OpCapture": ("tdinspect.dumper.ops", "OpCapture"),
     "replay": ("tdinspect.replay", "replay"),
+    "graft": ("tdinspect.grafting", "graft"),
+    "Graft": ("tdinspect.grafting", "Graft"),
+    "GraftError": ("tdinspect.grafting", "GraftError"),
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.diff", "Diff"),
     "Divergence": ("tdinspect.diff", "Divergence"),
@@ -41,7 +44,7 @@ _LAZY = {
 
 __all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
            "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
-           "replay", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "plot",
+           "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "plot",
            "load_ipython_extension", "unload_ipython_extension"]
 
 

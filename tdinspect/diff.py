@@ -299,6 +299,23 @@ def _same_checksum(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> float:
     return float(ca == cb and pa.dtype[ia] == pb.dtype[ib])
 
 
+def _as_error(name: str, values: pd.Series) -> pd.Series:
+    """A metric as an error, larger is worse (``cosine``, ``sqnr_db`` and ``equal`` turned)."""
+    v = values.astype(float)
+    if name in ("cosine", "equal"):
+        return 1 - v
+    if name == "sqnr_db":
+        return 10 ** (-v / 10)
+    return v
+
+
+def _module_of(op: str) -> str:
+    try:
+        return parse_key(op).module
+    except ValueError:
+        return op
+
+
 def _unchanged_since(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> int | None:
     """The pass both sides say this entry is unchanged since (a parameter), else ``None``."""
     ra, rb = pa.ref[ia], pb.ref[ib]
@@ -777,14 +794,7 @@ class Diff:
         """
         m = self._check_metric(metric)
         df = self.table(progress).sort_values(["rank", "pass", "order"]).reset_index(drop=True)
-        err = df[m.name].astype(float)
-        if m.name == "cosine":
-            err = 1 - err
-        elif m.name == "sqnr_db":
-            err = 10 ** (-err / 10)
-        elif m.name == "equal":
-            err = 1 - err
-        df["error"] = err
+        df["error"] = err = _as_error(m.name, df[m.name])
         prev = df.groupby(["rank", "pass"])["error"].transform(
             lambda s: s.cummax().shift(1).fillna(0.0))
         df["prev_max"] = prev
@@ -792,6 +802,41 @@ class Diff:
                                 np.where(err > 0, np.inf, 1.0))
         df["added"] = err - prev
         return df[["rank", "pass", "order", "key", "error", "prev_max", "growth", "added"]]
+
+    def introduced(self, metric: str | None = None, progress: bool = True) -> pd.DataFrame:
+        """Modules ranked by the error they make themselves, largest first.
+
+        Meant for a B run captured under ``tdinspect.graft(model, A,
+        what="inputs")``: every grafted module received A's inputs, so the
+        error of its output is its own, not inherited. (On an ordinary diff
+        this ranks accumulated error instead.) Inputs, parameters and
+        gradients are left out; a module's error is the largest over its
+        outputs, calls and passes, structural problems counting as ``inf``.
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per module: ``module``, ``error`` (``1 - cosine`` and
+            ``10**(-sqnr/10)`` for those metrics), ``key``, ``pass``, ``call``
+            and ``reason`` of its worst entry.
+
+        Examples
+        --------
+        >>> DumpSet.open("runs/a").diff("runs/b_grafted").introduced().head(3)  # doctest: +SKIP
+        """
+        m = self._check_metric(metric)
+        df = self.table(progress)
+        kinds = []
+        for rank, p, key in zip(df["rank"], df["pass"], df["key"]):
+            pi = self.a._passes.get((rank, p))
+            i = pi.position.get(key) if pi is not None else None
+            kinds.append(pi.kind[i] if i is not None and pi.kind else None)
+        df = df[[k in (None, "output") for k in kinds]].copy()
+        df["error"] = _as_error(m.name, df[m.name]).where(~df["structural"].astype(bool), np.inf)
+        df["module"] = [_module_of(op) for op in df["op"]]
+        df = df.sort_values("error", ascending=False, na_position="last", kind="stable")
+        worst = df.drop_duplicates("module")
+        return worst[["module", "error", "key", "pass", "call", "reason"]].reset_index(drop=True)
 
     def by_rank_pass(self, threshold: float | dict | None = None, metric: str | None = None):
         """Per (rank, pass): how many entries diverge, the first of them and its reason.

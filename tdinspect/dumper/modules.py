@@ -38,12 +38,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path
+from torch.utils._pytree import (GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path,
+                                tree_unflatten)
 
 from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
 from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key
 from .checks import CaptureCheckError, HealthCheck
 from .recorder import Recorder, current_rank
+
+
+def path_label(path) -> str:
+    """The ``[label]...`` of a pytree key path (``(SequenceKey(2), MappingKey("h"))`` -> ``[2][h]``)."""
+    return "".join(label(k.idx if isinstance(k, SequenceKey) else
+                         k.key if isinstance(k, MappingKey) else
+                         k.name if isinstance(k, GetAttrKey) else k) for k in path)
 
 
 def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -59,9 +67,7 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.T
         return
     leaves, _ = tree_flatten_with_path(output)
     for path, leaf in leaves:
-        sub = prefix + "".join(label(k.idx if isinstance(k, SequenceKey) else
-                                     k.key if isinstance(k, MappingKey) else
-                                     k.name if isinstance(k, GetAttrKey) else k) for k in path)
+        sub = prefix + path_label(path)
         if isinstance(leaf, torch.Tensor):
             yield sub, leaf
         elif isinstance(leaf, Mapping):  # mapping types pytree does not know (ModelOutput-like)
@@ -70,6 +76,33 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.T
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for f in dataclasses.fields(leaf):
                 yield from flatten_output(getattr(leaf, f.name), sub + label(f.name))
+
+
+def map_tensors(obj: Any, fn, prefix: str = "") -> Any:
+    """``obj`` with every tensor ``t`` replaced by ``fn(label, t)``: the labels and order of
+    :func:`flatten_output`, the structure kept (tuples, dicts, dataclasses, ``ModelOutput``).
+
+    Examples
+    --------
+    >>> map_tensors((torch.ones(1), None, {"h": torch.ones(1)}), lambda k, t: k)
+    ('[0]', None, {'h': '[2][h]'})
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(prefix, obj)
+    leaves, spec = tree_flatten_with_path(obj)
+    out = []
+    for path, leaf in leaves:
+        sub = prefix + path_label(path)
+        if isinstance(leaf, torch.Tensor):
+            leaf = fn(sub, leaf)
+        elif isinstance(leaf, Mapping):
+            leaf = type(leaf)({k: map_tensors(v, fn, sub + label(k)) for k, v in leaf.items()})
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            leaf = dataclasses.replace(leaf, **{f.name: map_tensors(getattr(leaf, f.name), fn,
+                                                                    sub + label(f.name))
+                                                for f in dataclasses.fields(leaf) if f.init})
+        out.append(leaf)
+    return tree_unflatten(out, spec)
 
 
 def flatten_inputs(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
