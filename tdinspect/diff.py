@@ -174,7 +174,11 @@ def _missing(job: "PassJob", ia, ib) -> str:
 
 def _layout(pa: PassIndex, ia: int, pb: PassIndex, ib: int, transform) -> tuple[str, Any]:
     """``(structural reason or "", B shape after the transform)`` for a matched pair."""
-    shape_a, shape_b = list(pa.shape[ia] or []), list(pb.shape[ib] or [])
+    return _layout_shapes(pa.shape[ia], pb.shape[ib], transform)
+
+
+def _layout_shapes(shape_a, shape_b, transform) -> tuple[str, Any]:
+    shape_a, shape_b = list(shape_a or []), list(shape_b or [])
     if transform is None:
         return ("" if shape_a == shape_b else f"shape {shape_a} vs {shape_b}"), shape_b
     try:
@@ -208,72 +212,114 @@ class PassJob:
         return None if self.mapping is None else self.mapping.partner(split_call(a_key)[0])[1]
 
 
+def new_row(rank: int, pass_: int, key: str, key_b: str, order: float, dtype_a, dtype_b,
+            shape) -> dict[str, Any]:
+    """A row of :data:`COLUMNS` before comparison (metrics NaN, no reason)."""
+    op, call = split_call(key)
+    row: dict[str, Any] = {"rank": rank, "pass": pass_, "op": op, "call": call, "key": key,
+                           "key_b": key_b, "order": order, "reason": "", "structural": False,
+                           "dtype_a": dtype_a or "", "dtype_b": dtype_b or "", "shape": str(shape)}
+    for m in ROW_METRICS:
+        row[m] = math.nan
+    return row
+
+
+@dataclass
+class Side:
+    """One side of a matched pair: metadata now, statistics and tensor when asked for."""
+
+    shape: Any
+    uninitialized: bool
+    stats: Any  # () -> {stat: value}
+    tensor: Any  # () -> torch.Tensor (AlignError: a structural problem)
+    problem: str = ""  # why an assembled entry cannot be built, naming the side
+    call_args: Any = None  # the recorded op call (op level with inputs)
+    checksum: Any = None  # the sidecar's bitwise fingerprint
+    dtype: Any = None
+
+
+def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, chunk: int) -> None:
+    """Fill ``row`` for the pair (``a`` the reference): metrics, or the reason it is structural
+    or was never compared. The one per-pair rule of :class:`Diff` and of live comparison."""
+    if a.uninitialized or b.uninitialized:
+        row["reason"] = "uninitialized (never compared)"
+        return
+    if a.problem or b.problem:
+        row.update(structural=True, reason=a.problem or b.problem)
+        return
+    why, _ = _layout_shapes(a.shape, b.shape, transform)
+    if why:
+        row.update(structural=True, reason=why)
+        return
+    if mode == "stats" and transform is not None:
+        row["reason"] = f"transform {transform.spec!r} needs tensors (statistics-only dump)"
+        return
+    args_why = arg_difference(a.call_args, b.call_args)  # "" unless both recorded
+    if mode == "stats":
+        sa, sb = a.stats(), b.stats()
+        row["stats_rel"] = stats_rel(sb, sa)
+        row["equal"] = _same_checksum(a, b)
+        if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
+            row.update(structural=True, reason="NaN/Inf on one side")
+    else:
+        try:
+            ya, xb = a.tensor(), b.tensor()
+        except AlignError as exc:
+            row.update(structural=True, reason=str(exc))
+            return
+        if transform is not None:
+            xb, why = _apply(transform, xb, ya)
+            if why:
+                row.update(structural=True, reason=why)
+                return
+        row.update(compare_tensors(xb, ya, chunk=chunk))
+        bad = row.pop("nonfinite_mismatch", 0)
+        if bad:
+            row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
+    if args_why:  # the metrics stay in the row: how much the other argument changed
+        row.update(structural=True, reason=args_why)
+
+
+def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
+    """The :class:`Side` of entry ``i`` of a pass (``side``: "A" or "B", named in problems);
+    ``loaded()`` gives its open pass file."""
+    return Side(pi.shape[i], pi.uninitialized[i], lambda: pi.stat_dict(i),
+                lambda: _read(pi, i, loaded(), side), _problem(pi, i, side), pi.call_args[i],
+                pi.checksum[i] if pi.checksum else None, pi.dtype[i])
+
+
 def compare_pass(job: PassJob) -> list[dict[str, Any]]:
     """Rows (one per matched or unmatched entry) for one pass pair."""
     pa, pb = job.a, job.b
-    la = lb = None
+    files: dict[str, dict] = {}
+
+    def loaded_a():
+        if "a" not in files:
+            files["a"], files["b"] = _open(pa), _open(pb)
+        return files["a"]
+
+    def loaded_b():
+        loaded_a()
+        return files["b"]
+
     rows = []
     for ia, ib, order in _pairs(pa, pb, job.keep, job.align, job.mapping):
         ref, idx = (pa, ia) if ia is not None else (pb, ib)
         key = ref.keys[idx]
-        op, call = split_call(key)
-        row: dict[str, Any] = {"rank": job.rank, "pass": job.pass_, "op": op, "call": call,
-                               "key": key, "key_b": pb.keys[ib] if ib is not None else "",
-                               "order": order, "reason": "", "structural": False,
-                               "dtype_a": pa.dtype[ia] if ia is not None else "",
-                               "dtype_b": pb.dtype[ib] if ib is not None else "",
-                               "shape": str(ref.shape[idx])}
-        for m in ROW_METRICS:
-            row[m] = math.nan
+        row = new_row(job.rank, job.pass_, key, pb.keys[ib] if ib is not None else "", order,
+                      pa.dtype[ia] if ia is not None else "", pb.dtype[ib] if ib is not None else "",
+                      ref.shape[idx])
         rows.append(row)
         if ia is None or ib is None:
             row.update(structural=True, reason=_missing(job, ia, ib))
             continue
-        if pa.uninitialized[ia] or pb.uninitialized[ib]:
-            row["reason"] = "uninitialized (never compared)"
-            continue
-        same = _unchanged_since(pa, ia, pb, ib)
-        if same is not None:
-            row["reason"] = f"unchanged since pass {same} (compared there)"
-            continue
-        problem = _problem(pa, ia, "A") or _problem(pb, ib, "B")
-        if problem:
-            row.update(structural=True, reason=problem)
-            continue
-        transform = job.transform(key)
-        why, _ = _layout(pa, ia, pb, ib, transform)
-        if why:
-            row.update(structural=True, reason=why)
-            continue
-        if job.mode == "stats" and transform is not None:
-            row["reason"] = f"transform {transform.spec!r} needs tensors (statistics-only dump)"
-            continue
-        args_why = arg_difference(pa.call_args[ia], pb.call_args[ib])  # "" unless both recorded
-        if job.mode == "stats":
-            sa, sb = pa.stat_dict(ia), pb.stat_dict(ib)
-            row["stats_rel"] = stats_rel(sb, sa)
-            row["equal"] = _same_checksum(pa, ia, pb, ib)
-            if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
-                row.update(structural=True, reason="NaN/Inf on one side")
-        else:
-            if la is None:
-                la, lb = _open(pa), _open(pb)
-            try:
-                ya, xb = _read(pa, ia, la, "A"), _read(pb, ib, lb, "B")
-            except AlignError as exc:
-                row.update(structural=True, reason=str(exc))
+        if not (pa.uninitialized[ia] or pb.uninitialized[ib]):
+            same = _unchanged_since(pa, ia, pb, ib)
+            if same is not None:
+                row["reason"] = f"unchanged since pass {same} (compared there)"
                 continue
-            if transform is not None:
-                xb, why = _apply(transform, xb, ya)
-                if why:
-                    row.update(structural=True, reason=why)
-                    continue
-            row.update(compare_tensors(xb, ya, chunk=job.chunk))
-            bad = row.pop("nonfinite_mismatch", 0)
-            if bad:
-                row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
-        if args_why:  # the metrics stay in the row: how much the other argument changed
-            row.update(structural=True, reason=args_why)
+        compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
+                     job.transform(key), job.mode, job.chunk)
     return rows
 
 
@@ -290,13 +336,11 @@ def _apply(transform, xb, ya):
     return out, ""
 
 
-def _same_checksum(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> float:
+def _same_checksum(a: Side, b: Side) -> float:
     """``equal`` from the sidecars' checksums (1 or 0); NaN when a side has none."""
-    ca = pa.checksum[ia] if pa.checksum else None
-    cb = pb.checksum[ib] if pb.checksum else None
-    if not (isinstance(ca, str) and isinstance(cb, str)):
+    if not (isinstance(a.checksum, str) and isinstance(b.checksum, str)):
         return math.nan
-    return float(ca == cb and pa.dtype[ia] == pb.dtype[ib])
+    return float(a.checksum == b.checksum and a.dtype == b.dtype)
 
 
 def _as_error(name: str, values: pd.Series) -> pd.Series:
@@ -318,7 +362,11 @@ def _module_of(op: str) -> str:
 
 def _unchanged_since(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> int | None:
     """The pass both sides say this entry is unchanged since (a parameter), else ``None``."""
-    ra, rb = pa.ref[ia], pb.ref[ib]
+    return same_ref_pass(pa.ref[ia], pb.ref[ib])
+
+
+def same_ref_pass(ra, rb) -> int | None:
+    """The pass two sidecar references both point to (same entry), else ``None``."""
     if ra and rb and ra.get("pass") is not None and ra.get("pass") == rb.get("pass") \
             and ra.get("of") == rb.get("of"):
         return ra["pass"]
@@ -520,47 +568,18 @@ class Diff:
                                           "assembled_a", "assembled_b"])
 
     # -- thresholds ---------------------------------------------------------------------
-    def _threshold_fn(self, threshold, metric_name: str):
-        m = metric(metric_name)
-        if threshold is None or isinstance(threshold, (int, float)):
-            value = m.default_threshold if threshold is None else _valid_threshold(threshold)
-            return lambda op: value
-        if isinstance(threshold, dict):
-            compiled = [(_valid_regex(k), _valid_threshold(v, k)) for k, v in threshold.items()]
-
-            def per_name(op):
-                for pattern, v in compiled:
-                    if pattern.search(op):
-                        return v
-                return m.default_threshold
-            return per_name
-        raise TypeError(f"threshold must be a number or a {{regex: number}} dict, got {threshold!r}")
+    @staticmethod
+    def _threshold_fn(threshold, metric_name: str):
+        return threshold_fn(threshold, metric_name)
 
     @staticmethod
     def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
-        """Which rows diverge (a boolean array): the one rule every answer uses.
-
-        Structural problems always do; rows with another reason (never compared,
-        e.g. uninitialized) never do; the rest when their metric passes the
-        threshold in its bad direction (NaN never does).
-        """
+        """Which rows diverge (a boolean array), by :func:`divergent`."""
         ops = rows["op"].to_numpy(object)
         per_op = {op: thr_fn(op) for op in dict.fromkeys(ops)}
         thr = np.fromiter((per_op[op] for op in ops), float, len(ops))
-        values = rows[m.name].to_numpy(float)
-        with np.errstate(invalid="ignore"):
-            over = values > thr if m.higher_is_worse else values < thr
-        structural = rows["structural"].to_numpy(bool)
-        explained = rows["reason"].to_numpy(object) != ""
-        return structural | (over & ~explained)
-
-    @staticmethod
-    def _why(row, m, thr_fn) -> str:
-        """The reason text of a row :meth:`_hits` marked."""
-        if row["structural"]:
-            return row["reason"]
-        value, thr = row[m.name], thr_fn(row["op"])
-        return f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
+        return divergent(m, rows[m.name].to_numpy(float), thr, rows["structural"].to_numpy(bool),
+                         rows["reason"].to_numpy(object) != "")
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
@@ -623,7 +642,7 @@ class Diff:
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
-        thr_fn = self._threshold_fn(threshold, m.name)
+        thr_fn = threshold_fn(threshold, m.name)
         report = structural == "report"
         aside = []
         best = None
@@ -649,19 +668,15 @@ class Diff:
             return None
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
-        reason = self._why(row, m, thr_fn)
-        if not row["structural"]:
-            reason += self._locate(row, m, thr_fn(row["op"]))
-        earlier = rows.iloc[max(0, n - 5):n]
-        before = list(zip(earlier["key"], earlier[m.name].astype(float)))
+        located = "" if row["structural"] else self._locate(row, m, thr_fn(row["op"]))
+        earlier = rows.iloc[max(0, n - BEFORE):n]
         listed = None
         if report:
             listed = pd.concat(aside, ignore_index=True) if aside else pd.DataFrame(columns=COLUMNS)
             listed = listed.sort_values(["pass", "order", "rank"])[STRUCTURAL_COLUMNS]\
                 .reset_index(drop=True)
-        return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
-                          row["key"], m.name, float(row[m.name]), thr_fn(row["op"]), reason,
-                          float(row["order"]), bool(row["structural"]), before, row, listed)
+        return divergence_of(row, m, thr_fn, list(zip(earlier["key"], earlier[m.name].astype(float))),
+                             listed, located)
 
     def _locate(self, row: dict, m, thr: float) -> str:
         """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ."""
@@ -777,11 +792,11 @@ class Diff:
                     progress: bool = True) -> pd.DataFrame:
         """All divergent entries in execution order, with their reasons (a DataFrame)."""
         m = self._check_metric(metric)
-        thr_fn = self._threshold_fn(threshold, m.name)
+        thr_fn = threshold_fn(threshold, m.name)
         df = self.table(progress)
         df["diverges"] = self._hits(df, m, thr_fn)
         df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
-        df["why"] = [self._why(r, m, thr_fn) for r in df.to_dict("records")]
+        df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
         return df
 
     def growth(self, metric: str | None = None, progress: bool = True):
@@ -847,7 +862,7 @@ class Diff:
         part first, at a glance (reads every pass).
         """
         m = self._check_metric(metric)
-        thr_fn = self._threshold_fn(threshold, m.name)
+        thr_fn = threshold_fn(threshold, m.name)
         out = []
         for (rank, p), rows in self.iter_passes():
             hits = np.flatnonzero(self._hits(rows, m, thr_fn))
@@ -857,7 +872,7 @@ class Diff:
             first = rows.iloc[hits[0]].to_dict() if len(hits) else None
             out.append({"rank": rank, "pass": p, "n_entries": len(rows), "n_divergent": len(hits),
                         "first": first["key"] if first else "",
-                        "why": self._why(first, m, thr_fn) if first else "",
+                        "why": reason_of(first, m, thr_fn) if first else "",
                         "worst": float(worst)})
         return pd.DataFrame(out).set_index(["rank", "pass"]).sort_index()
 
@@ -911,6 +926,59 @@ class Diff:
         from .report import diff_html
 
         return diff_html(self)
+
+
+# -- the divergence rule (one definition: Diff's answers and live comparison use it) ---------
+BEFORE = 5  # entries listed before a divergence
+
+
+def threshold_fn(threshold, metric_name: str):
+    """``op -> threshold``: a number, the metric's default, or the first matching regex of a dict."""
+    m = metric(metric_name)
+    if threshold is None or isinstance(threshold, (int, float)):
+        value = m.default_threshold if threshold is None else _valid_threshold(threshold)
+        return lambda op: value
+    if isinstance(threshold, dict):
+        compiled = [(_valid_regex(k), _valid_threshold(v, k)) for k, v in threshold.items()]
+
+        def per_name(op):
+            for pattern, v in compiled:
+                if pattern.search(op):
+                    return v
+            return m.default_threshold
+        return per_name
+    raise TypeError(f"threshold must be a number or a {{regex: number}} dict, got {threshold!r}")
+
+
+def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
+    """Which rows diverge (a boolean array; scalars work too): the one rule every answer uses.
+
+    Structural problems always do; rows with another reason (never compared,
+    e.g. uninitialized) never do; the rest when their metric passes the
+    threshold in its bad direction (NaN never does).
+    """
+    values, thresholds = np.asarray(values, float), np.asarray(thresholds, float)
+    with np.errstate(invalid="ignore"):
+        over = values > thresholds if m.higher_is_worse else values < thresholds
+    return np.asarray(structural, bool) | (over & ~np.asarray(explained, bool))
+
+
+def reason_of(row, m, thr_fn) -> str:
+    """The reason text of a row :func:`divergent` marked."""
+    if row["structural"]:
+        return row["reason"]
+    value, thr = row[m.name], thr_fn(row["op"])
+    return f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
+
+
+def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str = "") -> Divergence:
+    """The :class:`Divergence` of a divergent row; ``before``: ``(key, value)`` of the entries
+    just before it; ``listed``: structural entries set aside (``structural="report"``);
+    ``located``: which parts of an assembled entry differ."""
+    return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
+                      row["key"], m.name, float(row[m.name]), thr_fn(row["op"]),
+                      reason_of(row, m, thr_fn) + located, float(row["order"]), bool(row["structural"]),
+                      before, row, listed)
 
 
 def _valid_threshold(value, pattern: str | None = None) -> float:

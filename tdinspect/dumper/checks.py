@@ -234,3 +234,33 @@ class HealthCheck:
             self._warned.add(found.pass_)
             warnings.warn(f"tdinspect: first non-finite output of pass {found.pass_}: "
                           f"{found.describe()}", RuntimeWarning, stacklevel=4)
+
+
+class Guarded:
+    """A recorder observer whose :class:`CaptureCheckError` first runs ``on_error`` (which
+    closes the capture), whichever hook recorded the entry."""
+
+    def __init__(self, inner, on_error):
+        self.inner, self.on_error = inner, on_error
+
+    def entry(self, *args, **kwargs):
+        try:
+            return self.inner.entry(*args, **kwargs)
+        except CaptureCheckError:
+            self.on_error()
+            raise
+
+    def end_pass(self, pass_: int):
+        try:
+            return self.inner.end_pass(pass_)
+        except CaptureCheckError:
+            self.on_error()
+            raise
+
+
+def open_live(compare_to, *, evidence_dir, rank: int, level: str, **options):
+    """The live comparison of a capture (:class:`tdinspect.live.LiveCompare`): the analysis code
+    is imported here, only when ``compare_to`` is given."""
+    from ..live import LiveCompare
+
+    return LiveCompare(compare_to, evidence_dir=evidence_dir, rank=rank, level=level, **options)

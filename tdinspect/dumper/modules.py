@@ -43,7 +43,7 @@ from torch.utils._pytree import (GetAttrKey, MappingKey, SequenceKey, tree_flatt
 
 from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
 from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key
-from .checks import CaptureCheckError, HealthCheck
+from .checks import CaptureCheckError, Guarded, HealthCheck, open_live
 from .recorder import Recorder, current_rank
 
 
@@ -165,10 +165,12 @@ class ModuleCapture:
                  modules: str = "leaves", stats_only: bool = False, checksum: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
                  background_write: bool | None = None, on_nonfinite: str | None = None,
-                 parallel: dict | None = None, dims: dict[str, str] | None = None):
+                 parallel: dict | None = None, dims: dict[str, str] | None = None,
+                 compare_to=None, compare_options: dict | None = None):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
-        self.enabled = config.enabled or self.health is not None
+        self.live = None
+        self.enabled = config.enabled or self.health is not None or compare_to is not None
         self.folder = None
         self.names: list[str] = []
         self._handles: list[Any] = []
@@ -192,16 +194,23 @@ class ModuleCapture:
             raise ConfigError(f"the filter selects no module of {type(model).__name__}, so nothing "
                               f"would be captured (filter={config.filter!r}, "
                               f"filter_fn={config.filter_fn!r}); names look like {sample}")
+        if compare_to is not None:  # dump_dir then holds the evidence only, not a full dump
+            self.live = open_live(compare_to, evidence_dir=config.dump_dir if config.enabled else None,
+                                  rank=current_rank(), level="module", **(compare_options or {}))
         if compiled:
             warnings.warn("tdinspect: the model is torch.compile'd; running it eagerly while "
                           "capturing (hooks do not fire inside compiled graphs)", stacklevel=3)
             self._stance = torch.compiler.set_stance("force_eager")
             self._stance.__enter__()
-        self.recorder = Recorder(config.dump_dir if config.enabled else None, level="module", stats_only=stats_only,
+        write = config.enabled and self.live is None
+        self.recorder = Recorder(config.dump_dir if write else None, level="module", stats_only=stats_only,
                                  checksum=checksum,
                                  max_pending_bytes=max_pending_bytes, fsync=fsync,
                                  background_write=background_write, parallel=parallel, dims=dims)
         self.folder = self.recorder.folder
+        if self.live is not None:  # every recorded entry is compared (and may end the capture)
+            self.recorder.observer = Guarded(self.live, lambda: self.close(write_pending=False,
+                                                                           warn=False))
         # outputs carry an explicit kind once other kinds share the pass (default: no new column)
         self._out_extra = {} if self.record == ("outputs",) else {"kind": "output"}
         for name, mod in chosen:
@@ -398,7 +407,8 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             stats_only: bool = False, checksum: bool = False,
             max_pending_bytes: int = 2 << 30, fsync: bool = False,
             warn_unfired: bool = True, background_write: bool | None = None,
-            on_nonfinite: str | None = None, record=None,
+            on_nonfinite: str | None = None, compare_to=None, metric: str | None = None,
+            threshold=None, on_divergence: str = "raise", mapping=None, record=None,
             parallel: dict | None = None, dims: dict[str, str] | None = None,
             environ=None) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
@@ -443,6 +453,26 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         :class:`tdinspect.NonFiniteError` naming the first offending module,
         call and pass (hooks removed, the unfinished pass not written);
         ``"warn"`` warns once per pass and goes on.
+    compare_to : str, Path or DumpSet, optional
+        A reference dump: every entry is compared with the reference's entry
+        of the same key, call and pass as it is produced, with the metric
+        definitions and the divergence rule of :class:`tdinspect.Diff`
+        (statistics only when the reference holds statistics only; a missing
+        reference entry is a structural divergence). ``dump_dir`` then holds
+        only the evidence of the first divergence (see :mod:`tdinspect.live`);
+        without it nothing is written.
+    metric, threshold
+        As for :meth:`tdinspect.Diff.first_divergence` (default ``rel_diff``
+        at 1e-3; a ``{regex: value}`` dict sets thresholds by name).
+    on_divergence : {"raise", "warn", "record"}
+        ``"raise"``: :class:`tdinspect.DivergenceError` at the first divergent
+        entry, whose ``.divergence`` equals what
+        ``DumpSet.open(compare_to).diff(full_dump).first_divergence()`` answers
+        (hooks removed, nothing partial written). ``"warn"``: warn once per
+        pass and go on. ``"record"``: go on and keep every entry's metrics
+        (``capture.live.table()``; one CSV per pass in ``dump_dir/live/``).
+    mapping : dict, path or Mapping, optional
+        Rules pairing reference entries with this run's, as for :class:`tdinspect.Diff`.
     record : str or sequence of str, optional
         What to record for each selected module: any of ``"inputs"``,
         ``"outputs"``, ``"params"``, ``"grads"`` (default ``("outputs",)``,
@@ -475,4 +505,6 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
                          checksum=checksum,
                          max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
                          background_write=background_write, on_nonfinite=on_nonfinite,
-                         parallel=parallel, dims=dims)
+                         parallel=parallel, dims=dims, compare_to=compare_to,
+                         compare_options=dict(metric=metric, threshold=threshold,
+                                              on_divergence=on_divergence, mapping=mapping))

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import ConfigError, DumpConfig, FilterSpec
 from ..format import encode_arg
 from ..naming import CALL_SEP
-from .checks import CaptureCheckError, HealthCheck, any_nonfinite
+from .checks import CaptureCheckError, HealthCheck, any_nonfinite, open_live
 from .modules import resolve_config
 from .recorder import Recorder, current_rank, parallel_coords
 
@@ -164,7 +164,7 @@ class _OpRecorderMode(TorchDispatchMode):
         self.owner = owner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.owner._dispatch(func, args, kwargs or {})
+        return self.owner._checked(self.owner._dispatch, func, args, kwargs or {})
 
 
 class OpCapture:
@@ -178,14 +178,18 @@ class OpCapture:
                  inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
                  background_write: bool | None = None, on_nonfinite: str | None = None,
-                 parallel: dict | None = None, dims: dict[str, str] | None = None):
+                 parallel: dict | None = None, dims: dict[str, str] | None = None,
+                 compare_to=None, compare_options: dict | None = None):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
-        self.enabled = config.enabled or bool(trace) or self.health is not None
+        self._compare = (compare_to, compare_options or {}) if compare_to is not None else None
+        self.live = None
+        self.enabled = (config.enabled or bool(trace) or self.health is not None
+                        or compare_to is not None)
         self.inputs = inputs
         self.trace = (sys.stdout if trace is True else trace) or None
-        self._write = config.enabled
+        self._write = config.enabled and compare_to is None  # else dump_dir holds evidence only
         self._predicate = config.predicate() if self.enabled else None
         self._keep: dict[str, bool] = {}
         # identity -> (weak storage ref, key, uninitialized, root): ``root`` is the stored
@@ -214,9 +218,14 @@ class OpCapture:
         """Begin recording (``with`` calls this)."""
         if not self.enabled or self._mode is not None:
             return self
-        if self._write or self.health is not None:
+        if self._compare is not None and self.live is None:
+            target, options = self._compare
+            self.live = open_live(target, level="op", rank=current_rank(), **options,
+                                  evidence_dir=self.config.dump_dir if self.config.enabled else None)
+        if self._write or self.health is not None or self.live is not None:
             self.recorder = Recorder(self.config.dump_dir if self._write else None, level="op",
                                      stats_only=self._stats_only, **self._writer_args)
+            self.recorder.observer = self.live
             self.folder = self.recorder.folder
         self._tracker.attach(self._model)
         self._mode = _OpRecorderMode(self)
@@ -231,7 +240,7 @@ class OpCapture:
         self._seen.clear()
         self._by_storage.clear()
         with _disable_current_modes():  # the recorder's own ops are not the model's
-            path = self.recorder.step()
+            path = self._checked(self.recorder.step)
             if self.health is not None:
                 self._checked(self.health.end_pass)
             return path
@@ -375,8 +384,8 @@ class OpCapture:
                 self._remember(o, key, uninitialized=True)
                 continue
             if health_in is not None:
-                self._checked(self.health.check, key, o, pass_=rec.pass_index, order=len(rec),
-                              inputs=health_in[0], inputs_before=health_in[1])
+                self.health.check(key, o, pass_=rec.pass_index, order=len(rec),
+                                  inputs=health_in[0], inputs_before=health_in[1])
             call_args = None
             if self.inputs and i == 0:
                 call_args = {"aten": str(func), "spec": self._spec_json(spec),
@@ -438,7 +447,8 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
                 background_write: bool | None = None, on_nonfinite: str | None = None,
                 parallel: dict | None = None, dims: dict[str, str] | None = None,
-                environ=None) -> OpCapture:
+                compare_to=None, metric: str | None = None, threshold=None,
+                on_divergence: str = "raise", mapping=None, environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
     Parameters
@@ -468,6 +478,9 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     parallel, dims
         As for :func:`tdinspect.capture` (``dims`` regexes match ``module/op``
         names).
+    compare_to, metric, threshold, on_divergence, mapping
+        Live comparison with a reference op-level dump, forward and backward
+        ops: as for :func:`tdinspect.capture`.
 
     Returns
     -------
@@ -484,4 +497,6 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
                      max_pending_bytes=max_pending_bytes, fsync=fsync,
                      background_write=background_write, on_nonfinite=on_nonfinite,
-                     parallel=parallel, dims=dims)
+                     parallel=parallel, dims=dims, compare_to=compare_to,
+                     compare_options=dict(metric=metric, threshold=threshold,
+                                          on_divergence=on_divergence, mapping=mapping))

@@ -165,6 +165,7 @@ class Recorder:
         self.checksum = checksum
         self.total_entries = 0
         self.pass_index = 0
+        self.observer = None  # sees every entry and pass end (live comparison)
         self.folder = self.writer = None
         if dump_dir is None:
             self._new_pass()
@@ -217,6 +218,10 @@ class Recorder:
         if self.checksum and tensor is not None and self.writer is not None \
                 and not extra.get("uninitialized"):
             digest = tensor_checksum(tensor)  # on the device; one int64 goes to the host at step()
+        if self.observer is not None:
+            self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
+                                uninitialized=bool(extra.get("uninitialized")),
+                                call_args=extra.get("call_args"))
         if same_stats_as is not None and same_stats_as in self._index:
             shared = p.stats[self._index[same_stats_as]]
             if shared is not None:
@@ -240,8 +245,11 @@ class Recorder:
         checksum recorded then, from :meth:`facts`) are reused, and the
         sidecar holds a reference ``{"kind": "same", "of": key, "pass": of_pass}``.
         """
-        self._append(key, tensor, None, facts[0], module_type,
-                     {**extra, "ref": {"kind": "same", "of": key, "pass": of_pass}}, facts[1])
+        ref = {"kind": "same", "of": key, "pass": of_pass}
+        if self.observer is not None:
+            self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
+                                ref=ref)
+        self._append(key, tensor, None, facts[0], module_type, {**extra, "ref": ref}, facts[1])
 
     def facts(self, key: str) -> tuple:
         """``(statistics, checksum)`` of ``key`` in the current pass (device tensors or ``None``)."""
@@ -272,6 +280,8 @@ class Recorder:
     def step(self) -> Path | None:
         """End the pass: hand it to the writer (empty or not); returns its file's path."""
         p = self._pass
+        if self.observer is not None:
+            self.observer.end_pass(self.pass_index)
         if self.writer is None:
             self.total_entries += len(p.keys)
             self.pass_index += 1

@@ -1,0 +1,283 @@
+"""Live comparison: each entry compared with the reference dump's entry as it is produced.
+
+Made by ``tdinspect.capture(model, compare_to=REF, ...)`` and
+``tdinspect.capture_ops(..., compare_to=REF)``; loaded only when
+``compare_to`` is given. Entries meet by key (or through ``mapping=``, as in
+:class:`~tdinspect.Diff`), same call and pass, and each pair goes through
+:func:`tdinspect.diff.compare_pair` and the divergence rule
+:func:`tdinspect.diff.divergent`: the numbers and the verdict are those a
+:class:`~tdinspect.Diff` of the reference against a full dump of this run
+gives. The first argument of a diff is the reference, so metrics treat the
+reference as ``y``.
+
+What is read: the reference's metadata when the capture starts, then one
+pass file at a time, memory-mapped, while that pass runs. What is written:
+nothing without ``dump_dir``; with it, at the first divergence, the evidence::
+
+    <dump_dir>/evidence/ref/rank<R>_pid<P>/pass<NNNNN>.pt (+ .json)   the reference's entries
+    <dump_dir>/evidence/run/rank<R>_pid<P>/pass<NNNNN>.pt (+ .json)   this run's entries
+
+(the divergent entry and the ``before`` entries before it, documented format:
+``tdinspect diff <dump_dir>/evidence/ref <dump_dir>/evidence/run`` shows them),
+and with ``on_divergence="record"`` one CSV per pass of every entry's row
+(:data:`tdinspect.diff.COLUMNS`) in ``<dump_dir>/live/pass<NNNNN>.csv``.
+
+Known difference from an offline diff: reference entries this run never
+produces are reported when the pass ends (``step()``), so a numeric
+divergence produced earlier in the pass is raised first even if such a
+missing entry comes before it in the reference's order.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .diff import (BEFORE, COLUMNS, PassJob, Side, _mapped_key, _missing, compare_pair,
+                   divergence_of, divergent, new_row, same_ref_pass, side_of, threshold_fn)
+from .align.mapping import Mapping
+from .dumper.checks import DivergenceError
+from .dumper.writer import PendingPass
+from .dumpset import DumpSet
+from .format import _stats_row, rank_dirname
+from .metrics import metric as metric_named
+from .stats import STAT_NAMES, tensor_stats
+
+ACTIONS = ("raise", "warn", "record")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the dump would hold it: detached, dense, contiguous, on the host."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.to("cpu").contiguous()
+
+
+def _stats_as_dumped(t: torch.Tensor) -> dict[str, float]:
+    """The statistics a sidecar would give a reader (rounded as the writer rounds them)."""
+    row = _stats_row(tensor_stats(t).tolist())
+    return dict(zip(STAT_NAMES, (math.nan if v is None else float(v) for v in row)))
+
+
+class LiveCompare:
+    """The comparison state of one capture; see the module docstring.
+
+    Parameters
+    ----------
+    reference : str or Path or DumpSet
+        The reference dump (its first argument in an offline diff).
+    metric, threshold
+        As for :meth:`tdinspect.Diff.first_divergence` (``stats_rel`` and
+        statistics-only comparison when the reference holds statistics only).
+    on_divergence : {"raise", "warn", "record"}
+    mapping : Mapping, dict or path, optional
+        Rules pairing reference entries with this run's (see :class:`tdinspect.align.Mapping`).
+    evidence_dir : Path, optional
+        Where evidence and records go (``dump_dir``); ``None`` writes nothing.
+    rank : int
+        This process's rank (which reference rank it meets).
+    before : int
+        Entries kept before a divergence (in ``Divergence.before`` and the evidence).
+    """
+
+    def __init__(self, reference, *, metric: str | None = None, threshold=None,
+                 on_divergence: str = "raise", mapping=None, evidence_dir=None, rank: int = 0,
+                 before: int = BEFORE, chunk: int = 1 << 18, level: str = "module"):
+        if on_divergence not in ACTIONS:
+            raise ValueError(f"on_divergence={on_divergence!r}: expected one of {ACTIONS}")
+        self.ref = reference if isinstance(reference, DumpSet) else DumpSet.open(reference)
+        self.mode = "stats" if self.ref.stats_only else "tensor"
+        name = metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
+        if self.mode == "stats" and name != "stats_rel":
+            raise ValueError(f"compare_to={str(self.ref.path)!r} holds statistics only: "
+                             f"use metric='stats_rel', not {name!r}")
+        self.metric = metric_named(name)
+        self.threshold = threshold_fn(threshold, name)
+        self.action = on_divergence
+        self.mapping = Mapping.coerce(mapping)
+        self.evidence_dir = None if evidence_dir is None else Path(evidence_dir)
+        self.rank, self.level, self.before, self.chunk = rank, level, before, chunk
+        self.first = None  # the first Divergence
+        self.evidence: Path | None = None
+        self.rows: list[dict[str, Any]] = []  # every row so far ("record"); else this pass's
+        self._pass: int | None = None
+        self._warned: set[int] = set()
+
+    # -- per pass -----------------------------------------------------------------------
+    def _open_pass(self, pass_: int) -> None:
+        pi = self.ref._passes.get((self.rank, pass_))
+        reason = ""
+        if self.rank not in self.ref.ranks:
+            reason = f"rank {self.rank} only in B"
+        elif pi is None:
+            reason = f"pass {pass_} only in B"
+        self._pass, self._pi, self._loaded = pass_, pi, None
+        self._job = PassJob(self.rank, pass_, pi, None, None, "name", self.mode, self.chunk,
+                            reason, self.mapping)
+        self._matched: set[int] = set()
+        self._last = -0.5
+        self._pass_rows: list[dict[str, Any]] = []
+        self._ring: deque = deque(maxlen=self.before + 1)  # (B key, host copy or None, A indices)
+        self._partners: dict[str, list[int]] = {}
+        if pi is not None:
+            for i, key in enumerate(pi.keys):
+                b_key = key if self.mapping is None else _mapped_key(self.mapping, key)
+                self._partners.setdefault(b_key, []).append(i)
+
+    def _ref_files(self):
+        if self._loaded is None:
+            self._loaded = self._pi.load()  # memory-mapped; dropped when the pass ends
+        return self._loaded
+
+    def entry(self, key: str, tensor: torch.Tensor | None, *, pass_: int,
+              uninitialized: bool = False, module_type: str = "", ref=None,
+              call_args=None) -> None:
+        """Compare one entry of this run (called as it is recorded); ``ref``: the sidecar
+        reference of an entry unchanged since an earlier pass (a parameter)."""
+        if pass_ != self._pass:
+            self._open_pass(pass_)
+        pi = self._pi
+        host = None if tensor is None or uninitialized else _host(tensor)
+        shape = list(tensor.shape) if tensor is not None else None
+        b_side = Side(shape, bool(uninitialized), lambda: _stats_as_dumped(host), lambda: host,
+                      call_args=call_args, dtype=str(tensor.dtype) if tensor is not None else None)
+        dtype_b = str(tensor.dtype) if tensor is not None else ""
+        partners = self._partners.get(key, [])
+        if not partners:
+            row = new_row(self.rank, pass_, key, key, self._last + 0.5, "", dtype_b, shape)
+            row.update(structural=True, reason=_missing(self._job, None, 0))
+            rows = [row]
+        else:
+            rows = []
+            for ia in partners:
+                self._matched.add(ia)
+                self._last = float(ia)
+                a_key = pi.keys[ia]
+                row = new_row(self.rank, pass_, a_key, key, float(ia), pi.dtype[ia], dtype_b,
+                              pi.shape[ia])
+                rows.append(row)
+                same = None if ref is None or pi.uninitialized[ia] else same_ref_pass(pi.ref[ia], ref)
+                if same is not None:
+                    row["reason"] = f"unchanged since pass {same} (compared there)"
+                    continue
+                transform = None if self.mapping is None else self._job.transform(a_key)
+                compare_pair(row, side_of(pi, ia, self._ref_files, "A"), b_side, transform,
+                             self.mode, self.chunk)
+        keep = host if self.evidence_dir is not None and host is not None else None
+        if keep is not None and keep is tensor:
+            keep = keep.clone()  # the model may change its output in place later
+        self._ring.append((key, keep, module_type, partners))
+        for row in rows:
+            self._judge(row)
+
+    def end_pass(self, pass_: int) -> None:
+        """Reference entries this run never produced in the pass: structural, as in a diff."""
+        if self._pass != pass_:
+            self._open_pass(pass_)
+        pi = self._pi
+        missing = [] if pi is None else [i for i in range(len(pi.keys)) if i not in self._matched]
+        try:
+            for ia in missing:
+                row = new_row(self.rank, pass_, pi.keys[ia], "", float(ia), pi.dtype[ia], "",
+                              pi.shape[ia])
+                row.update(structural=True, reason=_missing(self._job, ia, None))
+                self._judge(row)
+        finally:
+            if self.action == "record" and self.evidence_dir is not None:
+                self._write_rows(pass_)
+            self._pass, self._loaded = None, None
+
+    # -- verdicts -----------------------------------------------------------------------
+    def _judge(self, row: dict[str, Any]) -> None:
+        earlier = self._pass_rows[-self.before:] if self.before else []
+        self._pass_rows.append(row)
+        if self.action == "record":
+            self.rows.append(row)
+        m = self.metric
+        if not divergent(m, row[m.name], self.threshold(row["op"]), row["structural"],
+                         row["reason"] != ""):
+            return
+        div = divergence_of(row, m, self.threshold,
+                            [(r["key"], float(r[m.name])) for r in earlier])
+        if self.first is None:
+            self.first = div
+            if self.evidence_dir is not None:
+                self.evidence = self._write_evidence(div)
+        if self.action == "raise":
+            raise DivergenceError(div, self.evidence)
+        if self.action == "warn" and div.pass_ not in self._warned:
+            self._warned.add(div.pass_)
+            warnings.warn(f"tdinspect: live comparison, first divergence of pass {div.pass_}: "
+                          f"{div.key} (call {div.call}): {div.reason}", RuntimeWarning,
+                          stacklevel=5)
+
+    def table(self):
+        """The rows compared so far as a ``pandas.DataFrame`` (:data:`~tdinspect.diff.COLUMNS`);
+        every pass with ``on_divergence="record"``, else the current pass."""
+        import pandas as pd
+
+        rows = self.rows if self.action == "record" else getattr(self, "_pass_rows", [])
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    # -- files ----------------------------------------------------------------------------
+    def _write_rows(self, pass_: int) -> None:
+        folder = self.evidence_dir / "live"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"pass{pass_:05d}.csv"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(self._pass_rows)
+        os.replace(tmp, path)
+
+    def _write_evidence(self, div) -> Path:
+        """The divergent entry and those before it, both sides, as two small dumps."""
+        root = self.evidence_dir / "evidence"
+        ring = list(self._ring)
+        run_keys = [k for k, _, _, _ in ring]
+        run_tensors = [t for _, t, _, _ in ring]
+        self._write_pass(root / "run" / rank_dirname(self.rank, os.getpid()), div.pass_, run_keys,
+                         run_tensors, [mt for _, _, mt, _ in ring], stats=None)
+        pi = self._pi
+        if pi is not None:
+            a_idx = [ia for _, _, _, partners in ring for ia in partners]
+            if div.key in pi.position and pi.position[div.key] not in a_idx:
+                a_idx.append(pi.position[div.key])  # an entry missing from this run
+            stats_only = pi.stats_only or pi.files.tensors is None
+            tensors = [None if stats_only or pi.uninitialized[i] else pi.tensor(pi.keys[i],
+                                                                               self._ref_files())
+                       for i in a_idx]
+            self._write_pass(root / "ref" / rank_dirname(self.rank, 0), div.pass_,
+                             [pi.keys[i] for i in a_idx], tensors,
+                             [pi.module_type[i] for i in a_idx],
+                             stats=[pi.ensure_stats()[i].tolist() for i in a_idx]
+                             if stats_only else None,
+                             shapes=[pi.shape[i] for i in a_idx], dtypes=[pi.dtype[i] for i in a_idx],
+                             stats_only=stats_only)
+        return root
+
+    def _write_pass(self, folder: Path, pass_: int, keys, tensors, module_types, *, stats,
+                    shapes=None, dtypes=None, stats_only: bool = False) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        shapes = shapes or [None if t is None else list(t.shape) for t in tensors]
+        dtypes = dtypes or [None if t is None else str(t.dtype) for t in tensors]
+        rows = stats if stats is not None else [
+            None if t is None else tensor_stats(t) for t in tensors]
+        present = [torch.as_tensor(r, dtype=torch.float64) for r in rows if r is not None]
+        p = PendingPass(pass_, folder, {"rank": self.rank, "pid": os.getpid(), "level": self.level,
+                                        "stats_only": stats_only, "evidence": True},
+                        keys=list(keys), tensors=list(tensors), stats=list(rows),
+                        columns={"module_type": list(module_types),
+                                 "shape": list(shapes), "dtype": list(dtypes),
+                                 "stored": [t is not None and not stats_only for t in tensors]},
+                        host_stats=torch.stack(present) if present else None)
+        p.write(fsync=False)
