@@ -206,7 +206,11 @@ def resolve_filter(spec: FilterSpec) -> Predicate:
 def load_predicate(ref: str) -> Predicate:
     """Load a predicate named ``"pkg.module:func"`` or ``"/path/file.py:func"``.
 
-    Only the named module or file is imported.
+    Only the named module or file is imported. It runs as code of this
+    process: a ``filter_fn`` (or ``TDINSPECT_DUMP_FILTER_FN``) is trusted
+    input, like ``PYTHONSTARTUP``; never take it from a file or a user you do
+    not trust. A module that exits (``SystemExit``) while it is imported is a
+    ``ConfigError``, not the end of the process.
     """
     if not isinstance(ref, str) or ":" not in ref:
         raise ConfigError(f"filter_fn {ref!r}: expected 'pkg.module:func' or '/path/file.py:func'")
@@ -223,7 +227,7 @@ def load_predicate(ref: str) -> Predicate:
             module = importlib.import_module(target)
     except ConfigError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise ConfigError(f"filter_fn {ref!r}: importing {target!r} failed: "
                           f"{type(exc).__name__}: {exc}") from exc
     fn = getattr(module, attr, None)

@@ -372,3 +372,21 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
 
     run()
     assert canary.read_bytes() == b"SECRET-bytes-of-a-file-you-own!!"
+
+
+# -- filter_fn is trusted code; exiting at import is a ConfigError -------------------------
+@pytest.mark.parametrize("how", ["file", "env"])
+def test_filter_fn_exiting_at_import_is_a_config_error(tmp_path, monkeypatch, how):
+    from tdinspect.config import ConfigError
+
+    exiting = tmp_path / "exiting.py"
+    exiting.write_text("import sys\nsys.exit(3)\ndef keep(name, module):\n    return True\n")
+    model = torch.nn.Linear(2, 2)
+    if how == "env":
+        monkeypatch.setenv("TDINSPECT_DUMP_DIR", str(tmp_path / "d"))
+        monkeypatch.setenv("TDINSPECT_DUMP_FILTER_FN", f"{exiting}:keep")
+        kwargs = {}
+    else:
+        kwargs = {"filter_fn": f"{exiting}:keep"}
+    with pytest.raises(ConfigError, match=r"exiting\.py.*SystemExit: 3"):
+        tdinspect.capture(model, tmp_path / "d" if how == "file" else None, **kwargs).start()
