@@ -22,6 +22,7 @@ from .dumper.modules import ModuleCapture, capture
 from .dumper.writer import CaptureWriteError
 from .format import DumpFormatError, load_pass
 from .naming import KeyParts, parse_key
+from .runs import RunWarning, list_runs
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ _LAZY = {
 
 __all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
            "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
+           "list_runs", "RunWarning",
            "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "plot",
            "load_ipython_extension", "unload_ipython_extension"]
 

@@ -88,14 +88,31 @@ def _dump(obj: Any) -> str:
     return json.dumps(clean(obj), indent=2, default=_json_default)
 
 
+def _run_arg(value: str | None) -> int | str | None:
+    """``--run -2`` is an index, anything else a run id or folder name."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
 def cmd_ls(args) -> int:
     from .dumpset import DumpSet
 
-    ds = DumpSet.open(args.path, on_error=args.on_error)
+    ds = DumpSet.open(args.path, run=_run_arg(args.run), on_error=args.on_error)
     s = ds.summary()
+    runs = DumpSet.runs(args.path)
     if args.json:
-        print(_dump({**s, "passes": ds.passes, "ops": ds.ops}))
+        print(_dump({**s, "passes": ds.passes, "ops": ds.ops,
+                     "runs": [{"id": r.id, "folders": [f.path.name for f in r.folders],
+                               "started": r.started, "opened": r.id == ds.run.id} for r in runs]}))
         return 0
+    if len(runs) > 1:
+        print(f"{len(runs)} runs (oldest first; --run N or a folder name picks one):")
+        for i, r in enumerate(runs):
+            print(f"  {'*' if r.id == ds.run.id else ' '} [{i - len(runs)}] {r.describe()}")
     print(repr(ds))
     first = ds.pass_indexes()[0]
     calls: dict[str, int] = {}
@@ -113,7 +130,7 @@ def cmd_ls(args) -> int:
 def cmd_stats(args) -> int:
     from .dumpset import DumpSet
 
-    ds = DumpSet.open(args.path, on_error=args.on_error)
+    ds = DumpSet.open(args.path, run=_run_arg(args.run), on_error=args.on_error)
     if args.op:
         ds = ds.filter(args.op)
     df = ds.entries(progress=False)
@@ -246,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "sides (a decode run against one full forward)")
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")
+            p.add_argument("--run", default=None, help="which run of a folder holding several: "
+                           "-1 the newest (default), -2 the one before, 0 the oldest, or a "
+                           "run id or rank folder name")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--on-error", choices=["raise", "warn"], default="raise",
                        help="on an unreadable pass: stop (default) or skip it with a warning")

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .format import DumpFormatError, discover
+from .format import DumpFormatError
 from .naming import parse_key, split_call, split_module_path
 from .parallel import map_in_waves
 from .passindex import PassIndex
+from .runs import RunWarning, list_runs, select_run
 from .stats import STAT_NAMES
 
 if TYPE_CHECKING:  # for annotations and completion only; diff imports this module
@@ -58,17 +59,24 @@ class DumpSet:
         self._op_pattern = op_pattern
         self.client = client
         self.skipped = list(skipped)
+        self.run = None  # the Run opened (tdinspect.runs.Run), set by open()
         self._cube: "xr.Dataset | None" = None
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, *, on_error: str = "raise", client: Any = None,
-             dims: dict[str, str] | None = None) -> "DumpSet":
+    def open(cls, path: str | os.PathLike, *, run: int | str | None = None, on_error: str = "raise",
+             client: Any = None, dims: dict[str, str] | None = None) -> "DumpSet":
         """Open a dump folder, a rank folder, or one pass file; reads metadata only.
 
         Parameters
         ----------
         path : str or Path
+        run : int or str, optional
+            Which run of a folder holding several (a capture never merges into an
+            earlier one; see :mod:`tdinspect.runs`): the newest by default, with a
+            one-line :class:`~tdinspect.runs.RunWarning` saying so; ``-2`` the one
+            before, ``0`` the oldest, or a run id or rank folder name.
+            :meth:`runs` lists them.
         on_error : {"raise", "warn"}
             What to do with a pass that cannot be read: stop with an error
             naming the file, or skip it with a warning (listed in ``skipped``).
@@ -98,7 +106,12 @@ class DumpSet:
             from .align.dims import DimsRules
 
             rules = DimsRules(dims, what="DumpSet.open(dims=...)")
-        folders = discover(path)
+        chosen, runs = select_run(path, run)
+        if run is None and len(runs) > 1:
+            warnings.warn(f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
+                          f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
+                          "lists them)", RunWarning, stacklevel=2)
+        folders = chosen.folders
         passes: dict[tuple[int, int], PassIndex] = {}
         skipped = []
         for folder in folders:
@@ -121,7 +134,20 @@ class DumpSet:
         if not passes:
             raise DumpFormatError(f"{path}: no readable pass" + (f" ({len(skipped)} skipped)"
                                                                   if skipped else ""))
-        return cls(Path(path), passes, client=client, skipped=skipped)
+        ds = cls(Path(path), passes, client=client, skipped=skipped)
+        ds.run = chosen
+        return ds
+
+    @staticmethod
+    def runs(path: str | os.PathLike) -> list:
+        """The runs a dump folder holds, oldest first (:func:`tdinspect.runs.list_runs`).
+
+        Examples
+        --------
+        >>> [r.describe() for r in DumpSet.runs("dumps/run_a")]   # doctest: +SKIP
+        ['rank0_pid1 (started 2026-11-30 17:31:02, 2 passes)', 'rank0_pid1_run2 (...)']
+        """
+        return list_runs(path)
 
     # -- what is in it -------------------------------------------------------------------
     def _keep(self, key: str) -> bool:
@@ -227,7 +253,7 @@ class DumpSet:
             pattern = re.compile("^(?:" + "|".join(re.escape(o) for o in ops) + ")$")
             if self._op_pattern is not None:
                 pattern = _both(self._op_pattern, pattern)
-        return DumpSet(self.path, passes, op_pattern=pattern, client=self.client)
+        return self._derived(passes, pattern)
 
     def filter(self, regex: str) -> "DumpSet":
         """A DumpSet keeping entries whose name ``re.search``-matches ``regex``."""
@@ -237,7 +263,12 @@ class DumpSet:
             raise ValueError(f"invalid regex {regex!r}: {exc}") from None
         if self._op_pattern is not None:
             pattern = _both(self._op_pattern, pattern)
-        return DumpSet(self.path, self._passes, op_pattern=pattern, client=self.client)
+        return self._derived(self._passes, pattern)
+
+    def _derived(self, passes, pattern) -> "DumpSet":
+        ds = DumpSet(self.path, passes, op_pattern=pattern, client=self.client)
+        ds.run = self.run
+        return ds
 
     # -- the cube -----------------------------------------------------------------------
     def ensure_stats(self, progress: bool = True) -> None:
@@ -402,7 +433,8 @@ class DumpSet:
         return {"path": str(self.path), "level": self.level, "ops": len(self.ops),
                 "max_calls": calls + 1, "passes": len(self.passes), "ranks": self.ranks,
                 "entries": self.n_entries(), "bytes": self.nbytes, "stats_only": self.stats_only,
-                "skipped": len(self.skipped)}
+                "skipped": len(self.skipped),
+                "failed": [pi.index for pi in self._passes.values() if pi.failed]}
 
     def __repr__(self) -> str:
         s = self.summary()
@@ -410,7 +442,8 @@ class DumpSet:
                 f"{s['max_calls']} calls x {s['passes']} passes, ranks {s['ranks']}, "
                 f"{s['entries']} entries, {_human(s['bytes'])}"
                 + (", statistics only" if s["stats_only"] else "")
-                + (f", {s['skipped']} passes skipped" if s["skipped"] else "") + ")")
+                + (f", {s['skipped']} passes skipped" if s["skipped"] else "")
+                + (f", passes {s['failed']} cut short by an error" if s["failed"] else "") + ")")
 
     def _repr_html_(self) -> str:
         from .report import dumpset_html

@@ -52,7 +52,7 @@ SIDECAR_FORMAT = "tdinspect.pass"
 SIDECAR_VERSION = 1
 PASS_RE = re.compile(r"^pass(\d{5,})\.pt$")
 SIDECAR_RE = re.compile(r"^pass(\d{5,})\.json$")
-RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)$")
+RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:_run(\d+))?$")  # _runN: a later run, same pid
 
 
 class DumpFormatError(ValueError):
@@ -385,18 +385,28 @@ def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
     return folder
 
 
-def discover(path: str | os.PathLike) -> list[RankFolder]:
-    """Find the rank folders and passes under ``path``.
+def discover(path: str | os.PathLike, run: int | str | None = None) -> list[RankFolder]:
+    """The rank folders and passes of one run under ``path`` (the newest by default).
 
     ``path`` may be a dump folder (holding ``rank*_pid*`` folders), one rank
-    folder (or any folder of pass files), or one pass file.
+    folder (or any folder of pass files), or one pass file. A dump folder
+    holding several runs gives the newest, or ``run`` (see
+    :func:`tdinspect.runs.select_run`).
 
     Raises
     ------
     DumpFormatError
-        If ``path`` does not exist, holds no pass, or holds two folders of the
-        same rank (a rerun into the same directory; the message lists them).
+        If ``path`` does not exist or holds no pass.
     """
+    from .runs import select_run
+
+    return select_run(path, run)[0].folders
+
+
+def discover_folders(path: str | os.PathLike) -> list[RankFolder]:
+    """Every rank folder with passes under ``path``, whatever run wrote it."""
+    from .runs import rank_folders
+
     path = Path(path)
     if not path.exists():
         raise DumpFormatError(f"{path}: no such file or folder")
@@ -409,9 +419,8 @@ def discover(path: str | os.PathLike) -> list[RankFolder]:
         full = scan_rank_folder(path.parent, folder.rank, folder.pid)
         folder.passes = {index: full.passes[index]}
         return [folder]
-    rank_dirs = sorted((p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)),
-                       key=lambda p: p.name)
-    if not rank_dirs:
+    folders = rank_folders(path)
+    if folders is None:
         folder = scan_rank_folder(path, 0, None)
         rm = RANK_DIR_RE.match(path.name)
         if rm:
@@ -419,19 +428,6 @@ def discover(path: str | os.PathLike) -> list[RankFolder]:
         if not folder.passes:
             raise DumpFormatError(f"{path}: no rank*_pid* folders and no pass files: not a dump")
         return [folder]
-    by_rank: dict[int, list[Path]] = {}
-    for p in rank_dirs:
-        m = RANK_DIR_RE.match(p.name)
-        by_rank.setdefault(int(m.group(1)), []).append(p)
-    clashes = {r: ps for r, ps in by_rank.items() if len(ps) > 1}
-    if clashes:
-        lines = "; ".join(f"rank {r}: " + ", ".join(p.name for p in ps) for r, ps in clashes.items())
-        raise DumpFormatError(f"{path}: several folders for the same rank ({lines}); "
-                              "was a run repeated into the same directory? Open one folder.")
-    folders = []
-    for r in sorted(by_rank):
-        p = by_rank[r][0]
-        folders.append(scan_rank_folder(p, r, int(RANK_DIR_RE.match(p.name).group(2))))
-    if not any(f.passes for f in folders):
+    if not folders:
         raise DumpFormatError(f"{path}: rank folders hold no pass files")
     return folders

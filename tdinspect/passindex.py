@@ -49,6 +49,7 @@ class PassIndex:
     parallel: dict[str, list[int]] = field(default_factory=dict)  # {axis: [index, size]}
     dims: list[str | None] = field(default_factory=list)  # dims spec per entry (or None)
     checksum: list[Any] | None = None  # 16 hex digits (tdinspect.checksum) or None
+    failed: str | None = None  # the error that cut this pass short (a failed notebook cell)
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -74,7 +75,8 @@ class PassIndex:
                        col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
                        bool(doc.get("partial")), kind=col("kind"),
                        parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
-                       checksum=col("checksum"))
+                       checksum=col("checksum"),
+                       failed=str(doc["failed"]) if doc.get("failed") else None)
         tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)

@@ -35,16 +35,23 @@ from .dumper.ops import capture_ops
 from .examples import layernorm_test, make_model, make_tokens
 from .format import SIDECAR_RE, atomic_write
 from .sidecars import seal
+from .runs import RUN_FILENAME
 
 STEPS = 2
 PERTURB_SCALE = 1.2  # a 20% error in one weight: rel_diff of that layer near 1e-2
 
 
 def _normalise(run_dir: Path) -> None:
-    """Rename ``rank0_pid<P>`` to ``rank0_pid0`` and zero the pid in sidecars."""
+    """Rename ``rank0_pid<P>`` to ``rank0_pid0``, zero the pid in sidecars, and give the run
+    manifest a fixed identity (id ``sample``, started at time 0, no host)."""
     (folder,) = [p for p in run_dir.iterdir() if p.is_dir()]
     fixed = run_dir / "rank0_pid0"
     folder.rename(fixed)
+    run = json.loads((fixed / RUN_FILENAME).read_bytes())
+    run.update(run_id="sample", started=0, started_iso="1970-01-01T00:00:00+0000", pid=0, host="",
+               world_size=1, group=None)
+    data = json.dumps(run, indent=1).encode()
+    atomic_write(fixed / RUN_FILENAME, lambda fh: fh.write(data))
     for f in fixed.iterdir():
         if SIDECAR_RE.match(f.name):
             doc = json.loads(f.read_bytes())

@@ -35,7 +35,7 @@ def test_outputs_bitwise_identical_and_layout(tmp_path, model, tokens):
     folder = only_folder(tmp_path / "d")
     assert re.fullmatch(rf"rank0_pid{os.getpid()}", folder.name)
     assert sorted(p.name for p in folder.iterdir()) == [
-        "pass00000.json", "pass00000.pt", "pass00001.json", "pass00001.pt"]
+        "pass00000.json", "pass00000.pt", "pass00001.json", "pass00001.pt", "run.json"]
     tensors = load_pass(folder / "pass00000.pt")
     keys = list(tensors)
     # execution order, dotted names rooted at "model", leaves only, no weights
@@ -95,7 +95,7 @@ def test_stats_only_writes_no_tensors(tmp_path, model, tokens):
         model(tokens)
         dump.step()
     folder = only_folder(tmp_path / "s")
-    assert [p.name for p in folder.iterdir()] == ["pass00000.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["pass00000.json", "run.json"]
     s = json.loads((folder / "pass00000.json").read_text())
     f = json.loads((only_folder(tmp_path / "f") / "pass00000.json").read_text())
     assert s["stats_only"] is True and s["entries"]["key"] == f["entries"]["key"]

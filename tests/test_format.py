@@ -155,12 +155,13 @@ def test_discover_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DumpFormatError, match="not a dump"):
         discover(tmp_path / "empty")
-    for pid in (11, 22):
+    for pid, when in ((22, 1000), (11, 2000)):  # two runs of rank 0 written before manifests
         d = tmp_path / "dup" / f"rank0_pid{pid}"
         d.mkdir(parents=True)
         torch.save({"a": torch.ones(1)}, d / "pass00000.pt")
-    with pytest.raises(DumpFormatError, match="rank0_pid11, rank0_pid22"):
-        discover(tmp_path / "dup")
+        os.utime(d / "pass00000.pt", (when, when))
+    assert [f.path.name for f in discover(tmp_path / "dup")] == ["rank0_pid11"]  # the newest
+    assert [f.path.name for f in discover(tmp_path / "dup", run=-2)] == ["rank0_pid22"]
     with pytest.raises(DumpFormatError, match="not a pass file"):
         (tmp_path / "x.txt").write_text("hi")
         discover(tmp_path / "x.txt")

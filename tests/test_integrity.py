@@ -82,13 +82,19 @@ def test_full_disk_inside_torch_save_names_the_cause(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             self.f.close()
 
-    passes = {"n": 0}
+    real_create = fmt._create_temporary
+    created = {}
+
+    def create(path):
+        fd, tmp = real_create(path)
+        created[fd] = path.name
+        return fd, tmp
 
     def fdopen(fd, mode="r", *args, **kwargs):
         f = real_fdopen(fd, mode, *args, **kwargs)
-        passes["n"] += 1
-        return Full(f, 1000) if passes["n"] == 3 else f  # the second pass file (.pt, then .json)
+        return Full(f, 1000) if created.get(fd) == "pass00001.pt" else f
 
+    monkeypatch.setattr(fmt, "_create_temporary", create)
     monkeypatch.setattr(fmt.os, "fdopen", fdopen)
     model, x = _big_model(), torch.randn(2, 64)
     with pytest.raises(tdinspect.CaptureWriteError, match=r"pass 1 .*No space left on device"):
@@ -97,8 +103,8 @@ def test_full_disk_inside_torch_save_names_the_cause(tmp_path, monkeypatch):
                 model(x)
                 dump.step()
     folder = only_folder(tmp_path)
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("pass")) == [
-        "pass00000.json", "pass00000.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["pass00000.json", "pass00000.pt",
+                                                          "run.json"]
 
 
 def test_ctrl_c_during_inline_write_is_a_keyboard_interrupt(tmp_path, monkeypatch):

@@ -217,13 +217,13 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
     assert "DumpSet [0, 1, 2]" in text(1)
     assert "model.layers.2.mlp.down" in text(2) and "Diff" in text(2)
     assert "UsageError" in text(3) and "no such file or folder" in text(3)
-    assert "pass00000.pt" in text(5) and "pass00001.pt" in text(6)
+    assert "pass00000.pt" in text(5) and "_run2/pass00000.pt" in text(6)  # a re-run: a new run
     assert "pass00000.pt" in text(7)
     assert "--threshold" in text(8) and "--metric" in text(8)  # help from magic_arguments
     assert "UsageError" in text(10) or "not found" in text(10)
     assert "Canvas True" in text(11) and "Error" not in text(11)
     assert "True True" in text(11) and "clicked ('model.lm_head', 0, 0)" in text(11)
-    assert DumpSet.open(tmp_path / "cap").passes == [0, 1]
+    assert DumpSet.open(tmp_path / "cap", run=-1).passes == [0]
     assert DumpSet.open(tmp_path / "ops").ops == ["model/aten.ones.default[out0]",
                                                   "model/aten.mul.Tensor[out0]"]
 

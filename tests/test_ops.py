@@ -143,7 +143,7 @@ def test_stats_only_and_env_overlay(tmp_path, monkeypatch):
     monkeypatch.setenv("TDINSPECT_DUMP_FILTER", r"native_layer_norm")
     _ln_capture(None, stats_only=True)
     folder = only_folder(tmp_path)
-    assert [p.name for p in folder.iterdir()] == ["pass00000.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["pass00000.json", "run.json"]
     side = _side(tmp_path)
     assert side["level"] == "op" and side["stats_only"]
     assert all("native_layer_norm" in k for k in side["entries"]["key"])

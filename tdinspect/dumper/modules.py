@@ -166,7 +166,7 @@ class ModuleCapture:
                  max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
                  background_write: bool | None = None, on_nonfinite: str | None = None,
                  parallel: dict | None = None, dims: dict[str, str] | None = None,
-                 compare_to=None, compare_options: dict | None = None):
+                 compare_to=None, compare_options: dict | None = None, overwrite: bool = False):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
         self.live = None
@@ -206,7 +206,8 @@ class ModuleCapture:
         self.recorder = Recorder(config.dump_dir if write else None, level="module", stats_only=stats_only,
                                  checksum=checksum,
                                  max_pending_bytes=max_pending_bytes, fsync=fsync,
-                                 background_write=background_write, parallel=parallel, dims=dims)
+                                 background_write=background_write, parallel=parallel, dims=dims,
+                                 overwrite=overwrite)
         self.folder = self.recorder.folder
         if self.live is not None:  # every recorded entry is compared (and may end the capture)
             self.recorder.observer = Guarded(self.live, lambda: self.close(write_pending=False,
@@ -325,11 +326,14 @@ class ModuleCapture:
             raise
 
     # -- public API -----------------------------------------------------------------------
-    def step(self):
+    def step(self, failed: str | None = None):
         """End the current pass and write it (always, even when empty).
 
         With ``on_nonfinite``, flags kept on an accelerator are read here (one
         copy per step) and the first offending entry is reported.
+        ``failed`` (an error's text) marks a pass cut short by an error, in its
+        sidecar: what it holds ran before the error (``%%tdi_capture`` sets it
+        when the cell raises).
 
         Returns
         -------
@@ -343,7 +347,7 @@ class ModuleCapture:
         self.recorder.warn_if_empty("no hook fired during this step. Was model.forward() called "
                                     "directly (hooks need model(...)), or did the model run under "
                                     "CUDA-graph replay or torch.compile?")
-        path = self.recorder.step()
+        path = self.recorder.step(failed)
         if self.health is not None:
             self._checked(self.health.end_pass)
         return path
@@ -410,6 +414,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             on_nonfinite: str | None = None, compare_to=None, metric: str | None = None,
             threshold=None, on_divergence: str = "raise", mapping=None, record=None,
             parallel: dict | None = None, dims: dict[str, str] | None = None,
+            overwrite: bool = False,
             environ=None) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
 
@@ -486,6 +491,11 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     dims : dict, optional
         ``{regex: dims spec}`` per entry name, e.g. ``{r"q_proj$": "b s h(tp)"}``
         (grammar: :mod:`tdinspect.align.dims`); a bad spec is an error here.
+    overwrite : bool
+        Remove the earlier runs in ``dump_dir`` (with a one-line warning
+        naming them). Without it they are kept: every capture is a new run in
+        its own ``rank<R>_pid<P>[_runN]`` folder, and ``DumpSet.open`` opens
+        the newest run (see :mod:`tdinspect.runs`).
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -507,4 +517,5 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
                          background_write=background_write, on_nonfinite=on_nonfinite,
                          parallel=parallel, dims=dims, compare_to=compare_to,
                          compare_options=dict(metric=metric, threshold=threshold,
-                                              on_divergence=on_divergence, mapping=mapping))
+                                              on_divergence=on_divergence, mapping=mapping),
+                         overwrite=overwrite)

@@ -179,7 +179,7 @@ class OpCapture:
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
                  background_write: bool | None = None, on_nonfinite: str | None = None,
                  parallel: dict | None = None, dims: dict[str, str] | None = None,
-                 compare_to=None, compare_options: dict | None = None):
+                 compare_to=None, compare_options: dict | None = None, overwrite: bool = False):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
@@ -205,7 +205,8 @@ class OpCapture:
         self.folder = None
         self._stats_only = stats_only
         self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync,
-                                 background_write=background_write, parallel=parallel, dims=dims)
+                                 background_write=background_write, parallel=parallel, dims=dims,
+                                 overwrite=overwrite)
         if config.enabled:  # bad coordinates or dims specs are errors here, not at start()
             parallel_coords(parallel)
             if dims:
@@ -232,15 +233,18 @@ class OpCapture:
         self._mode.__enter__()
         return self
 
-    def step(self):
-        """End the pass and write it (always, even when empty); returns its path."""
+    def step(self, failed: str | None = None):
+        """End the pass and write it (always, even when empty); returns its path.
+
+        ``failed`` marks a pass cut short by an error, as for :meth:`ModuleCapture.step`.
+        """
         if self.recorder is None:
             return None
         self.recorder.warn_if_empty("no aten op ran inside the capture block")
         self._seen.clear()
         self._by_storage.clear()
         with _disable_current_modes():  # the recorder's own ops are not the model's
-            path = self._checked(self.recorder.step)
+            path = self._checked(self.recorder.step, failed)
             if self.health is not None:
                 self._checked(self.health.end_pass)
             return path
@@ -448,7 +452,8 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                 background_write: bool | None = None, on_nonfinite: str | None = None,
                 parallel: dict | None = None, dims: dict[str, str] | None = None,
                 compare_to=None, metric: str | None = None, threshold=None,
-                on_divergence: str = "raise", mapping=None, environ=None) -> OpCapture:
+                on_divergence: str = "raise", mapping=None, overwrite: bool = False,
+                environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
     Parameters
@@ -469,7 +474,7 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
         Tracing works without a dump directory.
     stats_only : bool
         Statistics only, no tensors.
-    background_write : bool, optional
+    background_write, overwrite : bool, optional
         As for :func:`tdinspect.capture`.
     on_nonfinite : {"raise", "warn"}, optional
         Check every op output, forward and backward, for NaN/Inf (with or
@@ -499,4 +504,5 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                      background_write=background_write, on_nonfinite=on_nonfinite,
                      parallel=parallel, dims=dims, compare_to=compare_to,
                      compare_options=dict(metric=metric, threshold=threshold,
-                                          on_divergence=on_divergence, mapping=mapping))
+                                          on_divergence=on_divergence, mapping=mapping),
+                     overwrite=overwrite)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from ..checksum import tensor_checksum
-from ..format import pass_filename, pass_number, rank_dirname, sidecar_filename
+from ..format import pass_filename, sidecar_filename
 from ..naming import split_call
+from ..runs import new_run_folder
 from ..stats import tensor_stats
 from .writer import AsyncWriter, PendingPass
 
@@ -147,12 +148,17 @@ class Recorder:
         Also record a bitwise fingerprint of each tensor, computed on its
         device (:func:`tdinspect.checksum.tensor_checksum`), in the sidecar's
         ``checksum`` column.
+    overwrite : bool
+        Remove earlier runs in ``dump_dir`` (they are kept otherwise; this
+        capture is a new run in its own folder either way, see
+        :mod:`tdinspect.runs`).
     """
 
     def __init__(self, dump_dir: str | os.PathLike | None, *, level: str, stats_only: bool = False,
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
                  background_write: bool | None = None, parallel: dict | None = None,
-                 dims: dict[str, str] | None = None, checksum: bool = False):
+                 dims: dict[str, str] | None = None, checksum: bool = False,
+                 overwrite: bool = False):
         self.parallel = parallel_coords(parallel)
         self.dims = None
         if dims:
@@ -166,19 +172,14 @@ class Recorder:
         self.total_entries = 0
         self.pass_index = 0
         self.observer = None  # sees every entry and pass end (live comparison)
-        self.folder = self.writer = None
+        self.folder = self.writer = self.run = None
         if dump_dir is None:
             self._new_pass()
             return
-        self.folder = Path(dump_dir) / rank_dirname(self.rank, os.getpid())
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.run = new_run_folder(dump_dir, self.rank, overwrite=overwrite)
         self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
         self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give,
                                   threaded=background_write)
-        # a second capture of this process into the same folder continues the numbering:
-        # nothing already written is overwritten
-        self.pass_index = 1 + max((n for f in self.folder.iterdir()
-                                   if (n := pass_number(f.name)) is not None), default=-1)
         self._calls: dict[str, int] = {}
         self._new_pass()
 
@@ -277,8 +278,12 @@ class Recorder:
             if len(values) == n:
                 values.append(None)
 
-    def step(self) -> Path | None:
-        """End the pass: hand it to the writer (empty or not); returns its file's path."""
+    def step(self, failed: str | None = None) -> Path | None:
+        """End the pass: hand it to the writer (empty or not); returns its file's path.
+
+        ``failed`` marks a pass cut short by an error (the sidecar's ``failed``
+        field holds it): it holds what ran before the error.
+        """
         p = self._pass
         if self.observer is not None:
             self.observer.end_pass(self.pass_index)
@@ -287,6 +292,8 @@ class Recorder:
             self.pass_index += 1
             self._new_pass()
             return None
+        if failed:
+            p.header = {**p.header, "failed": failed}
         if any(s is not None for s in p.stats):
             stacked = torch.stack([s.to(torch.float64) for s in p.stats if s is not None])
             if stacked.device.type == "cuda":

@@ -5,9 +5,13 @@
 ``%tdi_diff A B [--metric M] [--threshold T] [--as NAME]``
     diff two dumps (paths or DumpSet variables) and show one summary (first
     divergence at the given metric and threshold); ``--as`` binds the Diff.
-``%%tdi_capture DIR [--model VAR] [--ops] [--filter REGEX ...]``
-    capture what the cell runs, one pass per cell run (module level on the
-    named model, or op level with ``--ops``).
+``%%tdi_capture DIR [--model VAR] [--ops] [--filter REGEX ...] [--overwrite]``
+    capture what the cell runs into a new run (module level on the named
+    model, or op level with ``--ops``). Re-running the cell makes a new run
+    beside the old one, which ``%tdi_open`` / ``%tdi_diff`` then use (they
+    open the newest run); ``--overwrite`` removes the earlier runs. A cell
+    that raises still writes what ran before the error, marked ``failed``
+    in the pass's sidecar, and says so.
 
 A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
 raises ``UsageError`` with one line saying what was looked up, so "Run All"
@@ -111,27 +115,35 @@ class TdinspectMagics(Magics):
     @argument("--model", default=None, help="variable holding the nn.Module")
     @argument("--ops", action="store_true", help="op-level capture (TorchDispatchMode)")
     @argument("--filter", nargs="*", default=None, help="regexes on names")
+    @argument("--overwrite", action="store_true", help="remove earlier runs in DIR")
     @cell_magic
     def tdi_capture(self, line, cell):
-        """Capture what the cell runs, one pass per run of the cell."""
+        """Capture what the cell runs as a new run in DIR (one pass)."""
         import tdinspect
 
         args = parse_argstring(self.tdi_capture, line)
         model = self._variable(args.model) if args.model else None
         try:
             if args.ops:
-                cap = tdinspect.capture_ops(args.dir, model=model, filter=args.filter)
+                cap = tdinspect.capture_ops(args.dir, model=model, filter=args.filter,
+                                            overwrite=args.overwrite)
             else:
                 if model is None:
                     raise UsageError("module-level capture needs --model VAR (or use --ops)")
-                cap = tdinspect.capture(model, args.dir, filter=args.filter)
+                cap = tdinspect.capture(model, args.dir, filter=args.filter,
+                                        overwrite=args.overwrite)
         except (ValueError, TypeError, OSError) as exc:
             raise _usage(exc) from exc
         with cap:
             result = self.shell.run_cell(cell)
-            path = cap.step()
-        if result.error_in_exec is None:
+            error = result.error_in_exec
+            failed = None if error is None else f"{type(error).__name__}: {error}"
+            path = cap.step(failed=failed)
+        if failed is None:
             print(f"tdinspect: wrote {path}")
+        else:
+            print(f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before the "
+                  f"error to {path}, marked failed in its sidecar")
 
 
 _TENSOR_CALL = re.compile(r"([A-Za-z_]\w*)\.tensor\(\s*(?:op\s*=\s*)?(['\"])([^'\"]*)$")

@@ -1,0 +1,180 @@
+"""Runs: a new capture never merges into an old one; several runs in a folder open one at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+
+import tdinspect
+from tdinspect import DumpSet, RunWarning, list_runs, load_pass
+from tdinspect.cli import main as cli
+
+from .conftest import ROOT
+
+
+def _model(scale=1.0):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with torch.no_grad():
+        m[0].weight.mul_(scale)
+    return m
+
+
+def _run(dump, model, steps=1, **kw):
+    x = torch.ones(2, 4)
+    with tdinspect.capture(model, dump, **kw) as d:
+        for _ in range(steps):
+            model(x)
+            d.step()
+    return d.folder
+
+
+def test_same_pid_twice_is_two_runs_never_merged(tmp_path, monkeypatch):
+    """PID 1 in two containers (or a re-run cell): the second run gets its own folder and
+    DumpSet.open gives exactly it (today it continued the first at pass 2)."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    first = _run(tmp_path, _model(), steps=2)
+    with pytest.warns(RunWarning, match=r"already holds 1 earlier run.*rank0_pid1\).*rank0_pid1_run2"):
+        second = _run(tmp_path, _model(2.0), steps=1)
+    assert (first.name, second.name) == ("rank0_pid1", "rank0_pid1_run2")
+    assert sorted(p.name for p in second.iterdir()) == ["pass00000.json", "pass00000.pt", "run.json"]
+    assert list(load_pass(second / "pass00000.pt"))  # the documented layout, plain torch.load
+    ids = {json.loads((f / "run.json").read_text())["run_id"] for f in (first, second)}
+    assert len(ids) == 2
+    with pytest.warns(RunWarning, match=r"holds 2 runs; opened the newest, rank0_pid1_run2"):
+        ds = DumpSet.open(tmp_path)
+    assert ds.passes == [0] and ds.run.name == "rank0_pid1_run2"
+    expected = _model(2.0)[0](torch.ones(2, 4))
+    assert torch.equal(ds.tensor("model.0"), expected.detach())
+    old = DumpSet.open(tmp_path, run=-2)
+    assert old.passes == [0, 1] and old.run.name == "rank0_pid1"
+    assert DumpSet.open(tmp_path, run="rank0_pid1").passes == [0, 1]
+    assert [r.name for r in list_runs(tmp_path)] == ["rank0_pid1", "rank0_pid1_run2"]
+    assert [r.name for r in DumpSet.runs(tmp_path)] == ["rank0_pid1", "rank0_pid1_run2"]
+    with pytest.raises(tdinspect.DumpFormatError, match="holds 2 run"):
+        DumpSet.open(tmp_path, run=5)
+
+
+def test_new_pid_after_restart_opens_the_newest(tmp_path, monkeypatch):
+    """A kernel restart: a new pid folder beside the old one no longer fails the open."""
+    for pid, scale in ((100, 1.0), (200, 3.0)):
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        _run(tmp_path, _model(scale))
+    monkeypatch.undo()
+    with pytest.warns(RunWarning, match="opened the newest, rank0_pid200"):
+        ds = DumpSet.open(tmp_path)
+    assert torch.equal(ds.tensor("model.0"), _model(3.0)[0](torch.ones(2, 4)).detach())
+    with pytest.warns(RunWarning):
+        assert DumpSet.open(tmp_path).diff(DumpSet.open(tmp_path, run=-2)).first_divergence()
+
+
+def test_overwrite_removes_earlier_runs_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    _run(tmp_path, _model())
+    with pytest.warns(RunWarning):
+        _run(tmp_path, _model())
+    with pytest.warns(RunWarning, match=r"overwrite=True removed 2 earlier run folder\(s\).*"
+                                        r"rank0_pid7, rank0_pid7_run2"):
+        folder = _run(tmp_path, _model(2.0), overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert len(list_runs(tmp_path)) == 1
+
+
+def test_ranks_of_one_run_open_together_runs_apart(tmp_path, monkeypatch):
+    """Two runs of two ranks each (world size known): grouped by run, newest opened."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for scale in (1.0, 2.0):
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            if scale == 2.0:
+                with pytest.warns(RunWarning):
+                    _run(tmp_path, _model(scale))
+            else:
+                _run(tmp_path, _model(scale))
+    runs = list_runs(tmp_path)
+    assert [r.ranks for r in runs] == [[0, 1], [0, 1]]
+    with pytest.warns(RunWarning):
+        ds = DumpSet.open(tmp_path)
+    assert ds.ranks == [0, 1]
+    assert all(f.path.name.endswith("_run2") for f in ds.run.folders)
+    assert DumpSet.open(tmp_path, run=0).ranks == [0, 1]
+
+
+def test_ranks_without_world_size_group_by_start_time(tmp_path, monkeypatch):
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        _run(tmp_path, _model())
+    assert [r.ranks for r in list_runs(tmp_path)] == [[0, 1]]
+    assert DumpSet.open(tmp_path).ranks == [0, 1]  # one run: no warning needed
+
+
+def test_dumps_without_manifests_still_open(tmp_path):
+    for rank, pid in ((0, 11), (1, 22)):
+        d = tmp_path / f"rank{rank}_pid{pid}"
+        d.mkdir()
+        torch.save({"model.a": torch.ones(2)}, d / "pass00000.pt")
+    assert DumpSet.open(tmp_path).ranks == [0, 1]
+    assert [r.ranks for r in list_runs(tmp_path)] == [[0, 1]]
+
+
+def test_cli_ls_lists_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    _run(tmp_path, _model(), steps=2)
+    with pytest.warns(RunWarning):
+        _run(tmp_path, _model())
+    with pytest.warns(RunWarning):
+        assert cli(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs" in out and "rank0_pid1 (started" in out and "rank0_pid1_run2 (started" in out
+    assert cli(["ls", str(tmp_path), "--run", "-2"]) == 0
+    assert "2 passes" in capsys.readouterr().out
+
+
+def _notebook(cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(ROOT)}}).execute()
+    return ["".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+                    + "".join(o.get("traceback", [])) for o in cell.outputs) for cell in nb.cells]
+
+
+def test_rerun_capture_cells_give_the_new_run(tmp_path):
+    """Fix the bad model, re-run its capture cell: %tdi_diff sees the new run, not pass 0 of the
+    old one; a failing cell says so and marks its pass; a kernel restart opens fine."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    setup = ("import torch\ntorch.manual_seed(0)\nm = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+             "x = torch.ones(2, 4)\nimport copy\nb = copy.deepcopy(m)\n"
+             "with torch.no_grad(): b[0].weight.mul_(2)\n%load_ext tdinspect")
+    out = _notebook([
+        setup,
+        f"%%tdi_capture {good} --model m\nm(x)",
+        f"%%tdi_capture {bad} --model b\nb(x)",
+        f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
+        f"b = m\n",
+        f"%%tdi_capture {bad} --model b\nb(x)",
+        f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
+        f"%%tdi_capture {tmp_path / 'fail'} --model m\nm(x)\n1/0",
+        f"%%tdi_capture {bad} --model b --overwrite\nb(x)",
+    ])
+    assert "DIV True" in out[3]
+    assert "earlier run" in out[5] and "_run2" in out[5]
+    assert "DIV False" in out[6] and "opened the newest" in out[6]
+    assert "ZeroDivisionError" in out[7] and "the cell raised ZeroDivisionError" in out[7]
+    assert "marked failed" in out[7]
+    assert "removed 2 earlier run folder(s)" in out[8]
+    (folder,) = (tmp_path / "fail").iterdir()
+    side = json.loads((folder / "pass00000.json").read_text())
+    assert side["failed"].startswith("ZeroDivisionError") and side["entries"]["key"] == ["model.0"]
+    assert "cut short by an error" in repr(DumpSet.open(tmp_path / "fail"))
+    # a restarted kernel (a new pid): the folders of the earlier kernel do not make it fail
+    out = _notebook([setup, f"%%tdi_capture {good} --model m\nm(x)",
+                     f"%tdi_open g {good}\nprint('PASSES', g.passes, g.run.name)",
+                     f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)"])
+    assert "PASSES [0] rank0_pid" in out[2] and "several folders" not in out[2]
+    assert "DIV False" in out[3]
