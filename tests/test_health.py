@@ -111,7 +111,7 @@ def test_warn_goes_on_and_dump_keeps_complete_passes(tmp_path):
         with tdinspect.capture(model, tmp_path / "r", on_nonfinite="raise") as cap:
             _run(model, cap, passes=3)
     assert sorted(p.name for p in only_folder(tmp_path / "r").iterdir()) == [
-        "pass00000.json", "pass00000.pt"]
+        "pass00000.json", "pass00000.pt", "run.json"]
     with pytest.raises(tdinspect.ConfigError, match="on_nonfinite"):
         tdinspect.capture(model, on_nonfinite="stop")
 
