@@ -5,7 +5,9 @@ that differ by float32-sized noise, each ``--passes`` x ``--entries`` tensors ``
 
 - unshard: both runs 2-way tensor parallel (each rank holds half of ``hidden``: dims
   ``"s h(tp)"``; with ``--mixed``, a quarter of the entries are partial sums
-  ``"s h(tp,partial)"`` and a quarter replicated); ``diff(unshard=True)`` against the plain
+  ``"s h(tp,partial)"`` and a quarter replicated; with ``--checksum`` the replicas are
+  settled from capture's checksums instead of a bitwise comparison when read);
+  ``diff(unshard=True)`` against the plain
   diff of the same files (rank by rank);
 - concat: both runs decode-like, each entry ``--calls`` calls of ``seq / calls`` positions;
   ``diff(concat="call:0")`` against the plain diff of the same values stored as whole entries
@@ -50,7 +52,7 @@ def write(root: Path, a: argparse.Namespace, *, layout: str, noise: float = 0.0)
     for rank in range(ranks):
         os.environ["RANK"] = str(rank)
         rec = Recorder(root, level="module", parallel={"tp": (rank, ranks)} if ranks > 1 else None,
-                       dims=dims, background_write=False)
+                       dims=dims, background_write=False, checksum=a.checksum)
         for p in range(a.passes):
             for e in range(a.entries):
                 kind = _kind(e, a.mixed)
@@ -88,6 +90,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mixed", action="store_true")
+    parser.add_argument("--checksum", action="store_true",
+                        help="capture checksums: replicated entries are settled from them")
     parser.add_argument("--dir", default=None)
     a = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-unshard-", dir=a.dir))
@@ -119,7 +123,8 @@ def main() -> None:
         base = {"unshard": rate["tp2 plain"], "concat": rate["whole plain"]}
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {a.passes} passes x "
               f"{a.entries} entries of [{a.seq}, {a.hidden}] float32"
-              + (" (mixed: 1/2 tp, 1/4 partial, 1/4 replicated)" if a.mixed else " (all tp)"))
+              + (" (mixed: 1/2 tp, 1/4 partial, 1/4 replicated)" if a.mixed else " (all tp)")
+              + (", checksums" if a.checksum else ""))
         for k, (_, nbytes) in runs.items():
             ratio = f"ratio to plain {rate[k] / base[k]:.2f} (target >= 0.8)" if k in base else ""
             print(f"  {k:11s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:5.2f} GB/s  {ratio:34s}"

@@ -66,10 +66,11 @@ def test_capture_rejects_bad_dims_and_coordinates(tmp_path):
 
 
 # -- assembling shards --------------------------------------------------------------------
-def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict):
+def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict, checksum=False):
     os.environ["RANK"] = str(rank)
     try:
-        rec = Recorder(root, level="module", parallel=coords, dims=dims, background_write=False)
+        rec = Recorder(root, level="module", parallel=coords, dims=dims, background_write=False,
+                       checksum=checksum)
     finally:
         del os.environ["RANK"]
     for key, t in entries.items():
@@ -124,6 +125,19 @@ def test_unsharded_entries_without_dims_must_agree(tmp_path):
         .first_divergence()
     assert div.key == "x.differs" and div.structural
     assert "B: no dims and not replicated: rank 0 and rank 1" in div.reason
+
+
+def test_replicas_with_checksums_are_settled_without_reading(tmp_path):
+    for rank in range(2):
+        _write_rank(tmp_path, rank, {"tp": (rank, 2)},
+                    {"x.same": torch.ones(4), "x.differs": torch.full((4,), float(rank))}, {},
+                    checksum=True)
+    u = tdinspect.DumpSet.open(tmp_path).unshard()
+    plans = u.get_pass(0).plans
+    assert plans["x.same"]["op"] == "read"  # the checksums agree: rank 0's copy, no comparison
+    assert plans["x.differs"]["op"] == "error"
+    assert "checksums differ (rank 0: " in plans["x.differs"]["reason"]
+    assert torch.equal(u.tensor("x.same"), torch.ones(4))
 
 
 def test_dims_given_at_open_for_foreign_dumps(tmp_path):

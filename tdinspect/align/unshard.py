@@ -49,8 +49,14 @@ def _label(ranks: list[int], axis: str, i: int, size: int) -> str:
 
 
 def plan_entry(key: str, spec_text: str | None, holders: list[int],
-               coords: dict[int, dict[str, list[int]]], shapes: dict[int, Any]) -> dict:
-    """The plan of one logical entry from the ranks in ``holders`` that hold ``key``."""
+               coords: dict[int, dict[str, list[int]]], shapes: dict[int, Any],
+               checksums: dict[int, str | None] | None = None) -> dict:
+    """The plan of one logical entry from the ranks in ``holders`` that hold ``key``.
+
+    An entry without dims is a replica: with every rank's checksum recorded
+    (``capture(checksum=True)``) they settle it without reading; otherwise
+    the copies are compared bitwise when read.
+    """
     everyone = sorted(coords)
     if spec_text is None:
         if len(holders) == 1 and len(everyone) == 1:
@@ -61,6 +67,13 @@ def plan_entry(key: str, spec_text: str | None, holders: list[int],
         if len({tuple(shapes[r] or ()) for r in holders}) > 1:
             seen = ", ".join(f"rank {r}: {shapes[r]}" for r in holders)
             return error(f"no dims and shapes differ across ranks ({seen}); give it dims")
+        sums = [(checksums or {}).get(r) for r in holders]
+        if all(c is not None for c in sums):
+            if len(set(sums)) == 1:
+                return read(holders[0], key)
+            seen = ", ".join(f"rank {r}: {c}" for r, c in zip(holders, sums))
+            return error(f"no dims and not replicated: the ranks' checksums differ ({seen}); "
+                         "give the entry dims, e.g. dims={regex: 'b s h(tp)'}")
         return {"op": "same", "parts": [read(r, key) for r in holders],
                 "labels": [f"rank {r}" for r in holders]}
     try:
@@ -118,13 +131,15 @@ def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:
         holders = [r for r in ranks if key in passes[r].position]
         specs = {passes[r].dims[passes[r].position[key]] for r in holders}
         shapes = {r: passes[r].shape[passes[r].position[key]] for r in holders}
+        checksums = {r: passes[r].checksum[passes[r].position[key]] if passes[r].checksum else None
+                     for r in holders}
         first[key] = (holders[0], passes[holders[0]].position[key])
         if len(specs) > 1:
             plans[key] = error(f"ranks disagree on its dims: {sorted(map(str, specs))}")
             continue
         spec = specs.pop()
         dims[key] = spec
-        plans[key] = plan_entry(key, spec, holders, coords, shapes)
+        plans[key] = plan_entry(key, spec, holders, coords, shapes, checksums)
     some = passes[ranks[0]]
     return LogicalPass.build(0, some.index, dict(passes), plans, first, dims=dims,
                              what=f"unsharded from ranks {ranks}")
