@@ -65,6 +65,19 @@ def test_capture_rejects_bad_dims_and_coordinates(tmp_path):
         tdinspect.capture_ops(tmp_path / "c", dims={"0": "x(zigzag)"})
 
 
+def test_capture_ops_records_coordinates_and_dims(tmp_path):
+    lin = torch.nn.Linear(4, 6)
+    with torch.no_grad(), tdinspect.capture_ops(tmp_path, model=lin, parallel={"cp": (0, 1)},
+                                                dims={r"aten\.(addmm|mm)": "s h(tp)"}) as dump:
+        lin(torch.randn(3, 4))
+        dump.step()
+    pi = tdinspect.DumpSet.open(tmp_path).get_pass(0)
+    assert pi.parallel == {"cp": [0, 1]}
+    specs = {k: d for k, d in zip(pi.keys, pi.dims) if d}
+    assert specs and all("addmm" in k or "/aten.mm" in k for k in specs)
+    assert set(specs.values()) == {"s h(tp)"}
+
+
 # -- assembling shards --------------------------------------------------------------------
 def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict, checksum=False):
     os.environ["RANK"] = str(rank)
