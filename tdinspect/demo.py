@@ -33,7 +33,7 @@ def run_demo(out: str | None = None) -> int:
     div = diff.first_divergence(threshold=1e-3, metric="rel_diff")
     print(f"first divergence: {div.key} (pass {div.pass_}, call {div.call})\n  {div.reason}"
           if div else "no divergence")
-    growth = diff.growth(progress=False).query("`pass` == 0 and error > 0")
+    growth = diff.growth(progress=False).query("`pass` == 0")  # only entries that add error
     growth = growth.sort_values("growth", ascending=False).head(3)
     print("entries that add the most error in pass 0 (growth = error / largest error before it):")
     for row in growth.itertuples():

@@ -799,13 +799,18 @@ class Diff:
         df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
         return df
 
-    def growth(self, metric: str | None = None, progress: bool = True):
-        """How much each entry's error grows over the largest error before it (per pass).
+    def growth(self, metric: str | None = None, progress: bool = True, *, all_entries: bool = False):
+        """The entries that add error: how much each grows the largest error before it (per pass).
 
         ``growth = error / max(error of earlier entries)``: an op that
         *introduces* error stands out (large growth) from those that inherit
-        it (growth near 1). ``cosine`` and ``sqnr_db`` are turned into errors
-        (``1 - cosine``, ``10**(-sqnr/10)``) first.
+        it. Only entries whose error exceeds every earlier one (``added > 0``)
+        are listed, unless ``all_entries``. ``cosine`` and ``sqnr_db`` are
+        turned into errors (``1 - cosine``, ``10**(-sqnr/10)``) first.
+
+        Examples
+        --------
+        >>> diff.growth().sort_values("growth", ascending=False).head(3)   # doctest: +SKIP
         """
         m = self._check_metric(metric)
         df = self.table(progress).sort_values(["rank", "pass", "order"]).reset_index(drop=True)
@@ -816,6 +821,8 @@ class Diff:
         df["growth"] = np.where(prev > 0, err / prev.where(prev > 0, 1.0),
                                 np.where(err > 0, np.inf, 1.0))
         df["added"] = err - prev
+        if not all_entries:
+            df = df[df["added"] > 0].reset_index(drop=True)
         return df[["rank", "pass", "order", "key", "error", "prev_max", "growth", "added"]]
 
     def introduced(self, metric: str | None = None, progress: bool = True) -> pd.DataFrame:

@@ -298,3 +298,42 @@ def test_entry_names_complete_inside_tensor_call(runs):
     out = _text(nb.cells[1])
     assert "ds.tensor('model.layers.2.mlp.down\"" in out and "ds.tensor('model.layers.2.mlp.up\"" in out
     assert "model.layers.1" not in out
+
+
+def test_html_reprs_are_themed_collapsible_and_say_what_differs(runs, tmp_path):
+    import re
+
+    ref = DumpSet.open(runs["ref"])
+    ds_html = ref._repr_html_()
+    assert ds_html.count("<details") >= 2 and "<summary>" in ds_html and "var(--jp-" in ds_html
+    diff = ref.diff(DumpSet.open(runs["wrong"]).sel(pass_=[0, 1]))
+    html = diff._repr_html_()
+    for page in (ds_html, html):  # colours come from the theme only
+        assert not re.search(r"#[0-9a-fA-F]{3}(?:[0-9a-fA-F]{3})?\b|rgb\(", page)
+    differ = html.index("the two sides differ")
+    assert "passes only in A: [2]" in html and differ < html.index("first divergence")
+    assert "1.58e-02" in html or re.search(r"\d\.\d\de-0\d", html)  # scientific notation
+    ops = DumpSet.open(ROOT / "sample_dumps" / "ops_layernorm_f32").diff(
+        ROOT / "sample_dumps" / "ops_layernorm")
+    html = ops._repr_html_()
+    assert "entry names only in B" in html
+    found = re.search(r"structural problems in the (\d+) of (\d+) \(rank, pass\) pairs compared so far"
+                      r" <span class='n'>\((\d+)\)</span>", html)
+    n_structural = int(ops.table(progress=False)["structural"].sum())
+    assert found and int(found.group(3)) == n_structural > 0
+    assert "0.000001" not in html
+
+
+def test_growth_and_the_demo_list_only_entries_that_add_error(runs, tmp_path, capsys):
+    from tdinspect.demo import run_demo
+
+    diff = DumpSet.open(runs["ref"]).diff(runs["bf16"])
+    grow = diff.growth(progress=False)
+    every = diff.growth(progress=False, all_entries=True)
+    assert len(grow) < len(every) and (grow["added"] > 0).all() and (grow["growth"] > 1).all()
+    assert run_demo(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    listed = out.split("entries that add the most error")[1].splitlines()[1:]
+    listed = [line for line in listed if line.startswith("  ")]
+    assert listed and all("first error" in line or float(line.rsplit("(x", 1)[1].rstrip(")")) > 1
+                          for line in listed)
