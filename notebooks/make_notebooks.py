@@ -48,7 +48,8 @@ def main():
         CODE("import tdinspect\nref = tdinspect.DumpSet.open('../sample_dumps/float32')\n"
              "diff = ref.diff('../sample_dumps/wrong_layer')\ndiff.first_divergence()"),
         MD("The first entry over the threshold is the layer we broke. Everything after it carries the "
-           "error; `growth` tells which entry *adds* error (growth ≫ 1) and which only inherit it:"),
+           "error; `growth` lists only the entries that *add* error (growth = error / largest error "
+           "before it), not those that inherit it:"),
         CODE("diff.growth().query('`pass` == 0').sort_values('growth', ascending=False).head(5)"),
         CODE("fig = tdinspect.plot.divergence(diff, threshold=1e-3)"),
         MD("## float32 vs bfloat16\n\nA precision change is not a bug: errors are small everywhere and grow "
@@ -68,10 +69,26 @@ def main():
              "buf = io.StringIO()\nwith tdinspect.capture_ops(trace=buf):\n"
              "    layernorm_test(torch.bfloat16)\nprint(buf.getvalue())"),
         CODE("bf16 = tdinspect.DumpSet.open('../sample_dumps/ops_layernorm')\nbf16.ops"),
-        MD("Compare the bf16 run against the float32 one (the reference):"),
+        MD("Compare the bf16 run against the float32 one (the reference). The bf16 run casts its "
+           "inputs with `_to_copy` ops that the float32 run never calls: those entries exist only in "
+           "B. One-sided entries are *structural* divergences, so they come first by default, and "
+           "say nothing about precision:"),
         CODE("f32 = tdinspect.DumpSet.open('../sample_dumps/ops_layernorm_f32')\n"
-             "d = f32.diff(bf16)\nd.table(progress=False)[['key', 'dtype_a', 'dtype_b', 'rel_diff', "
-             "'reason']].head(12)"),
+             "d = f32.diff(bf16)\nd.first_divergence()"),
+        MD("`structural=\"report\"` sets the casts aside (listed, not hidden) and looks for the first "
+           "*numeric* divergence:"),
+        CODE("div = d.first_divergence(structural='report')\ndiv"),
+        MD("It is the `sum` of the LayerNorm output, the test's loss. A LayerNorm output has mean 0 "
+           "by construction, so its sum is a cancellation: float32 gets about -4e-6, bfloat16 "
+           "(rounding every partial sum to 8 bits of mantissa) about -0.05. A large *relative* "
+           "difference of a number that should be 0, and harmless: the backward pass starts from "
+           "`ones_like` (identical on both sides, rel_diff 0), not from the loss value. Where bf16 "
+           "really loses precision is the LayerNorm itself and its backward:"),
+        CODE("t = d.table(progress=False)\n"
+             "t[t['key'].str.contains('native_layer_norm|sum|ones_like') & (t['reason'] == '')][\n"
+             "    ['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']]"),
+        MD("`rel_diff_cast` compares after rounding the float32 side to bfloat16: near 0 for the "
+           "forward inputs (bf16 got exactly the rounded inputs), not 0 for the outputs."),
         MD("Is `native_layer_norm` itself wrong in bf16, or did it receive rounded inputs? Replay it on "
            "its recorded inputs in float64:"),
         CODE("tdinspect.replay(bf16, 'model.LayerNorm/aten.native_layer_norm.default')"),
@@ -125,6 +142,34 @@ def main():
            "```\ntdinspect suggest-mapping ref/ port/ > map.yaml\n"
            "tdinspect first-divergence ref/ port/ --mapping map.yaml --structural report\n```"),
         CODE("print(s.to_yaml()[:600])"),
+    ])
+
+    save("05_magics.ipynb", [
+        MD("# 5. The magics: capture, open and diff from cells\n\n`%load_ext tdinspect` adds "
+           "`%%tdi_capture`, `%tdi_open` and `%tdi_diff`. We capture a model and a copy of it with "
+           "one weight (`layers.2.mlp.down`) scaled by 1.2, then find where they part."),
+        CODE("%load_ext tdinspect\nimport tempfile, torch, tdinspect\nfrom tdinspect.examples import make_model, "
+             "make_tokens\ngood, bad = make_model(seed=0), make_model(seed=0)\nwith torch.no_grad():\n"
+             "    bad.get_parameter('layers.2.mlp.down.weight').mul_(1.2)\n"
+             "x = make_tokens(seed=0)\nout = tempfile.mkdtemp()  # `$out` expands in magic lines"),
+        MD("`%%tdi_capture DIR --model VAR` captures what the cell runs, one pass per run of the cell:"),
+        CODE("%%tdi_capture $out/good --model good\nwith torch.no_grad():\n    good(x)"),
+        CODE("%%tdi_capture $out/bad --model bad\nwith torch.no_grad():\n    bad(x)"),
+        MD("`%tdi_open NAME PATH` opens a dump into a variable and shows its summary:"),
+        CODE("%tdi_open ref $out/good"),
+        MD("`%tdi_diff A B` takes variables or folders and shows one summary; `--as d` keeps the Diff:"),
+        CODE("%tdi_diff ref $out/bad --as d"),
+        MD("The summary follows `--metric` and `--threshold`:"),
+        CODE("%tdi_diff ref $out/bad --metric cosine --threshold 0.9999"),
+        MD("A mistake stops the cell with one line saying what was looked up, so *Run All* stops "
+           "there instead of failing later:"),
+        nbf.v4.new_code_cell("%tdi_diff ref nosuch", metadata={"tags": ["raises-exception"]}),
+        MD("With the extension loaded, entry names complete inside `ref.tensor('...` (press Tab); a "
+           "misspelt one gets the closest names:"),
+        CODE("try:\n    ref.tensor('model.layers.2.mlp.dwn')\nexcept KeyError as exc:\n    print(exc)"),
+        CODE("ref.tensor('model.layers.2.mlp.down').shape"),
+        MD("The kept Diff goes on to the explorer (metric, threshold, pass and entry pickers):"),
+        CODE("tdinspect.explore(d)"),
     ])
 
 

@@ -603,7 +603,7 @@ class Diff:
         reason = rows["reason"].astype(str)
         return rows["structural"].to_numpy(bool) & ~reason.str.startswith("NaN/Inf").to_numpy(bool)
 
-    def structural_entries(self, progress: bool = True) -> pd.DataFrame:
+    def structural_entries(self, progress: bool | None = None) -> pd.DataFrame:
         """Every entry that differs in structure rather than in numbers (reads every pass).
 
         Columns ``rank``, ``pass``, ``order``, ``key``, ``key_b``, ``reason``.
@@ -776,20 +776,22 @@ class Diff:
                                  "first_position": int(hit[0]) if len(hit) else -1})
         return da.isel(rank=0, drop=True) if len(ranks) == 1 else da
 
-    def table(self, progress: bool = True) -> pd.DataFrame:
-        """Every compared entry as a ``pandas.DataFrame`` (reads every pass)."""
-        from tqdm.auto import tqdm
+    def table(self, progress: bool | None = None) -> pd.DataFrame:
+        """Every compared entry as a ``pandas.DataFrame`` (reads every pass).
 
-        jobs = len(self._jobs())
-        frames = [rows for _, rows in tqdm(self.iter_passes(), total=jobs, desc="diff", leave=False,
-                                           disable=not progress)]
+        ``progress``: a bar when True; by default only in a terminal (see :mod:`tdinspect.progress`).
+        """
+        from .progress import bar
+
+        frames = [rows for _, rows in bar(self.iter_passes(), progress, total=len(self._jobs()),
+                                          desc="diff")]
         frames = [f for f in frames if len(f)]
         if not frames:
             return pd.DataFrame(columns=COLUMNS)
         return pd.concat(frames, ignore_index=True)
 
     def divergences(self, threshold: float | dict | None = None, metric: str | None = None,
-                    progress: bool = True) -> pd.DataFrame:
+                    progress: bool | None = None) -> pd.DataFrame:
         """All divergent entries in execution order, with their reasons (a DataFrame)."""
         m = self._check_metric(metric)
         thr_fn = threshold_fn(threshold, m.name)
@@ -799,7 +801,7 @@ class Diff:
         df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
         return df
 
-    def growth(self, metric: str | None = None, progress: bool = True, *, all_entries: bool = False):
+    def growth(self, metric: str | None = None, progress: bool | None = None, *, all_entries: bool = False):
         """The entries that add error: how much each grows the largest error before it (per pass).
 
         ``growth = error / max(error of earlier entries)``: an op that
@@ -975,7 +977,8 @@ def reason_of(row, m, thr_fn) -> str:
     if row["structural"]:
         return row["reason"]
     value, thr = row[m.name], thr_fn(row["op"])
-    return f"{m.name} {value:.3g} {'>' if m.higher_is_worse else '<'} {thr:g}"
+    digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)
+    return f"{m.name} {value:.{digits}g} {'>' if m.higher_is_worse else '<'} {thr:g}"
 
 
 def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str = "") -> Divergence:

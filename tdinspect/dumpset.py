@@ -271,19 +271,18 @@ class DumpSet:
         return ds
 
     # -- the cube -----------------------------------------------------------------------
-    def ensure_stats(self, progress: bool = True) -> None:
-        """Compute statistics for passes without sidecars (with a progress bar)."""
+    def ensure_stats(self, progress: bool | None = None) -> None:
+        """Compute statistics for passes without sidecars (a progress bar: see :mod:`tdinspect.progress`)."""
         todo = [pi for pi in self._passes.values() if pi.stats is None]
         if not todo:
             return
-        from tqdm.auto import tqdm
+        from .progress import bar
 
         results = map_in_waves(_stats_of, todo, client=self.client)
-        for pi, stats in tqdm(zip(todo, results), total=len(todo), desc="statistics",
-                              disable=not progress, leave=False):
+        for pi, stats in bar(zip(todo, results), progress, total=len(todo), desc="statistics"):
             pi.stats = stats
 
-    def entries(self, progress: bool = True):
+    def entries(self, progress: bool | None = None):
         """A long-format ``pandas.DataFrame``: one row per entry of every pass."""
         import pandas as pd
 
@@ -299,7 +298,7 @@ class DumpSet:
         return pd.DataFrame(rows, columns=["rank", "pass", "op", "call", "order", "key", "dtype",
                                            "shape", "module_type", *STAT_NAMES])
 
-    def to_xarray(self, progress: bool = True) -> "xr.Dataset":
+    def to_xarray(self, progress: bool | None = None) -> "xr.Dataset":
         """The cube: dims ``op``, ``call``, ``pass`` (and ``rank`` when several).
 
         Variables are the statistics of :mod:`tdinspect.stats` and ``order``;

@@ -46,8 +46,10 @@ def fmt(v: Any) -> str:
 
 
 def _sci(v: Any) -> str:
+    """Small and large numbers in scientific notation; others with enough digits to tell
+    0.99996 from 1 (cosine)."""
     if isinstance(v, float) and math.isfinite(v) and v != 0:
-        return f"{v:.2e}"
+        return f"{v:.2e}" if not 1e-3 <= abs(v) < 1e4 else f"{v:.6g}"
     return fmt(v)
 
 
@@ -212,7 +214,7 @@ class DiffSummary:
         from .metrics import metric
 
         t = metric(self.metric).default_threshold if self.threshold is None else self.threshold
-        return html.escape(str(t) if isinstance(t, dict) else f"{t:.3g}")
+        return html.escape(str(t) if isinstance(t, dict) else f"{t:g}")
 
     def _repr_html_(self) -> str:
         d = self.diff

@@ -148,7 +148,7 @@ def test_dumpset_explorer_search_and_sliders(runs):
     assert "model.expert" in ex.stats.value
     ex.call.value = 2
     ex.pass_.value = 1
-    assert "model.expert::call2" in ex.stats.value and "e-0" in ex.stats.value  # scientific
+    assert "model.expert::call2" in ex.stats.value
     assert "<table" in ex.stats.value and "<style" in ex.stats.value
     heat, hist = ex.fig.axes[0], ex.fig.axes[1]
     assert heat.get_xlabel().startswith("last dim") and heat.get_ylabel() == "other dims, flattened"
@@ -312,7 +312,10 @@ def test_html_reprs_are_themed_collapsible_and_say_what_differs(runs, tmp_path):
         assert not re.search(r"#[0-9a-fA-F]{3}(?:[0-9a-fA-F]{3})?\b|rgb\(", page)
     differ = html.index("the two sides differ")
     assert "passes only in A: [2]" in html and differ < html.index("first divergence")
-    assert "1.58e-02" in html or re.search(r"\d\.\d\de-0\d", html)  # scientific notation
+    from tdinspect.report import DiffSummary
+
+    small = DiffSummary(ref.diff(runs["bf16"]), threshold=1e-5)._repr_html_()
+    assert re.search(r">\d\.\d\de-0\d<", small) and ">0.000" not in small  # scientific notation
     ops = DumpSet.open(ROOT / "sample_dumps" / "ops_layernorm_f32").diff(
         ROOT / "sample_dumps" / "ops_layernorm")
     html = ops._repr_html_()
@@ -337,3 +340,37 @@ def test_growth_and_the_demo_list_only_entries_that_add_error(runs, tmp_path, ca
     listed = [line for line in listed if line.startswith("  ")]
     assert listed and all("first error" in line or float(line.rsplit("(x", 1)[1].rstrip(")")) > 1
                           for line in listed)
+
+
+def test_committed_notebooks_carry_widget_state_and_no_frozen_progress():
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    magics = ROOT / "notebooks" / "05_magics.ipynb"
+    assert magics in notebooks
+    for path in notebooks:
+        nb = nbformat.read(path, as_version=4)
+        state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+        models = state.get("state", {})
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+                assert "it/s]" not in text and "%|" not in text, (path.name, text)  # no tqdm bar
+                view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
+                if view:  # a widget shown in the saved notebook has its state saved with it
+                    assert view["model_id"] in models, (path.name, cell.source[:60])
+    nb = nbformat.read(magics, as_version=4)
+    sources = "\n".join(c.source for c in nb.cells)
+    assert "%%tdi_capture" in sources and "%tdi_open" in sources and "--metric cosine" in sources
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "UsageError: `nosuch` is neither a variable" in text and "did you mean" in text
+    assert "cosine 0.9996 &lt; 0.9999" in text and "threshold: 0.9999" in text  # not "cosine 1 < 1"
+
+
+def test_progress_is_off_in_jupyter_unless_asked(runs, capsys):
+    from tdinspect.progress import wanted
+
+    assert wanted(True) and not wanted(False)
+    diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
+    diff.table()  # pytest's stderr is not a terminal, like a kernel's: no bar
+    assert "diff" not in capsys.readouterr().err
+    DumpSet.open(runs["ref"]).diff(runs["wrong"]).table(progress=True)
+    assert "diff" in capsys.readouterr().err
