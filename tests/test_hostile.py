@@ -122,16 +122,21 @@ def test_replay_runs_only_operators_without_side_effects(op, why):
 
 @pytest.mark.parametrize("leaf", [{"dtype": "load"}, {"layout": "save"}, {"device": 3},
                                   {"f": "__import__('os')"}, {"t": ["x"]}, {"a": 1, "b": 2},
-                                  [1, 2], {"memory_format": "__class__"}])
+                                  [1, 2], {"memory_format": "__class__"}, {"complex": 5},
+                                  {"complex": ["a", "b"]}])
 def test_replay_arguments_are_plain_data(tmp_path, leaf):
-    sidecar = _capture(tmp_path)
+    sidecar = _capture(tmp_path / "a")
+    _capture(tmp_path / "b")
 
     def change(doc, e):
         i = e["key"].index("model/aten.mul.Tensor[out0]")
         e["call_args"][i]["leaves"][1] = leaf
     _edit(sidecar, change)
     with pytest.raises(DumpFormatError, match="pass0000"):
-        tdinspect.replay(tmp_path, "model/aten.mul.Tensor")
+        tdinspect.replay(tmp_path / "a", "model/aten.mul.Tensor")
+    # the diff names the differing argument as text, whatever the sidecar holds there
+    div = DumpSet.open(tmp_path / "b").diff(tmp_path / "a").first_divergence()
+    assert div is None or div.key.startswith("model/")
 
 
 def test_replay_argument_structure_names_no_other_type(tmp_path):
@@ -279,7 +284,9 @@ def _json_values(canary):
                                                          "view", "same", "t", "dtype"]))
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                         | st.dictionaries(st.sampled_from(["kind", "of", "t", "aten", "spec",
-                                                            "leaves", "base", "view", "dtype", "x"]),
+                                                            "leaves", "base", "view", "dtype", "x",
+                                                            "complex", "f", "repr", "device",
+                                                            "layout", "memory_format"]),
                                           inner, max_size=4), max_leaves=12)
 
 
@@ -315,7 +322,7 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
     columns = sorted(original["entries"])
     n = len(original["entries"]["key"])
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck),
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck),
               derandomize=True)
     @given(edits=st.lists(st.tuples(st.sampled_from(columns + ["<header>", "<stats_only>"]),
                                     st.integers(0, n - 1), _json_values(canary)),
@@ -329,9 +336,10 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
             elif col == "<stats_only>":
                 doc["stats_only"] = value
             elif isinstance(doc.get("entries"), dict):
+                old = doc["entries"].get(col)
+                old = old if isinstance(old, list) else []
                 doc["entries"][col] = (value if row == 0 and isinstance(value, list)
-                                       else [*doc["entries"][col][:row], value,
-                                             *doc["entries"][col][row + 1:]])
+                                       else [*old[:row], value, *old[row + 1:]])
         pt = sidecar.with_suffix(".pt")
         pt.write_bytes(pt_bytes)
         if stats_only:  # a statistics-only pass: the sidecar alone

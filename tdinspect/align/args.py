@@ -45,8 +45,10 @@ def _show(leaf: Any) -> str:
                 return f"torch.{leaf[k]}"
         if "device" in leaf:
             return f"device {leaf['device']!r}"
-        if "complex" in leaf:
-            return repr(complex(*leaf["complex"]))
+        if "complex" in leaf:  # a sidecar is data: show what is there, whatever its shape
+            c = leaf["complex"]
+            ok = isinstance(c, list) and len(c) == 2 and all(type(v) in (int, float) for v in c)
+            return repr(complex(*c)) if ok else str(c)
         return str(leaf.get("repr", leaf))
     return repr(leaf)
 
