@@ -8,6 +8,8 @@ A key names one captured tensor::
     op      := aten overload name ("aten.native_layer_norm.default"), op-level capture only
     label   := outN | inN                     op-level: N-th tensor output / input (pytree order)
              | index | field                   module-level structured outputs
+    Labels and module-name components escape ``% [ ] / :`` as ``%25 %5B %5D %2F %3A``
+    (:func:`escape`), so distinct names always give distinct keys.
              | "in" label...                   module-level inputs (``capture(record=("inputs",))``)
 
 Parameters, buffers and gradients (``capture(record=("params", "grads"))``)
@@ -48,7 +50,8 @@ _KEY_RE = re.compile(r"^(?P<base>.*?)(?:::call(?P<call>[1-9]\d*))?$", re.S)
 _BASE_RE = re.compile(r"^(?P<module>[^/\[\]]*)(?:/(?P<op>[^/\[\]]+))?(?P<labels>(?:\[[^\[\]]*\])*)$")
 _LABEL_RE = re.compile(r"\[([^\[\]]*)\]")
 _IO_RE = re.compile(r"^(out|in)(\d+)$")
-_UNSAFE_LABEL = re.compile(r"[\[\]/:]")
+_ESCAPED = re.compile(r"[%\[\]/:]")  # characters with a meaning in keys, and the escape itself
+_UNESCAPE = re.compile(r"%(25|5B|5D|2F|3A)")
 
 
 class KeyParts(NamedTuple):
@@ -112,9 +115,35 @@ def make_key(base: str, call: int) -> str:
     return base if call == 0 else f"{base}{CALL_SEP}{call}"
 
 
+def escape(text: str) -> str:
+    """``text`` with ``% [ ] / :`` percent-encoded, so that it cannot be read as key syntax.
+
+    Reversible (:func:`unescape`) and hence injective: ``a/b``, ``a_b`` and
+    ``a:b`` stay three names.
+
+    Examples
+    --------
+    >>> escape("a/b"), escape("a_b"), escape("x[0]"), escape("a::call1")
+    ('a%2Fb', 'a_b', 'x%5B0%5D', 'a%3A%3Acall1')
+    """
+    return _ESCAPED.sub(lambda m: f"%{ord(m.group()):02X}", text)
+
+
+def unescape(text: str) -> str:
+    """The text :func:`escape` was given."""
+    return _UNESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text)
+
+
 def label(value: object) -> str:
-    """A safe ``[label]`` for a structured-output position or field name."""
-    return "[" + _UNSAFE_LABEL.sub("_", str(value)) + "]"
+    """The ``[label]`` of a structured-output position or field name (escaped)."""
+    return "[" + escape(str(value)) + "]"
+
+
+def module_key(root: str, name: str) -> str:
+    """The key of the module ``name`` (as ``named_modules`` gives it) under ``root``; each
+    component escaped, so a module named ``a::call1`` or ``x[0]`` cannot pass for the second
+    call of ``a`` or the first output of ``x``."""
+    return ".".join([root, *(escape(part) for part in name.split("."))]) if name else root
 
 
 def split_module_path(module: str) -> tuple[str, int, str]:

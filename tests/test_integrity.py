@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 
@@ -174,3 +175,178 @@ def test_load_pass_result_can_be_modified_and_saved_over_its_file(tmp_path):
     assert torch.equal(after["model.1"], before["model.1"])
     mapped = load_pass(p, mmap=True)  # the opt-in still maps
     assert torch.equal(mapped[k], after[k])
+
+
+# -- names: the mapping from outputs and modules to keys is injective ---------------------------
+
+class _DictOut(torch.nn.Module):
+    def forward(self, x):
+        return {"a/b": x + 1, "a_b": x + 2, "a:b": x + 3, "a::call1": x + 4, "[x]": x + 5}
+
+
+class _Tuple(torch.nn.Module):
+    def forward(self, x):
+        return x + 1, x + 2
+
+
+class _Plus(torch.nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x + self.k
+
+
+class _Odd(torch.nn.Module):
+    """A module ``a`` called twice next to a module literally named ``a::call1``, and a tuple
+    output of ``x`` next to a module literally named ``x[0]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("a", _Plus(1))
+        self.add_module("a::call1", _Plus(10))
+        self.add_module("x", _Tuple())
+        self.add_module("x[0]", _Plus(100))
+        self.d = _DictOut()
+
+    def forward(self, t):
+        t = self.a(self.a(t))
+        t = getattr(self, "a::call1")(t)
+        t = self.x(t)[0] + getattr(self, "x[0]")(t)
+        return self.d(t)
+
+
+def _capture_odd(folder):
+    model, x = _Odd(), torch.ones(2)
+    with tdinspect.capture(model, folder, modules="all") as dump:
+        out = model(x)
+        dump.step()
+    return dump.folder, out
+
+
+@pytest.mark.parametrize("level", ["module", "op"])
+def test_names_never_collide(tmp_path, level):
+    if level == "module":
+        folder, out = _capture_odd(tmp_path / "m")
+        tensors = load_pass(folder / "pass00000.pt")
+        side = json.loads((folder / "pass00000.json").read_text())
+        assert len(side["entries"]["key"]) == len(set(side["entries"]["key"])) == len(tensors)
+        assert torch.equal(tensors["model.d[a%2Fb]"], out["a/b"])
+        assert torch.equal(tensors["model.d[a_b]"], out["a_b"])
+        assert torch.equal(tensors["model.d[a%3Ab]"], out["a:b"])
+        assert torch.equal(tensors["model.d[a%3A%3Acall1]"], out["a::call1"])
+        assert torch.equal(tensors["model.d[%5Bx%5D]"], out["[x]"])
+        assert torch.equal(tensors["model.a"], torch.full((2,), 2.0))
+        assert torch.equal(tensors["model.a::call1"], torch.full((2,), 3.0))  # second call of a
+        assert torch.equal(tensors["model.a%3A%3Acall1"], torch.full((2,), 13.0))  # the module
+        assert torch.equal(tensors["model.x[0]"], torch.full((2,), 14.0))  # the tuple's element
+        assert torch.equal(tensors["model.x%5B0%5D"], torch.full((2,), 113.0))  # the module
+        assert tdinspect.parse_key("model.d[a%2Fb]").labels == ("a%2Fb",)
+    else:
+        model, x = _Odd(), torch.ones(2)
+        with tdinspect.capture_ops(tmp_path / "o", model=model) as dump:
+            model(x)
+            dump.step()
+        tensors = load_pass(dump.folder / "pass00000.pt")
+        keys = json.loads((dump.folder / "pass00000.json").read_text())["entries"]["key"]
+        assert len(keys) == len(set(keys))
+        assert any(k.startswith("model.a%3A%3Acall1/aten.add") for k in tensors)
+        assert any(k.startswith("model.x%5B0%5D/aten.add") for k in tensors)
+
+
+def test_two_identical_runs_never_diverge(tmp_path):
+    _capture_odd(tmp_path / "a")
+    _capture_odd(tmp_path / "b")
+    diff = DumpSet.open(tmp_path / "a").diff(DumpSet.open(tmp_path / "b"))
+    assert diff.first_divergence(metric="equal") is None
+    assert DumpSet.open(tmp_path / "a").n_entries() == 16  # 2 calls of a, 3 modules, 2 dicts of 5
+
+
+# -- threads and fork ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("background", [False, True])
+def test_threads_lose_nothing(tmp_path, background):
+    """Four threads calling the model under one capture, switching threads as often as
+    Python can: every call is stored under its own name, shapes match the tensors, and each
+    stored tensor is one of the outputs the threads computed."""
+    import sys
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    inputs = {t: torch.full((t + 1, 3), float(t)) for t in range(4)}  # a shape per thread
+    expected = {}
+    with torch.no_grad():
+        for t, x in inputs.items():
+            h = model[0](x)
+            expected[t] = [h, torch.relu(h), model(x)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with pytest.warns(RuntimeWarning, match="second thread"):
+            with tdinspect.capture(model, tmp_path, background_write=background) as dump:
+                def work(t):
+                    with torch.no_grad():
+                        for _ in range(25):
+                            model(inputs[t])
+                threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                dump.step()
+    finally:
+        sys.setswitchinterval(old)
+    tensors = load_pass(dump.folder / "pass00000.pt")
+    side = json.loads((dump.folder / "pass00000.json").read_text())["entries"]
+    assert len(tensors) == len(side["key"]) == 3 * 4 * 25
+    for key, shape in zip(side["key"], side["shape"]):
+        assert list(tensors[key].shape) == shape
+        layer = {"model.0": 0, "model.1": 1, "model.2": 2}[key.split("::")[0]]
+        t = shape[0] - 1
+        assert torch.equal(tensors[key], expected[t][layer])
+    assert set(side["thread"]) - {None} == {1, 2, 3}
+
+
+FORK_CHILD = """
+import os, sys, warnings
+from tdinspect import load_pass
+def child(dump, model, x):
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(x * 7)
+            path = dump.step()
+        said = [str(w.message) for w in seen]
+        ok = path is None and any("forked from pid" in m and "captures nothing" in m for m in said)
+        os._exit(0 if ok else 3)
+    except BaseException:
+        os._exit(4)
+"""
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_fork_child_captures_nothing_and_says_so(tmp_path, background):
+    namespace = {}
+    exec(FORK_CHILD, namespace)
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.ones(2, 3)
+    with tdinspect.capture(model, tmp_path, background_write=background) as dump:
+        model(x)
+        dump.step()
+        dump.recorder.writer.flush()
+        before = {p.name: p.read_bytes() for p in dump.folder.iterdir()}
+        pid = os.fork()
+        if pid == 0:
+            namespace["child"](dump, model, x)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        model(x * 2)
+        dump.step()
+    folder = dump.folder
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no folder of the child
+    for name, data in before.items():
+        assert (folder / name).read_bytes() == data  # pass 0 untouched
+    p1 = load_pass(folder / "pass00001.pt")
+    assert torch.equal(p1["model.0"], model(x * 2).detach())  # the parent's own pass 1

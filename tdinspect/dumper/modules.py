@@ -42,7 +42,7 @@ from torch.utils._pytree import (GetAttrKey, MappingKey, SequenceKey, tree_flatt
                                 tree_unflatten)
 
 from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
-from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key
+from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 from .checks import CaptureCheckError, Guarded, HealthCheck, open_live
 from .recorder import Recorder, current_rank
 
@@ -131,7 +131,7 @@ def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list
         raise ConfigError(f"modules={modules!r}: expected 'leaves' or 'all'")
     chosen = []
     for name, mod in model.named_modules():
-        full = f"{root}.{name}" if name else root
+        full = module_key(root, name)
         if modules == "leaves" and next(mod.children(), None) is not None:
             continue
         try:
@@ -190,7 +190,7 @@ class ModuleCapture:
         model, compiled = _unwrap_compiled(model)
         chosen = select_modules(model, config.predicate(), root, modules)
         if not chosen:
-            sample = [f"{root}.{n}" if n else root for n, _ in list(model.named_modules())[:6]]
+            sample = [module_key(root, n) for n, _ in list(model.named_modules())[:6]]
             raise ConfigError(f"the filter selects no module of {type(model).__name__}, so nothing "
                               f"would be captured (filter={config.filter!r}, "
                               f"filter_fn={config.filter_fn!r}); names look like {sample}")

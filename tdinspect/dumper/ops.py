@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..config import ConfigError, DumpConfig, FilterSpec
 from ..format import encode_arg
-from ..naming import CALL_SEP
+from ..naming import CALL_SEP, module_key
 from .checks import CaptureCheckError, HealthCheck, any_nonfinite, open_live
 from .modules import resolve_config
 from .recorder import Recorder, current_rank, parallel_coords
@@ -97,7 +97,7 @@ class _ModuleTracker:
     def attach(self, model: nn.Module | None) -> None:
         if model is not None:
             for name, mod in model.named_modules():
-                self._names[id(mod)] = f"{self.root}.{name}" if name else self.root
+                self._names[id(mod)] = module_key(self.root, name)
             self.types.update({self._names[id(m)]: type(m).__name__ for m in model.modules()})
         reg = nn.modules.module
         self.handles = [reg.register_module_forward_pre_hook(self._pre),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,19 @@ from ..naming import split_call
 from ..runs import new_run_folder
 from ..stats import tensor_stats
 from .writer import AsyncWriter, PendingPass
+
+_LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    parent = os.getppid()
+    for rec in list(_LIVE):
+        rec._after_fork_in_child(parent)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def current_rank() -> int:
     """The process's rank: ``torch.distributed`` when initialised, else ``$RANK``, else 0."""
@@ -173,6 +187,10 @@ class Recorder:
         self.pass_index = 0
         self.observer = None  # sees every entry and pass end (live comparison)
         self.folder = self.writer = self.run = None
+        self._lock = threading.Lock()  # threads calling the model record one at a time
+        self._threads: dict[int, int] = {}  # thread ident -> 0, 1, ... in order of first record
+        self._forked_from: int | None = None  # set in a child forked while capturing
+        self._said: set[str] = set()
         if dump_dir is None:
             self._new_pass()
             return
@@ -182,6 +200,37 @@ class Recorder:
                                   threaded=background_write)
         self._calls: dict[str, int] = {}
         self._new_pass()
+        _LIVE.add(self)
+
+    def _after_fork_in_child(self, parent: int) -> None:
+        """A child forked while this capture ran records nothing (its writer thread, locks
+        and files belong to the parent), and says so once, at its first record or step."""
+        self._forked_from = parent
+        self._lock = threading.Lock()
+        self.writer = None
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _forked_note(self) -> None:
+        self._say_once("fork", f"tdinspect: this process (pid {os.getpid()}) was forked from pid "
+                               f"{self._forked_from} while it captured into {self.folder}; the "
+                               "child captures nothing (the parent's capture goes on). Start a "
+                               "capture in the child to record it.")
+
+    def _thread_number(self) -> int:
+        ident = threading.get_ident()
+        n = self._threads.get(ident)
+        if n is None:
+            n = self._threads[ident] = len(self._threads)
+            if n == 1:
+                self._say_once("threads", "tdinspect: a second thread "
+                               f"({threading.current_thread().name}) records into this capture; "
+                               "entries keep distinct names (call numbers in arrival order) and the "
+                               "sidecar's thread column says which thread made each")
+        return n
 
     def _new_pass(self) -> None:
         self._pass = PendingPass(self.pass_index, self.folder,
@@ -198,9 +247,10 @@ class Recorder:
 
     def next_call(self, site: str) -> int:
         """0-based call number of ``site`` (a module name, or module/op) in this pass."""
-        n = self._calls.get(site, -1) + 1
-        self._calls[site] = n
-        return n
+        with self._lock:
+            n = self._calls.get(site, -1) + 1
+            self._calls[site] = n
+            return n
 
     def record(self, key: str, tensor: torch.Tensor | None, *, module_type: str,
                store: bool = True, same_stats_as: str | None = None, **extra: Any) -> None:
@@ -212,6 +262,15 @@ class Recorder:
         of it): its statistics are reused. ``extra`` becomes sidecar columns
         (missing values are ``null``).
         """
+        if self._forked_from is not None:
+            return self._forked_note()
+        with self._lock:
+            thread = self._thread_number()
+            if thread:
+                extra["thread"] = thread
+            self._record(key, tensor, module_type, store, same_stats_as, extra)
+
+    def _record(self, key, tensor, module_type, store, same_stats_as, extra) -> None:
         p = self._pass
         if self.dims is not None:
             extra["dims"] = self.dims.lookup(split_call(key)[0])
@@ -246,11 +305,14 @@ class Recorder:
         checksum recorded then, from :meth:`facts`) are reused, and the
         sidecar holds a reference ``{"kind": "same", "of": key, "pass": of_pass}``.
         """
+        if self._forked_from is not None:
+            return self._forked_note()
         ref = {"kind": "same", "of": key, "pass": of_pass}
-        if self.observer is not None:
-            self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
-                                ref=ref)
-        self._append(key, tensor, None, facts[0], module_type, {**extra, "ref": ref}, facts[1])
+        with self._lock:
+            if self.observer is not None:
+                self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
+                                    ref=ref)
+            self._append(key, tensor, None, facts[0], module_type, {**extra, "ref": ref}, facts[1])
 
     def facts(self, key: str) -> tuple:
         """``(statistics, checksum)`` of ``key`` in the current pass (device tensors or ``None``)."""
@@ -259,6 +321,13 @@ class Recorder:
 
     def _append(self, key, tensor, copy, stat, module_type, extra, digest=None) -> None:
         p = self._pass
+        if key in self._index:  # never lose an entry to a name recorded twice: next free call
+            base, call = split_call(key)
+            while key in self._index:
+                call += 1
+                key = f"{base}::call{call}"
+            self._say_once("dup", f"tdinspect: an entry was recorded twice under one name; "
+                                  f"the second is stored as {key!r}")
         p.checksums.append(digest)
         shape = list(tensor.shape) if tensor is not None else None
         dtype = str(tensor.dtype) if tensor is not None else None
@@ -284,6 +353,13 @@ class Recorder:
         ``failed`` marks a pass cut short by an error (the sidecar's ``failed``
         field holds it): it holds what ran before the error.
         """
+        if self._forked_from is not None:
+            self._forked_note()
+            return None
+        with self._lock:
+            return self._step(failed)
+
+    def _step(self, failed: str | None) -> Path | None:
         p = self._pass
         if self.observer is not None:
             self.observer.end_pass(self.pass_index)
@@ -324,6 +400,8 @@ class Recorder:
 
     def close(self, write_pending: bool = True) -> None:
         """Write a pending non-empty pass (if asked), wait for the writer, stop it."""
+        if self._forked_from is not None:
+            return  # the writer is the parent's
         try:
             if write_pending and len(self):
                 self.step()
