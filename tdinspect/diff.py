@@ -753,8 +753,10 @@ class Diff:
                                    f"{list(xb.shape)}")
                     continue
                 d = dim_index(dim, pa.dims[i], ya.dim(), row["key"])
-                values = [compare_tensors(xb.select(d, j), ya.select(d, j), chunk=self.chunk)[m.name]
-                          for j in range(ya.shape[d])]
+                # positions first, once: each slice is then contiguous, in the same element order
+                ya, xb = ya.movedim(d, 0).contiguous(), xb.movedim(d, 0).contiguous()
+                values = [compare_tensors(xb[j], ya[j], chunk=self.chunk)[m.name]
+                          for j in range(ya.shape[0])]
                 cells.append((rank, p, int(row["call"]), values))
         if not cells:
             raise KeyError(f"{key!r}: no pass where both sides hold it with one shape"
