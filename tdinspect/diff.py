@@ -966,12 +966,13 @@ def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
 
     Structural problems always do; rows with another reason (never compared,
     e.g. uninitialized) never do; the rest when their metric passes the
-    threshold in its bad direction (NaN never does).
+    threshold in its bad direction, or could not be computed (NaN: never a
+    silent pass).
     """
     values, thresholds = np.asarray(values, float), np.asarray(thresholds, float)
     with np.errstate(invalid="ignore"):
         over = values > thresholds if m.higher_is_worse else values < thresholds
-    return np.asarray(structural, bool) | (over & ~np.asarray(explained, bool))
+    return np.asarray(structural, bool) | ((over | np.isnan(values)) & ~np.asarray(explained, bool))
 
 
 def reason_of(row, m, thr_fn) -> str:
@@ -979,6 +980,8 @@ def reason_of(row, m, thr_fn) -> str:
     if row["structural"]:
         return row["reason"]
     value, thr = row[m.name], thr_fn(row["op"])
+    if value is None or math.isnan(value):
+        return f"{m.name} could not be computed"
     digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)
     return f"{m.name} {value:.{digits}g} {'>' if m.higher_is_worse else '<'} {thr:g}"
 

@@ -9,10 +9,10 @@ rel_diff    ``1 - 2Σxy/(Σx²+Σy²)`` = ``Σ(x-y)²/(Σx²+Σy²)``   above   
 max_abs     ``max |x-y|``                                   above        1e-3
 mean_abs    ``mean |x-y|``                                  above        1e-4
 max_rel     ``max |x-y| / max(|y|, eps)``                   above        1e-2
-cosine      ``Σxy / (‖x‖‖y‖)``, 1 when both are zero         below        0.99
+cosine      ``Σxy / (‖x‖‖y‖)``, 1 when both are exactly 0    below        0.99
 sqnr_db     ``10·log10(Σy² / Σ(x-y)²)``, inf when equal      below        30
 mismatch    fraction outside ``atol + rtol·|y|``            above        0
-equal       bitwise equality (1 or 0)                       below (0)    1
+equal       same dtype and same bits (1 or 0)               below (0)    1
 ==========  ==============================================  ===========  =========
 
 ``rel_diff`` is computed in its second form, which is the same number without
@@ -27,7 +27,25 @@ divergence, reported with its reason.
 
 When the dtypes differ, ``rel_diff_cast`` and ``max_abs_cast`` compare after
 rounding the wider side to the narrower dtype (what the narrow run could at
-best have produced).
+best have produced); with one dtype they equal ``rel_diff`` and ``max_abs``.
+
+Exact in meaning at every magnitude:
+
+- float64 sums of squares that would overflow (``1e200``) or underflow
+  (``1e-200``) are recomputed on both sides scaled by one exact power of two
+  (the ratios ``rel_diff``, ``cosine``, ``sqnr_db`` do not change);
+- integers are compared as integers (``x - y`` exact in int64: ``2**60`` and
+  ``2**60 + 1`` differ by 1, so ``max_abs`` is 1 and ``equal`` 0);
+- ``equal`` compares bits: NaN equals the same NaN, ``-0.0`` differs from
+  ``0.0``, two dtypes are never equal;
+- complex tensors are compared as (real, imag) pairs, a real side facing a
+  complex one as complex with imaginary part 0 (``max_abs`` is then the
+  largest difference of a component);
+- ``cosine`` is 1 only for two exactly-zero tensors (tiny ones are compared
+  as they are: ``1e-14`` vs ``-1e-14`` is -1), and ``Σxy`` is summed directly
+  when the norms are far apart (its derived form would cancel);
+- a metric that comes out NaN counts as a divergence ("could not be
+  computed"), never a silent pass.
 
 Examples
 --------
@@ -64,9 +82,10 @@ class Metric:
     description: str
 
     def diverges(self, value: float, threshold: float) -> bool:
-        """Whether ``value`` passes ``threshold`` in this metric's bad direction."""
+        """Whether ``value`` passes ``threshold`` in this metric's bad direction; a value
+        that could not be computed (NaN) counts, never a silent pass."""
         if value is None or math.isnan(value):
-            return False
+            return True
         return value > threshold if self.higher_is_worse else value < threshold
 
 
@@ -113,10 +132,32 @@ def tolerances(*dtypes: torch.dtype) -> tuple[float, float]:
     return rtol, atol
 
 
-def _real(t: torch.Tensor) -> torch.Tensor:
-    if t.is_complex():
-        return torch.view_as_real(t)
-    return t
+def _real_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complex tensors as (real, imag) pairs; a real side facing a complex one gets imag 0."""
+    if not (x.is_complex() or y.is_complex()):
+        return x, y
+    if not x.is_complex():
+        x = torch.complex(x.double(), torch.zeros((), dtype=torch.float64).expand(x.shape))
+    if not y.is_complex():
+        y = torch.complex(y.double(), torch.zeros((), dtype=torch.float64).expand(y.shape))
+    return torch.view_as_real(x), torch.view_as_real(y)
+
+
+_BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` have one dtype, one shape and the same bits everywhere.
+
+    NaN equals the same NaN, ``-0.0`` differs from ``0.0`` (the metric ``equal``).
+    """
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    if x.is_floating_point():
+        x, y = x.view(_BITS_VIEW[x.element_size()]), y.view(_BITS_VIEW[y.element_size()])
+    return torch.equal(x, y)
 
 
 def _compute_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
@@ -135,15 +176,102 @@ def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def _sums(xr: torch.Tensor, yr: torch.Tensor, dt: torch.dtype, rtol: float, atol: float,
-          chunk: int) -> PairSums:
-    """The kernel's sums of two flat tensors, converted to ``dt`` a chunk at a time if needed."""
-    if xr.dtype == yr.dtype == dt and xr.is_contiguous() and yr.is_contiguous():
+          chunk: int, scale: float = 1.0) -> PairSums:
+    """The kernel's sums of two flat tensors (times ``scale``), converted to ``dt`` a chunk
+    at a time if needed."""
+    if scale == 1.0 and xr.dtype == yr.dtype == dt and xr.is_contiguous() and yr.is_contiguous():
         return pair_sums(xr.numpy(), yr.numpy(), rtol=rtol, atol=atol)  # no copy at all
     s = PairSums()
     for i in range(0, xr.numel(), chunk):  # memory stays bounded for huge tensors
-        s += pair_sums(xr[i:i + chunk].to(dt).contiguous().numpy(),
-                       yr[i:i + chunk].to(dt).contiguous().numpy(), rtol=rtol, atol=atol)
+        xc, yc = xr[i:i + chunk].to(dt), yr[i:i + chunk].to(dt)
+        if scale != 1.0:
+            xc, yc = xc * scale, yc * scale
+        s += pair_sums(xc.contiguous().numpy(), yc.contiguous().numpy(), rtol=rtol, atol=atol)
     return s
+
+
+def _integer_sums(xr: torch.Tensor, yr: torch.Tensor, chunk: int) -> tuple[PairSums, float]:
+    """The sums (and ``Σxy``) of two integer tensors with ``x - y`` taken exactly (as
+    integers), so that ``2**60`` and ``2**60 + 1`` differ by 1; tolerances are zero (torch's
+    for integers)."""
+    s, sxy = PairSums(n=xr.numel()), 0.0
+    f64 = torch.float64
+    for i in range(0, xr.numel(), chunk):
+        x, y = xr[i:i + chunk].to(torch.int64), yr[i:i + chunk].to(torch.int64)
+        d = x - y  # wraps only when the signs differ and |x - y| > 2**63 - 1 ...
+        wrapped = ((x < 0) != (y < 0)) & ((d < 0) != (x < 0))
+        ad = torch.where(wrapped, x.to(f64) - y.to(f64), d.to(f64)).abs()  # ... then it is huge
+        xf, yf = x.to(f64), y.to(f64)
+        s.sxx += float(xf.square().sum())
+        s.syy += float(yf.square().sum())
+        sxy += float((xf * yf).sum())
+        s.sdd += float(ad.square().sum())
+        s.sabs += float(ad.sum())
+        if ad.numel():
+            s.max_abs = max(s.max_abs, float(ad.max()))
+            s.max_rel = max(s.max_rel, float((ad / yf.abs().clamp_min(EPS)).max()))
+        s.mismatch += int((ad > 0).sum())
+    return s, sxy
+
+
+_TINY_SUMS = 2.0 ** -600  # sums of squares below this lost bits to underflow (float64 only)
+
+
+def _rescaled(s: PairSums, xr, yr, dt, rtol, atol, chunk) -> tuple[PairSums, float]:
+    """Float64 sums of squares that overflowed or underflowed, recomputed on ``x·2^-e, y·2^-e``
+    (``2^e`` near the largest magnitude: exact), as far as the ratios need them; and the
+    scale used (1.0: none)."""
+    if s.max_abs == 0 and s.sxx == 0 and s.syy == 0:
+        return s, 1.0  # zeros (or signed zeros) on both sides
+    if math.isfinite(s.sxx + s.syy + s.sdd) and max(s.sxx, s.syy) >= _TINY_SUMS:
+        return s, 1.0
+    top = max(float(xr.abs().max()), float(yr.abs().max())) if xr.numel() else 0.0
+    if top == 0 or not math.isfinite(top):
+        return s, 1.0
+    scale = math.ldexp(1.0, min(1000, -math.frexp(top)[1]))  # 2**1074 is past float64's range
+    t = _sums(xr, yr, dt, rtol, atol, chunk, scale)
+    # ratios of the scaled sums are the metrics' ratios; Σ|d| scales back (it may overflow:
+    # then the true mean_abs is beyond float64 too); max_abs, max_rel, mismatch stay unscaled
+    return PairSums(s.n, t.sxx, t.syy, t.sdd, t.sabs / scale, s.max_abs, s.max_rel,
+                    s.mismatch), scale
+
+
+def _sxy(s: PairSums, xr, yr, dt, chunk, scale) -> float:
+    """``Σxy``: from the kernel's sums, ``(Σx² + Σy² - Σ(x-y)²) / 2``, whose error is a few
+    ulps of ``Σx² + Σy²``; that is a few ulps of ``‖x‖‖y‖`` (what cosine divides by) unless
+    the norms differ by orders of magnitude. Then it is summed directly (a second read;
+    ``[1e10, 0]`` vs ``[1e-3, 1]`` had cosine off by 6e-4 the other way)."""
+    if s.sxx + s.syy <= 16 * math.sqrt(s.sxx) * math.sqrt(s.syy):
+        return (s.sxx + s.syy - s.sdd) / 2
+    total = 0.0
+    for i in range(0, xr.numel(), chunk):
+        xc = xr[i:i + chunk].to(torch.float64)
+        yc = yr[i:i + chunk].to(torch.float64)
+        if scale != 1.0:
+            xc, yc = xc * scale, yc * scale
+        total += float(torch.dot(xc, yc))
+    return total
+
+
+def _from_sums(s: PairSums, sxy: float) -> dict[str, float]:
+    m = s.n
+    denom = s.sxx + s.syy
+    out = {"rel_diff": s.sdd / denom if denom > 0 else 0.0,
+           "max_abs": s.max_abs, "mean_abs": s.sabs / m if m else 0.0, "max_rel": s.max_rel}
+    if s.sxx == 0 and s.syy == 0:
+        out["cosine"] = 1.0  # two zero vectors (exactly zero: tiny ones are compared as they are)
+    elif s.sxx == 0 or s.syy == 0:
+        out["cosine"] = 0.0
+    else:  # clamp: rounding may carry |cos| a hair past 1
+        out["cosine"] = max(-1.0, min(1.0, sxy / (math.sqrt(s.sxx) * math.sqrt(s.syy))))
+    out["sqnr_db"] = math.inf if s.sdd == 0 else (
+        10 * math.log10(s.syy / s.sdd) if s.syy > 0 else -math.inf)
+    out["mismatch"] = s.mismatch / m if m else 0.0
+    return out
+
+
+_IDENTICAL = dict(rel_diff=0.0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine=1.0,
+                  sqnr_db=math.inf, mismatch=0.0, equal=1.0, rel_diff_cast=0.0, max_abs_cast=0.0)
 
 
 def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -> dict[str, float]:
@@ -152,7 +280,9 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
     Parameters
     ----------
     x, y : torch.Tensor
-        The compared tensor and the reference; any dtypes (compared as numbers).
+        The compared tensor and the reference; any dtypes (compared as numbers:
+        integers as integers, complex as (real, imag) pairs, a real side
+        facing a complex one as complex with imaginary part 0).
     chunk : int
         Elements converted at a time when a dtype conversion or a copy is
         needed: memory stays bounded for huge tensors.
@@ -161,52 +291,44 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
     -------
     dict
         The metrics of the module table, plus ``nonfinite_mismatch`` (count of
-        NaN/Inf positions that differ) and, when dtypes differ, the ``_cast``
-        metrics.
+        NaN/Inf positions that differ) and the ``_cast`` metrics (equal to
+        their plain versions when the dtypes are the same).
     """
     if x.shape != y.shape:
         raise ValueError(f"shape mismatch: {list(x.shape)} vs {list(y.shape)}")
     both = broadcast_dims(x) & broadcast_dims(y)  # broadcast on both sides: one copy says it all
     x, y = first_slice(x, both), first_slice(y, both)
-    same_dtype = x.dtype == y.dtype
     out = {k: math.nan for k in TENSOR_METRICS}
     out["nonfinite_mismatch"] = 0.0
-    if same_dtype and torch.equal(x, y):  # the common case in same-backend runs: nothing to do
-        out.update(rel_diff=0.0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine=1.0,
-                   sqnr_db=math.inf, mismatch=0.0, equal=1.0)
+    if same_bits(x, y):  # the common case in same-backend runs: nothing to do
+        out.update(_IDENTICAL)
         return out
-    out["equal"] = 0.0
-    xr, yr = _real(x).detach().reshape(-1), _real(y).detach().reshape(-1)
-    dt = _compute_dtype(x, y)
     rtol, atol = tolerances(x.dtype, y.dtype)
-    s = _sums(xr, yr, dt, rtol, atol, chunk)
-    if not (math.isfinite(s.sxx) and math.isfinite(s.syy)):
-        # A NaN/Inf somewhere (squares of finite values up to float32's range cannot
-        # overflow float64): count where the sides disagree, then compare only the
-        # elements finite on both. Finite tensors, the usual case, are read once.
-        out["nonfinite_mismatch"] = float(_nonfinite_mismatch(xr, yr))
-        keep = torch.isfinite(xr) & torch.isfinite(yr)
-        s = _sums(xr[keep], yr[keep], dt, rtol, atol, chunk)
-    m = s.n
-    denom = s.sxx + s.syy
-    out["rel_diff"] = s.sdd / denom if denom > 0 else 0.0
-    out["max_abs"] = s.max_abs
-    out["mean_abs"] = s.sabs / m if m else 0.0
-    out["max_rel"] = s.max_rel
-    if s.sxx <= EPS * EPS and s.syy <= EPS * EPS:
-        out["cosine"] = 1.0
-    elif s.sxx > 0 and s.syy > 0:
-        sxy = (s.sxx + s.syy - s.sdd) / 2  # Σxy derived, not summed: only cosine needs it
-        out["cosine"] = sxy / math.sqrt(s.sxx * s.syy)
+    xr, yr = (t.detach().reshape(-1) for t in _real_pair(x, y))
+    if not (xr.is_floating_point() or yr.is_floating_point()):
+        s, sxy = _integer_sums(xr, yr, chunk)
     else:
-        out["cosine"] = 0.0
-    out["sqnr_db"] = math.inf if s.sdd == 0 else (
-        10 * math.log10(s.syy / s.sdd) if s.syy > 0 else -math.inf)
-    out["mismatch"] = s.mismatch / m if m else 0.0
-    if not same_dtype and x.is_floating_point() and y.is_floating_point():
+        dt = _compute_dtype(xr, yr)
+        s = _sums(xr, yr, dt, rtol, atol, chunk)
+        if not (math.isfinite(s.sxx) and math.isfinite(s.syy)):
+            # A NaN/Inf somewhere (or float64 squares beyond its range): count where the sides
+            # disagree, then compare only the elements finite on both. Finite tensors, the
+            # usual case, are read once.
+            out["nonfinite_mismatch"] = float(_nonfinite_mismatch(xr, yr))
+            keep = torch.isfinite(xr) & torch.isfinite(yr)
+            if not bool(keep.all()):
+                xr, yr = xr[keep], yr[keep]
+                s = _sums(xr, yr, dt, rtol, atol, chunk)
+        scale = 1.0
+        if dt == torch.float64:
+            s, scale = _rescaled(s, xr, yr, dt, rtol, atol, chunk)
+        sxy = _sxy(s, xr, yr, dt, chunk, scale)
+    out.update(_from_sums(s, sxy))
+    out["equal"] = 0.0
+    out["rel_diff_cast"], out["max_abs_cast"] = out["rel_diff"], out["max_abs"]
+    if x.dtype != y.dtype and x.is_floating_point() and y.is_floating_point():
         narrow = min((x.dtype, y.dtype), key=lambda d: torch.finfo(d).bits)
-        cast = compare_tensors(x.to(narrow), y.to(narrow), chunk=chunk) \
-            if x.dtype != narrow or y.dtype != narrow else out
+        cast = compare_tensors(x.to(narrow), y.to(narrow), chunk=chunk)
         out["rel_diff_cast"], out["max_abs_cast"] = cast["rel_diff"], cast["max_abs"]
     return out
 

@@ -54,7 +54,7 @@ def _float(q: Fraction) -> float:
     try:
         return float(q)
     except OverflowError:
-        return math.copysign(math.inf, q)
+        return math.inf if q > 0 else -math.inf
 
 
 def _sqrt(q: Fraction) -> float:
@@ -184,3 +184,216 @@ def test_statistics_property_against_exact_reference(t):
     for got in both_paths(t):
         assert_stats_close(got, ref, (t.dtype, list(t.shape)))
     assert list(stats_to_dict(tensor_stats(t))) == list(STAT_NAMES)
+
+
+# -- metrics ----------------------------------------------------------------------------------
+from tdinspect.metrics import TENSOR_METRICS, compare_tensors, tolerances  # noqa: E402
+
+
+def _pairs(x: torch.Tensor, y: torch.Tensor) -> list[tuple[Fraction, Fraction]]:
+    """Exact element pairs; complex as (real, imag) components, a real side as imag 0."""
+    def parts(t):
+        flat = t.detach().reshape(-1)
+        if t.is_complex():
+            return [c for z in flat.tolist() for c in (z.real, z.imag)]
+        vals = [v for v in (flat.tolist() if not t.is_floating_point() else flat.double().tolist())]
+        return [c for v in vals for c in (v, 0.0)] if (x.is_complex() or y.is_complex()) else vals
+    return [(Fraction(a), Fraction(b)) for a, b in zip(parts(x), parts(y))]
+
+
+def reference_metrics(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """The module table's definitions in exact rational arithmetic, rounded once."""
+    pairs = _pairs(x, y)
+    n = len(pairs)
+    sxx = sum(a * a for a, _ in pairs)
+    syy = sum(b * b for _, b in pairs)
+    sxy = sum(a * b for a, b in pairs)
+    d = [abs(a - b) for a, b in pairs]
+    sdd = sum(v * v for v in d)
+    out = {"rel_diff": _float(sdd / (sxx + syy)) if sxx + syy else 0.0,
+           "max_abs": _float(max(d, default=Fraction(0))),
+           "mean_abs": _float(sum(d) / n) if n else 0.0,
+           "max_rel": _float(max((v / max(abs(b), Fraction(1e-12)) for v, (_, b) in zip(d, pairs)),
+                                default=Fraction(0)))}
+    if sxx == 0 and syy == 0:
+        out["cosine"] = 1.0
+    elif sxx == 0 or syy == 0:
+        out["cosine"] = 0.0
+    else:
+        out["cosine"] = _sqrt(sxy * sxy / (sxx * syy)) * (1 if sxy >= 0 else -1)
+    out["sqnr_db"] = math.inf if sdd == 0 else (
+        10 * (math.log10(syy.numerator) - math.log10(syy.denominator) - math.log10(sdd.numerator)
+              + math.log10(sdd.denominator)) if syy else -math.inf)
+    rtol, atol = tolerances(x.dtype, y.dtype)
+    tol = [Fraction(atol) + Fraction(rtol) * abs(b) for _, b in pairs]
+    out["mismatch"] = sum(1 for v, t in zip(d, tol) if v > t) / n if n else 0.0
+    out["equal"] = float(x.dtype == y.dtype and _raw(x) == _raw(y))
+    return out
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    size = t.element_size()
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return t.view(view).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes()
+
+
+METRIC_BOUNDS = """rel_diff, mean_abs: relative 1e-12; max_abs, max_rel: relative 4·eps; cosine: absolute
+1e-12; sqnr_db: absolute 1e-9 dB; mismatch: within one element (ties at the tolerance edge
+round either way); equal: exact"""
+
+
+def assert_metrics_close(got: dict, ref: dict, what=""):
+    for k in ("rel_diff", "mean_abs"):
+        assert abs(got[k] - ref[k]) <= 1e-12 * abs(ref[k]) or got[k] == ref[k], (what, k, got[k], ref[k])
+    for k in ("max_abs", "max_rel"):
+        assert abs(got[k] - ref[k]) <= 4 * EPS * abs(ref[k]) or got[k] == ref[k], (what, k, got[k], ref[k])
+    assert abs(got["cosine"] - ref["cosine"]) <= 1e-12, (what, "cosine", got["cosine"], ref["cosine"])
+    if math.isinf(ref["sqnr_db"]):
+        assert got["sqnr_db"] == ref["sqnr_db"], (what, "sqnr_db", got["sqnr_db"])
+    else:
+        assert abs(got["sqnr_db"] - ref["sqnr_db"]) <= 1e-9, (what, "sqnr_db", got, ref)
+    assert got["equal"] == ref["equal"], (what, "equal")
+
+
+@pytest.mark.parametrize("x, y", [
+    (torch.tensor([1e200], dtype=torch.float64), torch.tensor([2e200], dtype=torch.float64)),
+    (torch.tensor([1e-200], dtype=torch.float64), torch.tensor([2e-200], dtype=torch.float64)),
+    (torch.tensor([1.7e308, -1e308], dtype=torch.float64), torch.tensor([1e308, 1e300], dtype=torch.float64)),
+    (torch.tensor([5e-324, 0.0], dtype=torch.float64), torch.tensor([1e-323, 0.0], dtype=torch.float64)),
+    (torch.tensor([1e-14]), torch.tensor([-1e-14])),
+    (torch.tensor([2 ** 60]), torch.tensor([2 ** 60 + 1])),
+    (torch.tensor([2 ** 62, -(2 ** 62)]), torch.tensor([-(2 ** 62), 2 ** 62])),
+    (torch.tensor([1e10, 0.0]), torch.tensor([1e-3, 1.0])),
+    (torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), torch.tensor([1.0, 3.0])),
+    (torch.tensor([1.0, 3.0]), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)),
+])
+def test_metrics_exact_in_meaning_at_every_magnitude(x, y):
+    """Issue 13's cases: 1e200 vs 2e200 gave NaN, 1e-200 vs 2e-200 gave 0, 1e-14 vs -1e-14 cosine 1,
+    2**60 vs 2**60+1 max_abs 0, complex vs real raised, [1e10, 0] vs [1e-3, 1] cosine off by 6e-4."""
+    got = compare_tensors(x, y)
+    ref = reference_metrics(x, y)
+    assert_metrics_close(got, ref, (x, y))
+    assert all(not math.isnan(got[k]) for k in ("rel_diff", "max_abs", "cosine", "sqnr_db"))
+
+
+def test_named_cases_have_the_right_values():
+    f64 = torch.float64
+    assert compare_tensors(torch.tensor([1e200], dtype=f64),
+                           torch.tensor([2e200], dtype=f64))["rel_diff"] == pytest.approx(0.2)
+    assert compare_tensors(torch.tensor([1e-200], dtype=f64),
+                           torch.tensor([2e-200], dtype=f64))["rel_diff"] == pytest.approx(0.2)
+    assert compare_tensors(torch.tensor([1e-14]), torch.tensor([-1e-14]))["cosine"] == -1.0
+    ints = compare_tensors(torch.tensor([2 ** 60]), torch.tensor([2 ** 60 + 1]))
+    assert ints["max_abs"] == 1.0 and ints["equal"] == 0.0 and ints["mismatch"] == 1.0
+
+
+def test_equal_means_the_same_bits():
+    nan = torch.tensor([1.0, float("nan")])
+    assert compare_tensors(nan.clone(), nan)["equal"] == 1.0
+    m = compare_tensors(torch.tensor([-0.0]), torch.tensor([0.0]))
+    assert m["equal"] == 0.0 and m["max_abs"] == 0.0  # numerically equal, not the same bits
+    other_nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert compare_tensors(other_nan, torch.tensor([float("nan")]))["equal"] == 0.0
+    assert compare_tensors(torch.ones(2, dtype=torch.bfloat16), torch.ones(2))["equal"] == 0.0
+
+
+def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch):
+    """Never a silent pass: a NaN metric value diverges, with its reason."""
+    from tdinspect import DumpSet, diff as diff_module
+    from tdinspect.metrics import metric
+
+    from .test_dumpset_diff import write_dump
+
+    t = torch.arange(6.0)
+    a = write_dump(tmp_path / "a", [{"x": t, "y": t * 2}])
+    b = write_dump(tmp_path / "b", [{"x": t + 1e-9, "y": t * 2 + 1e-9}])
+    real = diff_module.compare_tensors
+
+    def nan_for_y(x, y, **kw):
+        out = real(x, y, **kw)
+        if x.shape and float(x.reshape(-1)[-1]) > 9:  # the "y" entry
+            out["rel_diff"] = math.nan
+        return out
+    monkeypatch.setattr(diff_module, "compare_tensors", nan_for_y)
+    div = DumpSet.open(a).diff(DumpSet.open(b)).first_divergence(threshold=1e-3)
+    assert div is not None and div.key == "y" and div.reason == "rel_diff could not be computed"
+    assert metric("rel_diff").diverges(math.nan, 1e-3)
+
+
+def test_huge_float64_dumps_diverge_in_the_cli(tmp_path, capsys):
+    from tdinspect.cli import main
+
+    from .test_dumpset_diff import write_dump
+
+    a = write_dump(tmp_path / "a", [{"x": torch.full((4,), 1e200, dtype=torch.float64)}])
+    b = write_dump(tmp_path / "b", [{"x": torch.full((4,), 2e200, dtype=torch.float64)}])
+    assert main(["first-divergence", str(a), str(b), "--threshold", "1e-3"]) == 1
+    assert "rel_diff 0.2" in capsys.readouterr().out
+
+
+_PAIR_DTYPES = [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                (torch.bfloat16, torch.bfloat16), (torch.int64, torch.int64),
+                (torch.int32, torch.int64), (torch.complex64, torch.complex64),
+                (torch.complex64, torch.float32), (torch.float64, torch.complex128)]
+
+
+@st.composite
+def tensor_pairs(draw):
+    """Two finite tensors of one shape: random dtypes, magnitudes (float64 near 1e±300,
+    int64 near 2**62) and differences (none, last bits, 1%, unrelated)."""
+    dx, dy = draw(st.sampled_from(_PAIR_DTYPES))
+    if draw(st.booleans()):
+        dx, dy = dy, dx
+    shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    noise = draw(st.sampled_from([0.0, 1e-15, 1e-7, 1e-2, 1.0, 1e6]))
+    if not (dx.is_floating_point or dx.is_complex):
+        base = draw(st.sampled_from([0, 2 ** 30, 2 ** 62, -(2 ** 62)]))
+        hi = torch.iinfo(dx).max // 2
+        base = max(-hi, min(hi, base))
+        y = base + torch.randint(-1000, 1000, shape, generator=gen)
+        x = y + (torch.randint(-3, 4, shape, generator=gen) * (noise > 0)).long()
+        return x.to(dx), y.to(dy)
+    wide = torch.float64 in (dx, dy) or torch.complex128 in (dx, dy)
+    k = draw(st.integers(-300, 300) if wide else st.integers(-30, 30))
+    scale = 10.0 ** k
+    def draw_real():
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+    y = draw_real()
+    x = y * (1 + noise * torch.randn(shape, generator=gen, dtype=torch.float64))
+    if dx.is_complex or dy.is_complex:
+        yi, xi = draw_real(), draw_real()
+        y = torch.complex(y, yi) if dy.is_complex else y
+        x = torch.complex(x, xi) if dx.is_complex else x
+
+    def cast(t, dt):
+        if dt.is_complex:
+            return t.to(dt)
+        info = torch.finfo(dt)
+        return t.real.clamp(-info.max, info.max).to(dt) if t.is_complex() else \
+            t.clamp(-info.max, info.max).to(dt)
+    return cast(x, dx), cast(y, dy)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=tensor_pairs())
+def test_metrics_property_against_exact_reference(pair):
+    x, y = pair
+    got = compare_tensors(x, y)
+    ref = reference_metrics(x, y)
+    assert_metrics_close(got, ref, (x.dtype, y.dtype, list(x.shape)))
+    n = max(1, x.numel() * (2 if (x.is_complex() or y.is_complex()) else 1))
+    assert abs(got["mismatch"] - ref["mismatch"]) <= 1 / n
+    if x.dtype != y.dtype and x.is_floating_point() and y.is_floating_point():
+        narrow = min((x.dtype, y.dtype), key=lambda d: torch.finfo(d).bits)
+        cast = reference_metrics(x.to(narrow), y.to(narrow))
+        assert abs(got["rel_diff_cast"] - cast["rel_diff"]) <= 1e-12 * cast["rel_diff"] or \
+            got["rel_diff_cast"] == cast["rel_diff"]
+        assert got["max_abs_cast"] == pytest.approx(cast["max_abs"], rel=4 * EPS, abs=0)
+    else:
+        assert (got["rel_diff_cast"], got["max_abs_cast"]) == (got["rel_diff"], got["max_abs"])
+    assert set(TENSOR_METRICS) <= set(got)
