@@ -17,16 +17,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
+import common  # noqa: E402
 from common import bench_model, compare_modes, report_line, threads_note  # noqa: E402
 
 
-def run(steps: int, out: Path) -> dict:
+MODES = {"full": {}, "stats_only": {"stats_only": True},
+         "checksum": {"stats_only": True, "checksum": True}}
+TARGETS = {"full": 1.6, "stats_only": 1.25, "checksum": 1.3}
+
+
+def run(steps: int, out: Path, modes=tuple(MODES)) -> dict:
     model, tokens = bench_model()
     with torch.no_grad():
         for _ in range(3):
             model(tokens)  # warm up
         results = compare_modes(
-            model, tokens, steps, out, {"full": {}, "stats_only": {"stats_only": True}},
+            model, tokens, steps, out, {m: MODES[m] for m in modes},
             lambda folder, **kw: tdinspect.capture(model, folder, warn_unfired=False, **kw))
     return results
 
@@ -40,21 +46,29 @@ def main() -> None:
     parser.add_argument("--dir", default=None,
                         help="where to write (default: a temporary folder on disk; pass /dev/shm "
                              "to measure tdinspect without the disk)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma list of {', '.join(MODES)} (checksum: stats_only with checksums)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps by the wall clock, or by this process's CPU time (for a "
+                             "machine shared with other jobs; the writer then runs inline)")
     args = parser.parse_args()
+    if args.clock == "cpu":
+        common.clock = common.CLOCK["cpu"]
+        MODES.update({m: {**kw, "background_write": False} for m, kw in MODES.items()})
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(tempfile.mkdtemp(prefix="tdinspect-bench-", dir=args.dir))
     try:
-        res = run(args.steps, out)
+        res = run(args.steps, out, [m.strip() for m in args.modes.split(",") if m.strip()])
     finally:
         shutil.rmtree(out, ignore_errors=True)
     from tdinspect.dumper.writer import default_threaded
 
+    inline = args.clock == "cpu" or not default_threaded()
     print(f"module capture, {args.steps} steps, {threads_note()}, writing to {out.parent}, "
-          f"{'background' if default_threaded() else 'inline'} writer")
+          f"{'inline' if inline else 'background'} writer, {args.clock} clock")
     for mode, r in res.items():
-        target = 1.6 if mode == "full" else 1.25
-        print(report_line(mode, r, target))
+        print(report_line(mode, r, TARGETS[mode]))
 
 
 if __name__ == "__main__":
