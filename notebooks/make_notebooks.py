@@ -5,13 +5,20 @@ their outputs; CI executes them again with nbmake.
 Importing this file writes nothing (pytest's doctest collection imports it).
 """
 
+import sys
+
 import nbformat as nbf
 from nbclient import NotebookClient
 
 MD, CODE = nbf.v4.new_markdown_cell, nbf.v4.new_code_cell
 
 
+ONLY = ()  # name prefixes given on the command line: write only those notebooks
+
+
 def save(name, cells):
+    if ONLY and not name.startswith(ONLY):
+        return
     nb = nbf.v4.new_notebook()
     nb.cells = cells
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -172,6 +179,70 @@ def main():
         CODE("tdinspect.explore(d)"),
     ])
 
+    save("06_which_module_introduces_the_error.ipynb", [
+        MD("# 6. Which module introduces the error? Grafting\n\nRun B scales one weight "
+           "(`layers.2.mlp.down`) by 1%. An ordinary diff shows the first module that differs, and "
+           "then every module after it differs too: they *inherit* the error. To tell a module that "
+           "makes an error from one that only carries it, feed every module the reference's own "
+           "inputs (`tdinspect.graft`) and look at what still differs."),
+        CODE("import tempfile, torch, tdinspect\nfrom tdinspect.examples import make_model, make_tokens\n"
+             "root = tempfile.mkdtemp()\n\n"
+             "def run(path, scale=1.0, graft_from=None):\n"
+             "    model = make_model(seed=0)\n"
+             "    with torch.no_grad():\n"
+             "        model.layers[2].mlp.down.weight.mul_(scale)\n"
+             "        with tdinspect.capture(model, path, record=('inputs', 'outputs', 'params')) as dump:\n"
+             "            g = tdinspect.graft(model, graft_from, capture=dump) if graft_from else None\n"
+             "            for step in range(2):\n"
+             "                model(make_tokens(seed=step))\n"
+             "                dump.step()          # also moves the graft to the reference's next pass\n"
+             "            if g: g.close()\n"
+             "    return path\n\n"
+             "a = run(root + '/a')                          # the reference\n"
+             "b = run(root + '/b', scale=1.01)              # one weight 1% off\n"
+             "b_grafted = run(root + '/bg', scale=1.01, graft_from=a)"),
+        MD("With `record=('inputs', 'outputs', 'params')` the dump holds each module's parameters "
+           "(`name.weight`, stored again only when they change), its inputs (`name[in][0]`) and its "
+           "outputs. The first bitwise difference is the parameter itself:"),
+        CODE("ref = tdinspect.DumpSet.open(a)\nref.diff(b).first_divergence(metric='equal')"),
+        MD("Without the parameters, the ordinary diff of outputs sees the error spread from that "
+           "module to everything after it:"),
+        CODE("plain = ref.filter(r'^(?!.*\\.(weight|bias)$)').diff(b)\n"
+             "t = plain.table(progress=False)\n"
+             "outs = t[~t['key'].str.contains(r'\\[in\\]') & (t['pass'] == 0)]\n"
+             "print((outs['rel_diff'] > 1e-12).sum(), 'of', len(outs), 'module outputs differ')\n"
+             "outs[outs['rel_diff'] > 1e-12][['key', 'rel_diff']].head(8)"),
+        MD("## Grafted\n\nIn the grafted run every leaf module received the reference's recorded "
+           "inputs, so each output error is the module's own. `Diff.introduced()` ranks modules by "
+           "it: one module made the error, every other agrees with the reference to float32 noise."),
+        CODE("ranked = ref.filter(r'^(?!.*\\.(weight|bias)$)').diff(b_grafted).introduced(progress=False)\n"
+             "ranked.head(6)"),
+        MD("`what='outputs'` does the converse: the selected modules' outputs are replaced by the "
+           "reference's, so a suspect can be switched off. Replacing the output of the module that "
+           "introduced the error makes the rest of the run bitwise equal to the reference:"),
+        CODE("model = make_model(seed=0)\n"
+             "with torch.no_grad():\n"
+             "    model.layers[2].mlp.down.weight.mul_(1.01)\n"
+             "    with tdinspect.graft(model, a, modules=[r'layers\\.2\\.mlp\\.down$'], what='outputs'):\n"
+             "        logits = model(make_tokens(seed=0))\n"
+             "torch.equal(logits, ref.tensor('model.lm_head', pass_=0))"),
+        MD("## Determinism without tensors: checksums\n\n`capture(..., stats_only=True, checksum=True)` "
+           "stores a 64-bit fingerprint of every tensor's bits (computed on its device) next to its "
+           "statistics. `metric='equal'` then compares runs bit for bit without writing any tensor."),
+        CODE("def checksums(path, scale=1.0):\n"
+             "    model = make_model(seed=0)\n"
+             "    with torch.no_grad():\n"
+             "        model.layers[2].mlp.down.weight.mul_(scale)\n"
+             "        with tdinspect.capture(model, path, stats_only=True, checksum=True) as dump:\n"
+             "            model(make_tokens(seed=0))\n"
+             "            dump.step()\n"
+             "    return tdinspect.DumpSet.open(path)\n\n"
+             "c1, c2, c3 = checksums(root + '/c1'), checksums(root + '/c2'), checksums(root + '/c3', 1.01)\n"
+             "print(c1.diff(c2).first_divergence(metric='equal'))\n"
+             "print(c1.diff(c3).first_divergence(metric='equal'))"),
+    ])
+
 
 if __name__ == "__main__":
+    ONLY = tuple(sys.argv[1:])  # e.g. "06" rewrites notebooks/06_*.ipynb alone
     main()
