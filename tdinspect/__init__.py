@@ -14,7 +14,7 @@ In Jupyter: ``%load_ext tdinspect``.
 
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 
 from .config import ConfigError, DumpConfig
 from .dumper.checks import DivergenceError, NonFinite, NonFiniteError
@@ -40,20 +40,21 @@ _LAZY = {
     "Divergence": ("tdinspect.diff", "Divergence"),
     "suggest_mapping": ("tdinspect.align.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
+    "dashboard": ("tdinspect.jupyter.dashboard", "dashboard"),
     "plot": ("tdinspect.jupyter.plots", None),
 }
 
 __all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
            "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
            "list_runs", "RunWarning",
-           "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "plot",
+           "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "dashboard", "plot",
            "load_ipython_extension", "unload_ipython_extension"]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         module, attr = _LAZY[name]
-        value = importlib.import_module(module)
+        value = _importlib.import_module(module)
         value = value if attr is None else getattr(value, attr)
         globals()[name] = value
         return value
@@ -61,7 +62,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(__all__) | {"__version__"})  # public names only (completion lists these)
 
 
 def load_ipython_extension(ipython) -> None:

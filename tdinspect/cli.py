@@ -233,6 +233,13 @@ def cmd_suggest_mapping(args) -> int:
     return 0
 
 
+def cmd_dashboard(args) -> int:
+    from .jupyter.dashboard import serve
+
+    return serve(args.a, args.b, port=args.port, metric=args.metric, threshold=args.threshold,
+                 open_browser=not args.no_browser)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -299,6 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=["raise", "warn"], default="raise")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="on an error, print the traceback too")
+    p = sub.add_parser("dashboard", help="serve a dashboard of two dumps in the browser "
+                                         "(Voila: pip install 'tdinspect[dashboard]')")
+    p.add_argument("a", help="reference dump")
+    p.add_argument("b", help="compared dump")
+    p.add_argument("--metric", choices=sorted(METRICS), default=None)
+    p.add_argument("--threshold", type=float, default=None)
+    p.add_argument("--port", type=int, default=8866)
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error, print the traceback too")
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
     p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -309,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
             "first-divergence": cmd_first_divergence, "first-nonfinite": cmd_first_nonfinite,
             "suggest-mapping": cmd_suggest_mapping,
-            "demo": cmd_demo}
+            "dashboard": cmd_dashboard, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -395,7 +395,7 @@ class DumpSet:
         return narrow(self, dim, start, length)
 
     # -- comparing ------------------------------------------------------------------------
-    def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> "Diff":
+    def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> Diff:
         """Compare against ``other``; this DumpSet is the reference (``y``).
 
         See :class:`tdinspect.diff.Diff` for the keyword arguments.

@@ -374,3 +374,64 @@ def test_progress_is_off_in_jupyter_unless_asked(runs, capsys):
     assert "diff" not in capsys.readouterr().err
     DumpSet.open(runs["ref"]).diff(runs["wrong"]).table(progress=True)
     assert "diff" in capsys.readouterr().err
+
+
+def test_public_names_annotations_and_documented_keywords():
+    import inspect
+
+    import jedi
+
+    assert "annotations" not in dir(tdinspect) and "importlib" not in dir(tdinspect)
+    assert set(dir(tdinspect)) == set(tdinspect.__all__) | {"__version__"}
+    assert all(hasattr(tdinspect, name) for name in dir(tdinspect))
+    assert inspect.signature(DumpSet.diff).return_annotation == "Diff"
+    ds = DumpSet.open(ROOT / "sample_dumps" / "float32")
+    chained = [c.name for c in jedi.Interpreter('ds.diff("x").first_', [{"ds": ds}]).complete()]
+    assert "first_divergence" in chained  # what IPython's completer (jedi) offers after diff(...)
+    doc = tdinspect.explore.__doc__
+    assert "metric : str, optional" in doc and "threshold : float, optional" in doc
+    for name in list(inspect.signature(tdinspect.explore).parameters)[1:]:
+        assert f"{name} : " in doc  # every keyword argument is documented
+    with pytest.raises(TypeError, match="takes no metric"):
+        tdinspect.explore(ds, metric="cosine")
+
+
+def test_dashboard_lays_out_plot_table_and_side_by_side(runs, monkeypatch):
+    import json
+
+    from tdinspect.jupyter import dashboard as dash
+
+    board = tdinspect.dashboard(runs["ref"], runs["wrong"])
+    ex = board.explorer
+    assert ex.divergence.key == "model.layers.2.mlp.down"
+    flagged = [label for label, _ in board.entries.options if label.startswith("⚠")]
+    assert flagged and "model.layers.2.mlp.down" in flagged[0]
+    assert len(board.entries.options) == len(ex.table)
+    row = next(v for label, v in board.entries.options if v[0] == "model.lm_head" and v[1] == 1)
+    board.entries.value = row  # picking a row of the table shows it side by side
+    assert ex.shown_at == row and ex.pass_.value == 1
+    ex.metric.value = "cosine"  # the table's marks follow the metric and its threshold
+    assert not any(label.startswith("⚠") for label, _ in board.entries.options)
+    assert board.entries.value == row
+    parts = [board.entries, ex.plot.widget, ex.view.widget, ex.label]
+    tree, todo = set(), [board.widget]
+    while todo:
+        w = todo.pop()
+        tree.add(id(w))
+        todo.extend(getattr(w, "children", ()))
+    assert all(id(p) in tree for p in parts)
+    # what `tdinspect dashboard A B` serves: paths and options from the environment, never as code
+    monkeypatch.setenv(dash.ENV_A, str(runs["ref"]))
+    monkeypatch.setenv(dash.ENV_B, str(runs["wrong"]))
+    monkeypatch.setenv(dash.ENV_OPTIONS, json.dumps({"metric": "cosine", "threshold": 0.99999}))
+    served = tdinspect.dashboard()
+    assert served.explorer.metric.value == "cosine" and served.explorer.threshold.value == 0.99999
+    assert served.explorer.divergence.key == "model.layers.2.mlp.down"
+
+
+def test_dashboard_command_checks_its_dumps_before_serving(runs, capsys):
+    from tdinspect.cli import main
+
+    assert main(["dashboard", str(runs["ref"]), "/no/such/dump", "--no-browser"]) == 2
+    err = capsys.readouterr().err
+    assert "/no/such/dump" in err and "no such file or folder" in err

@@ -1,0 +1,180 @@
+"""``tdinspect.dashboard(a, b)``: one page with the summary, the divergence plot, the entry
+table and the side-by-side view; ``tdinspect dashboard A B`` serves it with Voilà.
+
+The page is an ipywidgets layout around a :class:`~tdinspect.jupyter.widgets.DiffExplorer`
+(which caches what does not change); picking a row of the entry table shows that entry
+side by side and marks it on the plot.
+
+Examples
+--------
+>>> tdinspect.dashboard("runs/fp32", "runs/bf16")          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ipywidgets as W
+from IPython.display import display
+
+from .widgets import DiffExplorer
+
+ENV_A, ENV_B, ENV_OPTIONS = "TDINSPECT_DASHBOARD_A", "TDINSPECT_DASHBOARD_B", "TDINSPECT_DASHBOARD_OPTIONS"
+
+
+class Dashboard:
+    """The dashboard's widgets; displays itself.
+
+    Attributes
+    ----------
+    explorer : DiffExplorer
+        The plot, threshold and metric pickers and the side-by-side view.
+    entries : ipywidgets.Select
+        One row per compared entry (pass, key, metric value; divergent rows marked);
+        picking one shows it side by side.
+    widget : ipywidgets.AppLayout
+    build_seconds : float
+        How long building the first view took.
+    """
+
+    def __init__(self, diff, *, metric: str | None = None, threshold: float | None = None):
+        t0 = time.perf_counter()
+        self.diff = diff
+        self.explorer = ex = DiffExplorer(diff, metric=metric, threshold=threshold)
+        self.header = W.HTML(layout=W.Layout(padding="0 0 4px 0"))
+        self.entries = W.Select(rows=24, layout=W.Layout(width="100%", height="auto"),
+                                description="")
+        self.entries.observe(self._on_row, names="value")
+        for w in (ex.metric, ex._log_slider, ex._lin_slider):
+            w.observe(self._refresh_rows, names="value")
+        self._refresh_rows()
+        table = W.VBox([W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)"
+                               "</small>"), self.entries], layout=W.Layout(width="34%"))
+        main = W.VBox([W.HBox([ex.metric, ex.threshold_box, ex.direction]), ex.label, ex.plot.widget,
+                       W.HBox([ex.entry, ex.pass_, ex.rank]), ex.message, ex.view.widget],
+                      layout=W.Layout(width="66%"))
+        self.header.value = (f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
+                             f"<code>{_esc(diff.a.path)}</code> &nbsp; B: <code>{_esc(diff.b.path)}</code>")
+        self.widget = W.VBox([self.header, W.HBox([table, main])])
+        self.build_seconds = time.perf_counter() - t0
+
+    def _refresh_rows(self, change=None) -> None:
+        from ..metrics import metric
+
+        ex = self.explorer
+        m = metric(ex.metric.value)
+        hits = ex.diff._hits(ex.table, m, ex.diff._threshold_fn(ex.threshold.value, m.name))
+        options = []
+        for (i, row), bad in zip(ex.table.iterrows(), hits):
+            value = row[m.name]
+            text = row["reason"] if row["structural"] else (f"{value:.3g}" if value == value else "-")
+            options.append((f"{'⚠' if bad else ' '} p{row['pass']} {row['key']}  {text}",
+                            (row["key"], int(row["pass"]), int(row["rank"]))))
+        current = self.entries.value
+        self.entries.unobserve(self._on_row, names="value")
+        self.entries.options = options
+        if current in dict(options).values():
+            self.entries.value = current
+        self.entries.observe(self._on_row, names="value")
+
+    def _on_row(self, change) -> None:
+        if change["new"] is not None:
+            self.explorer._timed("pick", self.explorer.select, *change["new"])
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)
+
+
+def _esc(value) -> str:
+    import html
+
+    return html.escape(str(value))
+
+
+def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | None = None,
+              **diff_kwargs) -> Dashboard:
+    """One page to find where two runs part: summary, divergence plot, entry table, side by side.
+
+    Parameters
+    ----------
+    a, b : DumpSet, Diff or path
+        Reference and compared dump (or a Diff as ``a`` alone). Without
+        either, the paths come from ``TDINSPECT_DASHBOARD_A`` / ``_B`` (how
+        ``tdinspect dashboard A B`` hands them to the Voilà page).
+    metric, threshold : optional
+        What the page opens on (default: ``rel_diff`` at its default threshold).
+    **diff_kwargs
+        Passed to :meth:`DumpSet.diff` (``align="sequence"``, ...).
+
+    Returns
+    -------
+    Dashboard
+        Displays itself.
+
+    Examples
+    --------
+    >>> tdinspect.dashboard("sample_dumps/float32", "sample_dumps/wrong_layer")   # doctest: +SKIP
+    """
+    from ..diff import Diff
+    from ..dumpset import DumpSet
+
+    if isinstance(a, Diff):
+        return Dashboard(a, metric=metric, threshold=threshold)
+    if a is None:  # the page `tdinspect dashboard A B` serves
+        import json
+
+        a, b = os.environ.get(ENV_A), os.environ.get(ENV_B)
+        if not a or not b:
+            raise ValueError("dashboard() needs two dumps (or TDINSPECT_DASHBOARD_A and _B set)")
+        options = json.loads(os.environ.get(ENV_OPTIONS) or "{}")
+        metric = metric or options.get("metric")
+        threshold = threshold if threshold is not None else options.get("threshold")
+    ref = a if isinstance(a, DumpSet) else DumpSet.open(a)
+    return Dashboard(ref.diff(b, **diff_kwargs), metric=metric, threshold=threshold)
+
+
+def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float | None = None,
+          open_browser: bool = True) -> int:
+    """Serve :func:`dashboard` of ``a`` and ``b`` with Voilà on 127.0.0.1 (until Ctrl-C).
+
+    The dump paths reach the page through environment variables, never as
+    code. Returns Voilà's exit status.
+
+    Raises
+    ------
+    RuntimeError
+        When Voilà is not installed (``pip install 'tdinspect[dashboard]'``).
+    """
+    import importlib.util
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import nbformat
+
+    from ..dumpset import DumpSet
+
+    if importlib.util.find_spec("voila") is None:
+        raise RuntimeError("tdinspect dashboard needs Voilà: pip install 'tdinspect[dashboard]'")
+    for path in (a, b):
+        DumpSet.open(path)  # a clear error now, not a broken page later
+    folder = Path(tempfile.mkdtemp(prefix="tdinspect-dashboard-"))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import tdinspect\ntdinspect.dashboard()")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, folder / "tdinspect_dashboard.ipynb")
+    env = {**os.environ, ENV_A: str(Path(a).resolve()), ENV_B: str(Path(b).resolve()),
+           ENV_OPTIONS: json.dumps({"metric": metric, "threshold": threshold})}
+    cmd = [sys.executable, "-m", "voila", str(folder / "tdinspect_dashboard.ipynb"), f"--port={port}",
+           "--Voila.ip=127.0.0.1", "--strip_sources=True"] + ([] if open_browser else ["--no-browser"])
+    print(f"tdinspect: serving the dashboard of {a} vs {b} on http://127.0.0.1:{port}/ (Ctrl-C stops)")
+    try:
+        return subprocess.call(cmd, env=env, cwd=folder)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
