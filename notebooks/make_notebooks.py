@@ -107,7 +107,7 @@ def main():
            "here a hand-written port of a tiny Hugging Face Llama (`tdinspect.examples_port`) with other "
            "attribute names, fused `qkv` and `gate_up` projections and its own RMSNorm class, loaded with "
            "the same weights. We capture both, let tdinspect *suggest* how their entries pair, look at "
-           "the plan, and find a porting bug."),
+           "the plan, find a porting bug and see where along the tokens it starts."),
         CODE("import tempfile, tdinspect\nfrom tdinspect.examples_port import capture_port_pair\n"
              "root = tempfile.mkdtemp()\n"
              "ref_dir, port_dir = capture_port_pair(root + '/good')           # same weights, Llama's RoPE\n"
@@ -145,6 +145,13 @@ def main():
         CODE("t = bug.table(progress=False)\n"
              "t[~t['structural']][['key', 'key_b', 'rel_diff', 'cosine']].head(14)"),
         CODE("fig = tdinspect.plot.divergence(bug, threshold=1e-6)"),
+        MD("## Where along the tokens?\n\nThe error per position of the token dim tells a position "
+           "bug from a layer bug at a glance. Position 0 is rotated by angle 0 whatever the pairing, so "
+           "a RoPE bug leaves it exact and parts from the second token on; a wrong weight would show at "
+           "every position."),
+        CODE("da = bug.per_position('model.model.layers.0.self_attn.o_proj', dim=1, threshold=1e-6)\n"
+             "print('first divergent position:', da.attrs['first_position'])\nda.isel(call=0).round(9).to_pandas()  # pass x position"),
+        CODE("fig = tdinspect.plot.per_position(bug, dim=1, threshold=1e-6)"),
         MD("The rules go to a file for the command line:\n\n"
            "```\ntdinspect suggest-mapping ref/ port/ > map.yaml\n"
            "tdinspect first-divergence ref/ port/ --mapping map.yaml --structural report\n```"),

@@ -748,6 +748,9 @@ class Diff:
                 pa, pb = self.a.get_pass(p, rank), self.b.get_pass(p, rank)
                 i = pa.position[row["key"]]
                 ya, xb = pa.tensor(row["key"]), pb.tensor(row["key_b"])
+                transform = self.mapping.partner(base)[1] if self.mapping is not None else None
+                if transform is not None:
+                    xb = transform(xb)
                 if ya.shape != xb.shape:
                     skipped.append(f"pass {p} call {row['call']}: shape {list(ya.shape)} vs "
                                    f"{list(xb.shape)}")

@@ -188,3 +188,12 @@ def test_shape_arguments_differ_by_name():
     assert arg_difference(a, b) == "argument 'size' of aten.view.default: [2, 6] vs [3, 4]"
     assert arg_difference(a, {**a, "leaves": [{"t": "other_name"}, 2, 6]}) == ""  # tensor keys
     assert arg_difference(a, None) == ""
+
+
+def test_per_position_shows_the_rope_bug_from_the_second_token(port, suggestion):
+    d = DumpSet.open(port["ref"]).diff(port["bad"], mapping=suggestion.rules)
+    da = d.per_position("model.model.layers.0.self_attn.o_proj", dim=1, threshold=1e-6)
+    assert da.attrs["first_position"] == 1  # position 0 is rotated by angle 0 either way
+    assert float(da.sel(position=0).max()) <= 1e-10 and float(da.sel(position=slice(1, None)).min()) > 1e-6
+    q = d.per_position("model.model.layers.0.self_attn.q_proj", dim=1)  # a slice of the fused qkv
+    assert float(q.max()) <= 1e-10 and q.sizes["position"] == 12
