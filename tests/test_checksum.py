@@ -129,3 +129,20 @@ def test_equal_without_checksums_is_a_clear_error(tmp_path):
         DumpSet.open(a).diff(tmp_path / "s").first_divergence(metric="equal")
     with pytest.raises(ValueError, match="use metric='stats_rel'"):
         DumpSet.open(a).diff(tmp_path / "s").first_divergence(metric="rel_diff")
+
+
+def test_op_level_checksums_tell_a_rounding_change(tmp_path):
+    def run(path, dtype):
+        x = torch.linspace(-2, 2, 64, dtype=torch.float64).reshape(4, 16)
+        with tdinspect.capture_ops(path, stats_only=True, checksum=True, environ={}) as dump:
+            torch.nn.functional.layer_norm(x.to(dtype).double(), (16,))
+            dump.step()
+        return path
+
+    a, a2 = run(tmp_path / "a", torch.float64), run(tmp_path / "a2", torch.float64)
+    b = run(tmp_path / "b", torch.float32)  # the input rounded through float32 first
+    entries = json.loads((only_folder(a) / "pass00000.json").read_text())["entries"]
+    assert all(isinstance(c, str) for c in entries["checksum"])
+    assert DumpSet.open(a).diff(a2).first_divergence(metric="equal") is None
+    div = DumpSet.open(a).diff(b).first_divergence(metric="equal")
+    assert div is not None and "aten." in div.key

@@ -179,7 +179,8 @@ class OpCapture:
                  max_pending_bytes: int = 2 << 30, fsync: bool = False,
                  background_write: bool | None = None, on_nonfinite: str | None = None,
                  parallel: dict | None = None, dims: dict[str, str] | None = None,
-                 compare_to=None, compare_options: dict | None = None, overwrite: bool = False):
+                 compare_to=None, compare_options: dict | None = None, overwrite: bool = False,
+                 checksum: bool = False):
         self.config = config
         self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
@@ -206,7 +207,7 @@ class OpCapture:
         self._stats_only = stats_only
         self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync,
                                  background_write=background_write, parallel=parallel, dims=dims,
-                                 overwrite=overwrite)
+                                 overwrite=overwrite, checksum=checksum)
         if config.enabled:  # bad coordinates or dims specs are errors here, not at start()
             parallel_coords(parallel)
             if dims:
@@ -453,7 +454,7 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                 parallel: dict | None = None, dims: dict[str, str] | None = None,
                 compare_to=None, metric: str | None = None, threshold=None,
                 on_divergence: str = "raise", mapping=None, overwrite: bool = False,
-                environ=None) -> OpCapture:
+                checksum: bool = False, environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
     Parameters
@@ -474,6 +475,9 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
         Tracing works without a dump directory.
     stats_only : bool
         Statistics only, no tensors.
+    checksum : bool
+        Also store a bitwise fingerprint of every recorded tensor (as for
+        :func:`tdinspect.capture`).
     background_write, overwrite : bool, optional
         As for :func:`tdinspect.capture`.
     on_nonfinite : {"raise", "warn"}, optional
@@ -502,7 +506,7 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
                      max_pending_bytes=max_pending_bytes, fsync=fsync,
                      background_write=background_write, on_nonfinite=on_nonfinite,
-                     parallel=parallel, dims=dims, compare_to=compare_to,
+                     parallel=parallel, dims=dims, compare_to=compare_to, checksum=checksum,
                      compare_options=dict(metric=metric, threshold=threshold,
                                           on_divergence=on_divergence, mapping=mapping),
                      overwrite=overwrite)
