@@ -1,8 +1,13 @@
-"""A person's view: JupyterLab in headless Chromium runs notebook 02 and moves the threshold slider.
+"""A person's view: JupyterLab and Voila in headless Chromium.
 
-The server is started and stopped by the fixture (by its own PID), with
-temporary Jupyter config and runtime folders, on a free loopback port. The
-screenshot is kept in ``test-artifacts/`` (its path is printed).
+Notebook 02: move the threshold slider, switch the metric, pick a pass.
+Notebook 05: re-run a capture cell, open again (exactly the new run).
+``tdinspect dashboard A B``: the Voila page's first view, then a pick in its table.
+
+Servers are started and stopped by the fixtures (by their own PIDs), with
+temporary Jupyter config and runtime folders, on free loopback ports.
+Screenshots and the measured interaction times (``browser_timings.json``)
+are kept in ``test-artifacts/`` (paths printed).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import json
 import time
 import urllib.request
 
@@ -45,7 +51,8 @@ def jupyterlab(tmp_path):
     served = tmp_path / "served"  # a copy: autosave must never touch the repository's notebooks
     shutil.copytree(ROOT / "sample_dumps", served / "sample_dumps")
     (served / "notebooks").mkdir()
-    shutil.copy(ROOT / "notebooks" / "02_compare_two_runs.ipynb", served / "notebooks")
+    for name in ("02_compare_two_runs.ipynb", "05_magics.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, served / "notebooks")
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
     log = open(tmp_path / "jupyter.log", "w")
@@ -92,51 +99,199 @@ def _label(page) -> str:
     return loc.last.inner_text()
 
 
-def test_threshold_slider_moves_first_divergence_in_jupyterlab(jupyterlab, tmp_path):
+def _open_and_run_all(page, base, token, name, ready):
+    page.goto(f"{base}/lab/tree/notebooks/{name}?token={token}")
+    page.wait_for_selector(".jp-Notebook", timeout=90_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    for attempt in range(3):  # a kernel still starting can drop the first request: ask again
+        time.sleep(2)
+        _accept_dialogs(page)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.locator("li[data-command='runmenu:run-all']").click()
+        time.sleep(2)
+        _accept_dialogs(page)
+        try:
+            ready.first.wait_for(timeout=60_000)
+            return
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / f"browser_{name}_attempt{attempt}.png"))
+            _accept_dialogs(page)
+    raise AssertionError(f"{name} never rendered; see test-artifacts/browser_{name}_attempt*.png")
+
+
+def _until(read, before, timeout=60.0):
+    """Poll ``read()`` until it differs from ``before``; returns (value, seconds)."""
+    t0 = time.perf_counter()
+    value = read()
+    while value == before and time.perf_counter() - t0 < timeout:
+        time.sleep(0.02)
+        value = read()
+    return value, time.perf_counter() - t0
+
+
+def _dropdown(page, description: str):
+    return page.locator(".widget-dropdown", has=page.locator("label", has_text=re.compile(
+        f"^{description}$"))).last.locator("select")
+
+
+def _save_timings(new: dict) -> None:
+    path = ARTIFACTS / "browser_timings.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(new)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def _browser(pw):
+    return pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, chromium_sandbox=False)
+
+
+def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
     from playwright.sync_api import sync_playwright
 
     base, token = jupyterlab
     ARTIFACTS.mkdir(exist_ok=True)
+    times = {}
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
-                                     chromium_sandbox=False)
+        browser = _browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{base}/lab/tree/notebooks/02_compare_two_runs.ipynb?token={token}")
-        page.wait_for_selector(".jp-Notebook", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        label = page.locator(".widget-html-content", has_text="first divergence")
-        for attempt in range(3):  # a kernel still starting can drop the first request: ask again
-            time.sleep(2)
-            _accept_dialogs(page)
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.locator("li[data-command='runmenu:run-all']").click()
-            time.sleep(2)
-            _accept_dialogs(page)
-            try:
-                label.first.wait_for(timeout=60_000)
-                break
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / f"browser_02_attempt{attempt}.png"))
-                _accept_dialogs(page)
-        else:
-            raise AssertionError("the explorer never rendered; see test-artifacts/browser_02_attempt*.png")
+        _open_and_run_all(page, base, token, "02_compare_two_runs.ipynb",
+                          page.locator(".widget-html-content", has_text="first divergence"))
         before = _label(page)
         readout = page.locator(".widget-readout").last
         readout.click()
         page.keyboard.press("Control+A")
         page.keyboard.type("1e-7")
         page.keyboard.press("Enter")
-        deadline = time.time() + 60
-        after = before
-        while after == before and time.time() < deadline:
-            time.sleep(0.5)
-            after = _label(page)
+        after, times["threshold_s"] = _until(lambda: _label(page), before)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-        time.sleep(1.0)  # let the re-drawn figure reach the page
-        shot = ARTIFACTS / "browser_02_threshold.png"
+        time.sleep(1.0)  # let the re-drawn figures reach the page
+        shots = [ARTIFACTS / "browser_02_threshold.png"]
         page.locator(".widget-html-content", has_text="first divergence").last.scroll_into_view_if_needed()
-        page.screenshot(path=str(shot))
-        print(f"\nscreenshot: {shot}\nbefore: {before}\nafter:  {after}")
+        page.screenshot(path=str(shots[-1]))
+        # switch the metric: its own threshold, direction and scale come with it
+        _dropdown(page, "metric").select_option("cosine")
+        cosine, times["metric_s"] = _until(lambda: _label(page), after)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+        readout_text = page.locator(".widget-readout").last.inner_text()
+        time.sleep(1.0)
+        shots.append(ARTIFACTS / "browser_02_metric_cosine.png")
+        page.screenshot(path=str(shots[-1]))
+        # pick a pass: the side-by-side view (the last image) is redrawn for it
+        view = page.locator(".widget-image").last
+        src = view.get_attribute("src")
+        _dropdown(page, "pass").select_option("1")
+        _, times["pass_s"] = _until(lambda: view.get_attribute("src"), src)
+        time.sleep(1.0)
+        view.scroll_into_view_if_needed()
+        shots.append(ARTIFACTS / "browser_02_pass1.png")
+        page.screenshot(path=str(shots[-1]))
         browser.close()
+    _save_timings({f"explorer_{k}": round(v, 3) for k, v in times.items()})
+    print(f"\nscreenshots: {[str(p) for p in shots]}\ntimes (s): {times}\nbefore: {before}\n"
+          f"after:  {after}\ncosine: {cosine}")
     assert before.startswith("first divergence:")
     assert after != before and after.startswith("first divergence:")
+    assert "cosine threshold 0.990000" in cosine and readout_text.strip() == "0.990000"
+    assert times["pass_s"] < 60
+
+
+def test_rerunning_a_capture_cell_opens_exactly_the_new_run(jupyterlab):
+    from playwright.sync_api import sync_playwright
+
+    base, token = jupyterlab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = _browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        _open_and_run_all(page, base, token, "05_magics.ipynb",
+                          page.locator(".widget-html-content", has_text="first divergence"))
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+
+        def run(index):
+            cells.nth(index).locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Control+Enter")
+            time.sleep(1.0)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                                   timeout=60_000)
+            return cells.nth(index).locator(".jp-OutputArea").inner_text()
+
+        captured = run(1)  # %%tdi_capture $out/good --model good, a second time
+        opened = run(3)  # %tdi_open ref $out/good
+        cells.nth(3).scroll_into_view_if_needed()
+        shot = ARTIFACTS / "browser_05_rerun_capture.png"
+        page.screenshot(path=str(shot))
+        browser.close()
+    print(f"\nscreenshot: {shot}\ncapture: {captured}\nopen: {opened}")
+    assert "wrote" in captured and "pass00000" in captured
+    assert "1 passes" in opened  # the new run alone, not the old pass beside it
+
+
+@pytest.fixture
+def voila_dashboard(tmp_path):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install -y chromium)")
+    pytest.importorskip("playwright")
+    pytest.importorskip("voila")
+    port = _free_port()
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    log = open(tmp_path / "voila.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tdinspect", "dashboard", str(ROOT / "sample_dumps" / "float32"),
+         str(ROOT / "sample_dumps" / "wrong_layer"), f"--port={port}", "--no-browser"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status", timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # the server answers
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("Voila did not start:\n" + (tmp_path / "voila.log").read_text())
+                time.sleep(0.5)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_dashboard_served_by_voila(voila_dashboard):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = _browser(pw)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        t0 = time.perf_counter()
+        page.goto(voila_dashboard + "/")
+        label = page.locator(".widget-html-content", has_text="first divergence")
+        label.first.wait_for(timeout=120_000)
+        page.locator(".widget-image").last.wait_for(timeout=60_000)
+        first_view = time.perf_counter() - t0
+        text = label.first.inner_text()
+        body = page.locator("body").inner_text()
+        shot = ARTIFACTS / "browser_dashboard.png"
+        page.screenshot(path=str(shot), full_page=True)
+        table = page.locator(".widget-select select").first
+        view = page.locator(".widget-image").last
+        src = view.get_attribute("src")
+        table.select_option(index=len(table.locator("option").all()) - 1)  # the last entry
+        _, pick = _until(lambda: view.get_attribute("src"), src)
+        shot2 = ARTIFACTS / "browser_dashboard_pick.png"
+        page.screenshot(path=str(shot2), full_page=True)
+        browser.close()
+    _save_timings({"dashboard_first_view_s": round(first_view, 3), "dashboard_pick_s": round(pick, 3)})
+    print(f"\nscreenshots: {shot}, {shot2}\nfirst view {first_view:.2f} s, pick {pick:.2f} s\n{text}")
+    assert "model.layers.2.mlp.down" in text
+    assert "None" not in body.split()  # no stray None outputs on the page
+    assert pick < 60

@@ -407,6 +407,7 @@ def test_dashboard_lays_out_plot_table_and_side_by_side(runs, monkeypatch):
     flagged = [label for label, _ in board.entries.options if label.startswith("⚠")]
     assert flagged and "model.layers.2.mlp.down" in flagged[0]
     assert len(board.entries.options) == len(ex.table)
+    assert board.entries.value == ("model.layers.2.mlp.down", 0, 0)  # the table opens on it too
     row = next(v for label, v in board.entries.options if v[0] == "model.lm_head" and v[1] == 1)
     board.entries.value = row  # picking a row of the table shows it side by side
     assert ex.shown_at == row and ex.pass_.value == 1

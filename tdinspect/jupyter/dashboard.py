@@ -43,7 +43,7 @@ class Dashboard:
         self.diff = diff
         self.explorer = ex = DiffExplorer(diff, metric=metric, threshold=threshold)
         self.header = W.HTML(layout=W.Layout(padding="0 0 4px 0"))
-        self.entries = W.Select(rows=24, layout=W.Layout(width="100%", height="auto"),
+        self.entries = W.Select(rows=24, layout=W.Layout(width="98%", height="auto"),
                                 description="")
         self.entries.observe(self._on_row, names="value")
         for w in (ex.metric, ex._log_slider, ex._lin_slider):
@@ -71,11 +71,11 @@ class Dashboard:
             text = row["reason"] if row["structural"] else (f"{value:.3g}" if value == value else "-")
             options.append((f"{'⚠' if bad else ' '} p{row['pass']} {row['key']}  {text}",
                             (row["key"], int(row["pass"]), int(row["rank"]))))
-        current = self.entries.value
+        shown = ex.shown_at  # the row on show (the first divergence, when it moved there)
         self.entries.unobserve(self._on_row, names="value")
         self.entries.options = options
-        if current in dict(options).values():
-            self.entries.value = current
+        if shown in dict(options).values():
+            self.entries.value = shown
         self.entries.observe(self._on_row, names="value")
 
     def _on_row(self, change) -> None:
