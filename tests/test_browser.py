@@ -157,20 +157,30 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
         _open_and_run_all(page, base, token, "02_compare_two_runs.ipynb",
                           page.locator(".widget-html-content", has_text="first divergence"))
         before = _label(page)
+        plot = page.locator(".widget-image").nth(-2)  # the divergence plot; the last is the view
+
+        def redrawn(action, label_before):
+            """Seconds until both the label and the plot image have changed."""
+            src = plot.get_attribute("src")
+            t0 = time.perf_counter()
+            action()
+            label, _ = _until(lambda: _label(page), label_before)
+            _until(lambda: plot.get_attribute("src"), src)
+            return label, time.perf_counter() - t0
+
         readout = page.locator(".widget-readout").last
         readout.click()
         page.keyboard.press("Control+A")
         page.keyboard.type("1e-7")
-        page.keyboard.press("Enter")
-        after, times["threshold_s"] = _until(lambda: _label(page), before)
+        after, times["threshold_s"] = redrawn(lambda: page.keyboard.press("Enter"), before)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
         time.sleep(1.0)  # let the re-drawn figures reach the page
         shots = [ARTIFACTS / "browser_02_threshold.png"]
         page.locator(".widget-html-content", has_text="first divergence").last.scroll_into_view_if_needed()
         page.screenshot(path=str(shots[-1]))
         # switch the metric: its own threshold, direction and scale come with it
-        _dropdown(page, "metric").select_option("cosine")
-        cosine, times["metric_s"] = _until(lambda: _label(page), after)
+        cosine, times["metric_s"] = redrawn(lambda: _dropdown(page, "metric").select_option("cosine"),
+                                            after)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
         readout_text = page.locator(".widget-readout").last.inner_text()
         time.sleep(1.0)
@@ -179,8 +189,10 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
         # pick a pass: the side-by-side view (the last image) is redrawn for it
         view = page.locator(".widget-image").last
         src = view.get_attribute("src")
+        t0 = time.perf_counter()
         _dropdown(page, "pass").select_option("1")
-        _, times["pass_s"] = _until(lambda: view.get_attribute("src"), src)
+        _until(lambda: view.get_attribute("src"), src)
+        times["pass_s"] = time.perf_counter() - t0
         time.sleep(1.0)
         view.scroll_into_view_if_needed()
         shots.append(ARTIFACTS / "browser_02_pass1.png")
