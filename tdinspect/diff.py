@@ -245,6 +245,9 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
         row["reason"] = "uninitialized (never compared)"
         return
     if a.problem or b.problem:
+        if _NOT_STORED in a.problem and _NOT_STORED in b.problem:  # nothing to compare, alike
+            row["reason"] = a.problem.split(": ", 1)[1]
+            return
         row.update(structural=True, reason=a.problem or b.problem)
         return
     why, _ = _layout_shapes(a.shape, b.shape, transform)
@@ -376,7 +379,12 @@ def same_ref_pass(ra, rb) -> int | None:
 def _problem(pi: PassIndex, i: int, side: str) -> str:
     """Why a logical entry (unshard, concat) cannot be assembled, naming the side, or ``""``."""
     problem = pi.problem(i) if isinstance(pi, LogicalPass) else ""
+    if not problem and pi.skipped and isinstance(pi.skipped[i], str):  # dumper/kinds.py
+        problem = f"{_NOT_STORED}{pi.skipped[i]}"
     return f"{side}: {problem}" if problem else ""
+
+
+_NOT_STORED = "tensor not stored at capture: "
 
 
 def _assembled(pi: PassIndex | None, i: int | None) -> str:

@@ -426,6 +426,19 @@ class DumpSet:
 
         return first_nonfinite(self)
 
+    def not_stored(self) -> list[tuple[int, int, str, str]]:
+        """``(rank, pass, key, reason)`` of every tensor capture could not store (a meta or
+        fake tensor, a wrapper subclass...): recorded with its shape and dtype only.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/run_a").not_stored()     # doctest: +SKIP
+        [(0, 0, 'model.meta_head', 'meta tensor: no data')]
+        """
+        return [(rank, p, key, reason) for (rank, p), pi in self._passes.items()
+                for key, reason in zip(pi.keys, pi.skipped or ())
+                if isinstance(reason, str) and self._keep(key)]
+
     # -- display --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         calls = max((split_call(k)[1] for pi in self._passes.values() for k in pi.keys), default=0)
@@ -433,7 +446,8 @@ class DumpSet:
                 "max_calls": calls + 1, "passes": len(self.passes), "ranks": self.ranks,
                 "entries": self.n_entries(), "bytes": self.nbytes, "stats_only": self.stats_only,
                 "skipped": len(self.skipped),
-                "failed": [pi.index for pi in self._passes.values() if pi.failed]}
+                "failed": [pi.index for pi in self._passes.values() if pi.failed],
+                "not_stored": len(self.not_stored())}
 
     def __repr__(self) -> str:
         s = self.summary()
@@ -442,7 +456,9 @@ class DumpSet:
                 f"{s['entries']} entries, {_human(s['bytes'])}"
                 + (", statistics only" if s["stats_only"] else "")
                 + (f", {s['skipped']} passes skipped" if s["skipped"] else "")
-                + (f", passes {s['failed']} cut short by an error" if s["failed"] else "") + ")")
+                + (f", passes {s['failed']} cut short by an error" if s["failed"] else "")
+                + (f", {s['not_stored']} tensors not stored (ds.not_stored())"
+                   if s["not_stored"] else "") + ")")
 
     def _repr_html_(self) -> str:
         from .report import dumpset_html

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_unflatten
 from .format import (DumpFormatError, PassFiles, decode_arg, load_call_spec, load_pass,
                      pass_filename, read_sidecar, sidecar_filename)
 from .naming import parse_key
+from .dumper.kinds import restore
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
 
@@ -50,6 +51,8 @@ class PassIndex:
     dims: list[str | None] = field(default_factory=list)  # dims spec per entry (or None)
     checksum: list[Any] | None = None  # 16 hex digits (tdinspect.checksum) or None
     failed: str | None = None  # the error that cut this pass short (a failed notebook cell)
+    storage: list[Any] | None = None  # how a non-plain tensor was stored (dumper/kinds.py)
+    skipped: list[Any] | None = None  # why a tensor was not stored (meta, FakeTensor...)
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -76,7 +79,8 @@ class PassIndex:
                        bool(doc.get("partial")), kind=col("kind"),
                        parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
                        checksum=col("checksum"),
-                       failed=str(doc["failed"]) if doc.get("failed") else None)
+                       failed=str(doc["failed"]) if doc.get("failed") else None,
+                       storage=e.get("storage"), skipped=e.get("skipped"))
         tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)
@@ -115,10 +119,12 @@ class PassIndex:
                                   "not saved")
         if loaded is None:
             loaded = self.load()
-        if self.stored[i]:
-            return loaded[key]
-        ref = self.ref[i]
         where = f"{self.path}: entry {key!r}"
+        if self.stored[i]:
+            return self._as_read(i, loaded[key], where)
+        if self.skipped and isinstance(self.skipped[i], str):
+            raise DumpFormatError(f"{where} was not stored: {self.skipped[i]}")
+        ref = self.ref[i]
         if not isinstance(ref, dict) or not isinstance(ref.get("of"), str):
             raise DumpFormatError(f"{where} has no stored tensor")
         if ref.get("pass") is not None:  # unchanged since an earlier pass (a parameter)
@@ -128,7 +134,7 @@ class PassIndex:
             raise DumpFormatError(f"{where} refers to {ref['of']!r}, which is not another entry "
                                   "of this pass")
         if ref.get("kind") == "same" and self.stored[j]:
-            return loaded[ref["of"]]
+            return self._as_read(j, loaded[ref["of"]], where)
         if ref.get("kind") == "same" and isinstance(self.ref[j], dict) \
                 and self.ref[j].get("kind") == "view":
             i, ref, where = j, self.ref[j], f"{self.path}: entry {self.keys[j]!r}"
@@ -139,11 +145,21 @@ class PassIndex:
         if "view" not in ref:
             raise DumpFormatError(f"{where}: a view recorded by an older tdinspect (rebuilt by "
                                   "running an operator, which is no longer done); capture again")
-        base = loaded[self.keys[j]]
+        base = self._as_read(j, loaded[self.keys[j]], where)
         if self.dtype[i] != str(base.dtype):
             raise DumpFormatError(f"{where}: dtype {self.dtype[i]} differs from the stored "
                                   f"tensor's ({base.dtype})")
         return reindex(base, ref.get("base"), ref["view"], where)
+
+    def _as_read(self, i: int, t: torch.Tensor, where: str) -> torch.Tensor:
+        """A stored tensor as analysis sees it: sparse, quantized and nested tensors made
+        plain (:func:`tdinspect.dumper.kinds.restore`), an expanded one re-viewed."""
+        t = restore(t)
+        storage = self.storage[i] if self.storage else None
+        if isinstance(storage, dict) and isinstance(storage.get("expand"), dict):
+            view = storage["expand"]
+            return reindex(t, view.get("base"), view.get("view"), where)
+        return t
 
     def earlier(self, index: Any, key: str) -> "PassIndex":
         """The earlier pass of this folder that an entry of this pass refers to."""

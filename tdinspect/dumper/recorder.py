@@ -20,6 +20,7 @@ from ..format import pass_filename, sidecar_filename
 from ..naming import split_call
 from ..runs import new_run_folder
 from ..stats import tensor_stats
+from .kinds import is_plain, prepare
 from .writer import AsyncWriter, PendingPass
 
 _LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
@@ -100,7 +101,8 @@ class BufferPool:
     def give(self, tensors) -> None:
         with self._lock:
             for t in tensors:
-                if t is None or t.device.type != "cpu" or t.is_pinned():
+                if t is None or t.layout != torch.strided or t.is_nested or t.is_quantized \
+                        or t.device.type != "cpu" or t.is_pinned():
                     continue
                 size = t.numel() * t.element_size()
                 if self._bytes + size > self.limit:
@@ -287,6 +289,9 @@ class Recorder:
             if shared is not None:
                 return self._append(key, tensor, None, shared, module_type, extra, digest)
         copy = stat = None
+        if tensor is not None and self.writer is not None and not extra.get("uninitialized") \
+                and not is_plain(tensor):
+            return self._record_kind(key, tensor, module_type, store, extra, digest)
         if tensor is not None and self.writer is not None and not extra.get("uninitialized"):
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
             # the writer thread, the bottleneck when full tensors go to disk, only writes
@@ -296,6 +301,30 @@ class Recorder:
                 self._in_flight |= in_flight
                 p.nbytes += copy.numel() * copy.element_size()
         self._append(key, tensor, copy, stat, module_type, extra, digest)
+
+    def _record_kind(self, key, tensor, module_type, store, extra, digest) -> None:
+        """A sparse, quantized, nested, expanded, subclass, meta or fake tensor (see
+        :mod:`tdinspect.dumper.kinds`): stored in its own form, or skipped with the reason."""
+        prep = prepare(tensor)
+        copy = None
+        if prep.data is not None and store and not self.stats_only:
+            try:
+                if is_plain(prep.data):
+                    copy, in_flight = host_copy(prep.data, self.pool)
+                    self._in_flight |= in_flight
+                else:
+                    copy = prep.data.clone().cpu()
+                self._pass.nbytes += copy.numel() * copy.element_size()
+            except Exception as exc:  # noqa: BLE001 - the model's forward must go on
+                prep.skipped = f"copy failed ({type(exc).__name__}: {exc})"[:300]
+        if prep.storage:
+            extra["storage"] = prep.storage
+        if prep.skipped:
+            extra["skipped"] = prep.skipped
+            self._say_once(f"skipped {prep.skipped}", f"tdinspect: {key} not stored: "
+                                                        f"{prep.skipped} (the sidecar says so)")
+        self._append(key, None, copy, prep.stats, module_type, extra, digest,
+                     shape=prep.shape, dtype=prep.dtype)
 
     def record_unchanged(self, key: str, tensor: torch.Tensor, facts: tuple, *,
                          of_pass: int, module_type: str, **extra: Any) -> None:
@@ -319,7 +348,8 @@ class Recorder:
         i = self._index.get(key)
         return (None, None) if i is None else (self._pass.stats[i], self._pass.checksums[i])
 
-    def _append(self, key, tensor, copy, stat, module_type, extra, digest=None) -> None:
+    def _append(self, key, tensor, copy, stat, module_type, extra, digest=None, *,
+                shape=None, dtype=None) -> None:
         p = self._pass
         if key in self._index:  # never lose an entry to a name recorded twice: next free call
             base, call = split_call(key)
@@ -329,8 +359,8 @@ class Recorder:
             self._say_once("dup", f"tdinspect: an entry was recorded twice under one name; "
                                   f"the second is stored as {key!r}")
         p.checksums.append(digest)
-        shape = list(tensor.shape) if tensor is not None else None
-        dtype = str(tensor.dtype) if tensor is not None else None
+        if tensor is not None:
+            shape, dtype = list(tensor.shape), str(tensor.dtype)
         n = len(p.keys)
         self._index[key] = n
         p.keys.append(key)

@@ -1,0 +1,142 @@
+"""Tensor kinds: sparse, quantized, nested, expanded, meta, FakeTensor and subclass outputs never
+break the forward; what can be stored reads back equal, the rest is listed with its reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect import DumpSet, load_pass
+
+
+class _Sub(torch.Tensor):
+    """A plain tensor subclass (no __torch_dispatch__)."""
+
+
+class _Emit(torch.nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, x):
+        return self.make(x)
+
+
+def _kinds():
+    torch.manual_seed(0)
+    dense = torch.randn(3, 4)
+    dense[0, 1] = dense[2, 2] = 0.0
+    return {
+        "coo": lambda x: (dense * x).to_sparse(),
+        "csr": lambda x: (dense * x).to_sparse_csr(),
+        "quant": lambda x: torch.quantize_per_tensor(dense * x, 0.05, 3, torch.quint8),
+        "nested": lambda x: torch.nested.nested_tensor([dense[0] * x, dense[1, :2] * x]),
+        "expand": lambda x: (x * 2).reshape(1, 1).expand(4096, 4096),
+        "huge": lambda x: x.reshape(1, 1).expand(10 ** 6, 10 ** 6),
+        "meta": lambda x: torch.empty(5, 2, device="meta"),
+        "sub": lambda x: (dense * x).as_subclass(_Sub),
+    }
+
+
+def test_every_kind_is_captured_or_listed_and_the_forward_goes_on(tmp_path):
+    kinds = _kinds()
+    model = torch.nn.ModuleDict({k: _Emit(f) for k, f in kinds.items()})
+    x = torch.tensor(1.5)
+    with tdinspect.capture(model, tmp_path) as dump:
+        outs = {k: m(x) for k, m in model.items()}
+        dump.step()
+    folder = dump.folder
+    assert (folder / "pass00000.pt").stat().st_size < 1 << 20  # no 64 MB expand, no 4 TB one
+    raw = load_pass(folder / "pass00000.pt")  # a plain torch.load, weights_only
+    assert raw["model.coo"].layout == torch.sparse_coo and raw["model.quant"].is_quantized
+    assert raw["model.expand"].shape == (1, 1)
+    side = json.loads((folder / "pass00000.json").read_text())["entries"]
+    row = {k: i for i, k in enumerate(side["key"])}
+    assert side["storage"][row["model.quant"]]["quantized"]["scale"] == 0.05
+    assert side["storage"][row["model.sub"]]["subclass"].endswith("_Sub")
+    assert side["shape"][row["model.huge"]] == [10 ** 6, 10 ** 6]
+    ds = DumpSet.open(tmp_path)
+    read = {k: ds.tensor(f"model.{k}") for k in ("coo", "csr", "quant", "nested", "expand",
+                                                 "huge", "sub")}
+    assert torch.equal(read["coo"], outs["coo"].to_dense())
+    assert torch.equal(read["csr"], outs["csr"].to_dense())
+    assert torch.equal(read["quant"], outs["quant"].dequantize())
+    assert torch.equal(read["nested"], torch.cat([t.reshape(-1) for t in outs["nested"].unbind()]))
+    assert read["expand"].shape == (4096, 4096) and torch.equal(read["expand"], outs["expand"])
+    assert read["huge"].shape == (10 ** 6, 10 ** 6) and read["huge"].stride() == (0, 0)
+    assert type(read["sub"]) is torch.Tensor and torch.equal(read["sub"], outs["sub"].as_subclass(torch.Tensor))
+    stats = ds.entries(progress=False).set_index("key")
+    for k in ("coo", "csr"):
+        dense = outs[k].to_dense()
+        assert stats.loc[f"model.{k}", "max"] == pytest.approx(float(dense.max()))
+        assert stats.loc[f"model.{k}", "min"] == pytest.approx(float(dense.min()))
+        assert stats.loc[f"model.{k}", "mean"] == pytest.approx(float(dense.mean()))
+        assert stats.loc[f"model.{k}", "std"] == pytest.approx(float(dense.std(correction=0)))
+        assert stats.loc[f"model.{k}", "numel"] == 12
+    assert stats.loc["model.huge", "numel"] == 1e12
+    assert ds.not_stored() == [(0, 0, "model.meta", "meta tensor: no data")]
+    assert "1 tensors not stored" in repr(ds)
+    with pytest.raises(tdinspect.DumpFormatError, match="model.meta.*not stored: meta tensor"):
+        ds.tensor("model.meta")
+    assert ds.diff(DumpSet.open(tmp_path)).first_divergence(metric="equal") is None
+
+
+def test_fake_tensor_output_does_not_break_the_forward(tmp_path):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with tdinspect.capture(model, tmp_path) as dump:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = model(torch.ones(4, 3))
+        assert out.shape == (4, 2)
+        model(torch.ones(1, 3))
+        dump.step()
+    side = json.loads((dump.folder / "pass00000.json").read_text())["entries"]
+    assert side["skipped"][0].startswith("FakeTensor") and side["shape"][0] == [4, 2]
+    assert side["stored"] == [False, True]
+    assert list(load_pass(dump.folder / "pass00000.pt")) == ["model.0::call1"]
+
+
+class _NoData(torch.Tensor):
+    """A wrapper subclass without storage of its own (like DTensor or FP8 wrappers)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, size, stride):
+        return _NoData(inner_tensors["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _NoData) else t  # noqa: E731
+        args = torch.utils._pytree.tree_map(unwrap, args)
+        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        out = func(*args, **kwargs)
+        return torch.utils._pytree.tree_map(
+            lambda t: _NoData(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def test_wrapper_subclass_keeps_the_pass_readable(tmp_path):
+    """A wrapper subclass output made the whole pass unreadable (refused by weights_only): now it
+    is listed with its reason, and the rest of the pass reads."""
+    model = torch.nn.ModuleDict({"w": _Emit(lambda x: _NoData(x * 2)), "p": _Emit(lambda x: x + 1)})
+    x = torch.ones(3)
+    with tdinspect.capture(model, tmp_path) as dump:
+        model["w"](x)
+        model["p"](x)
+        dump.step()
+    ds = DumpSet.open(tmp_path)
+    assert torch.equal(ds.tensor("model.p"), x + 1)
+    ((_, _, key, reason),) = ds.not_stored()
+    assert key == "model.w" and "wrapper without storage" in reason
