@@ -190,7 +190,7 @@ class Recorder:
         self.observer = None  # sees every entry and pass end (live comparison)
         self.folder = self.writer = self.run = None
         self._lock = threading.Lock()  # threads calling the model record one at a time
-        self._threads: dict[int, int] = {}  # thread ident -> 0, 1, ... in order of first record
+        self._threads: dict[threading.Thread, int] = {}  # 0, 1, ... in order of first record
         self._forked_from: int | None = None  # set in a child forked while capturing
         self._said: set[str] = set()
         if dump_dir is None:
@@ -223,10 +223,10 @@ class Recorder:
                                "capture in the child to record it.")
 
     def _thread_number(self) -> int:
-        ident = threading.get_ident()
-        n = self._threads.get(ident)
+        thread = threading.current_thread()  # the object, not its ident: idents are reused
+        n = self._threads.get(thread)
         if n is None:
-            n = self._threads[ident] = len(self._threads)
+            n = self._threads[thread] = len(self._threads)
             if n == 1:
                 self._say_once("threads", "tdinspect: a second thread "
                                f"({threading.current_thread().name}) records into this capture; "
