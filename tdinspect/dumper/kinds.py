@@ -99,10 +99,11 @@ def _prepare(t: torch.Tensor) -> Prepared:
                         storage={"nested": [list(p.shape) for p in parts]})
     dims = broadcast_dims(t)
     if dims:
-        held = first_slice(t, dims).contiguous()
-        strides = [0 if d in dims else s for d, s in enumerate(held.stride())]
-        view = {"base": [list(held.shape), list(held.stride()), 0],
-                "view": [list(t.shape), strides, 0]}
+        held = first_slice(t, dims)
+        sizes = list(held.shape)
+        base = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]  # row-major, as stored
+        strides = [0 if d in dims else s for d, s in enumerate(base)]
+        view = {"base": [sizes, base, 0], "view": [list(t.shape), strides, 0]}
         return Prepared(held, tensor_stats(t), list(t.shape), str(t.dtype),
                         storage={"expand": view})
     return Prepared(t, tensor_stats(t), list(t.shape), str(t.dtype))
