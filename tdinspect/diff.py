@@ -474,6 +474,7 @@ class Diff:
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
         self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
+        self._want_stats_rel = False  # tensor mode: statistics compared once that is asked for
         # one DataFrame per pass read (~560 B an entry; row dictionaries took ~1.1 KB)
         self._results: dict[tuple[int, int], pd.DataFrame] = {}
         self.passes_read: list[tuple[int, int]] = []
@@ -509,7 +510,22 @@ class Diff:
             if k not in self._results:
                 self._results[k] = pd.DataFrame(next(computed), columns=COLUMNS)
                 self.passes_read.append(k)
+            if self._want_stats_rel and self.mode == "tensor":
+                self._fill_stats_rel(k, self._results[k])
             yield k, self._results[k]
+
+    def _fill_stats_rel(self, k: tuple[int, int], rows: pd.DataFrame) -> None:
+        """``stats_rel`` of compared tensor entries (from the sidecars' statistics, or
+        computed from the tensors), filled once that metric is asked for."""
+        todo = rows.index[rows["stats_rel"].isna().to_numpy() & ~rows["structural"].to_numpy(bool)
+                          & (rows["reason"].to_numpy(object) == "")]
+        if not len(todo):
+            return
+        pa, pb = self.a._passes[k], self.b._passes[k]
+        for i in todo:
+            sa = pa.stat_dict(pa.position[rows.at[i, "key"]])
+            sb = pb.stat_dict(pb.position[rows.at[i, "key_b"]])
+            rows.at[i, "stats_rel"] = stats_rel(sb, sa)
 
     def _compute(self, jobs: list[PassJob], growing: bool) -> Iterator[list[dict]]:
         limit = self.passes_in_flight or default_wave(self.client)
@@ -591,6 +607,7 @@ class Diff:
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
+        self._want_stats_rel = self._want_stats_rel or metric_name == "stats_rel"
         if self.mode == "stats" and metric_name == "equal":
             for name, side in (("A", self.a), ("B", self.b)):
                 if not any(pi.checksum and any(c is not None for c in pi.checksum)

@@ -2,18 +2,21 @@
 
 ``y`` is the reference run (the first argument of a diff), ``x`` the other.
 
-==========  ==============================================  ===========  =========
-metric      definition                                      diverges     default
-==========  ==============================================  ===========  =========
-rel_diff    ``1 - 2Σxy/(Σx²+Σy²)`` = ``Σ(x-y)²/(Σx²+Σy²)``   above        1e-3
-max_abs     ``max |x-y|``                                   above        1e-3
-mean_abs    ``mean |x-y|``                                  above        1e-4
-max_rel     ``max |x-y| / max(|y|, eps)``                   above        1e-2
-cosine      ``Σxy / (‖x‖‖y‖)``, 1 when both are exactly 0    below        0.99
-sqnr_db     ``10·log10(Σy² / Σ(x-y)²)``, inf when equal      below        30
-mismatch    fraction outside ``atol + rtol·|y|``            above        0
-equal       same dtype and same bits (1 or 0)               below (0)    1
-==========  ==============================================  ===========  =========
+=============  ================================================  ===========  =========
+metric         definition                                        diverges     default
+=============  ================================================  ===========  =========
+rel_diff       ``1 - 2Σxy/(Σx²+Σy²)`` = ``Σ(x-y)²/(Σx²+Σy²)``    above        1e-3
+max_abs        ``max |x-y|``                                     above        1e-3
+mean_abs       ``mean |x-y|``                                    above        1e-4
+max_rel        ``max |x-y| / max(|y|, eps)``                     above        1e-2
+cosine         ``Σxy / (‖x‖‖y‖)``, 1 when both are exactly 0     below        0.99
+sqnr_db        ``10·log10(Σy² / Σ(x-y)²)``, inf when equal       below        30
+mismatch       fraction outside ``atol + rtol·|y|``              above        0
+equal          same dtype and same bits (1 or 0)                 below (0)    1
+rel_diff_cast  ``rel_diff`` after rounding the wider side        above        1e-3
+max_abs_cast   ``max_abs`` after rounding the wider side         above        1e-3
+stats_rel      max ``|a-b|/|b|`` of min, max, mean, l2           above        1e-3
+=============  ================================================  ===========  =========
 
 ``rel_diff`` is computed in its second form, which is the same number without
 the cancellation of the first when the runs are close (≈ ½·relative L2 error²,
@@ -98,6 +101,10 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("sqnr_db", False, 30.0, "signal-to-quantisation-noise ratio in dB; diverges below"),
     Metric("mismatch", True, 0.0, "fraction of elements outside assert_close's atol + rtol·|y|"),
     Metric("equal", False, 1.0, "1 when bitwise equal; diverges when 0"),
+    Metric("rel_diff_cast", True, 1e-3, "rel_diff after rounding the wider side to the narrower "
+                                        "dtype (rel_diff when the dtypes agree)"),
+    Metric("max_abs_cast", True, 1e-3, "max_abs after rounding the wider side to the narrower "
+                                       "dtype (max_abs when the dtypes agree)"),
     Metric("stats_rel", True, 1e-3, "statistics-only diff: max relative difference of min, max, "
                                    "mean, l2"),
 ]}

@@ -397,3 +397,40 @@ def test_metrics_property_against_exact_reference(pair):
     else:
         assert (got["rel_diff_cast"], got["max_abs_cast"]) == (got["rel_diff"], got["max_abs"])
     assert set(TENSOR_METRICS) <= set(got)
+
+
+# -- every shown column is a metric ------------------------------------------------------------
+
+def test_stats_rel_on_tensor_dumps_compares_statistics(runs, tmp_path, capsys):
+    """Issue 13: --metric stats_rel on tensor dumps that clearly differ said no divergence."""
+    from tdinspect import DumpSet
+    from tdinspect.cli import main
+
+    from .test_dumpset_diff import write_dump
+
+    div = DumpSet.open(runs["ref"]).diff(DumpSet.open(runs["wrong"])).first_divergence(
+        metric="stats_rel")
+    assert div is not None and div.key == "model.layers.2.mlp.down" and div.value > 1e-3
+    # without sidecars: statistics computed from the tensors
+    t = torch.linspace(-1, 1, 50)
+    a = write_dump(tmp_path / "a", [{"x": t, "y": t}])
+    b = write_dump(tmp_path / "b", [{"x": t, "y": t * 1.5}])
+    assert main(["first-divergence", str(a), str(b), "--metric", "stats_rel"]) == 1
+    assert "first divergence: y" in capsys.readouterr().out
+    assert main(["first-divergence", str(a), str(a), "--metric", "stats_rel"]) == 0
+
+
+@pytest.mark.parametrize("name", ["rel_diff_cast", "max_abs_cast"])
+def test_cast_columns_are_metrics_everywhere(runs, capsys, name):
+    from tdinspect import DumpSet
+    from tdinspect.cli import main
+    from tdinspect.metrics import METRICS
+
+    m = METRICS[name]
+    assert m.higher_is_worse and m.default_threshold == 1e-3
+    d = DumpSet.open(runs["ref"]).diff(DumpSet.open(runs["bf16"]))
+    div = d.first_divergence(threshold=0.0, metric=name)
+    assert div is not None and div.metric == name and div.value > 0
+    assert len(d.divergences(threshold=0.0, metric=name, progress=False))
+    assert main(["diff", str(runs["ref"]), str(runs["wrong"]), "--metric", name]) == 1
+    assert name in capsys.readouterr().out
