@@ -301,9 +301,18 @@ def test_dashboard_served_by_voila(voila_dashboard):
         _, pick = _until(lambda: view.get_attribute("src"), src)
         shot2 = ARTIFACTS / "browser_dashboard_pick.png"
         page.screenshot(path=str(shot2), full_page=True)
+        time.sleep(10)  # the server pre-heats a kernel (runs the page) for the next visitor
+        again = browser.new_page(viewport={"width": 1500, "height": 1100})
+        t0 = time.perf_counter()
+        again.goto(voila_dashboard + "/")
+        again.locator(".widget-html-content", has_text="first divergence").first.wait_for(timeout=120_000)
+        again.locator(".widget-image").last.wait_for(timeout=60_000)
+        warm_view = time.perf_counter() - t0
         browser.close()
-    _save_timings({"dashboard_first_view_s": round(first_view, 3), "dashboard_pick_s": round(pick, 3)})
-    print(f"\nscreenshots: {shot}, {shot2}\nfirst view {first_view:.2f} s, pick {pick:.2f} s\n{text}")
+    _save_timings({"dashboard_first_view_s": round(first_view, 3), "dashboard_pick_s": round(pick, 3),
+                   "dashboard_preheated_view_s": round(warm_view, 3)})
+    print(f"\nscreenshots: {shot}, {shot2}\nfirst view {first_view:.2f} s (pre-heated: "
+          f"{warm_view:.2f} s), pick {pick:.2f} s\n{text}")
     assert "model.layers.2.mlp.down" in text
     assert "None" not in body.split()  # no stray None outputs on the page
     assert pick < 60

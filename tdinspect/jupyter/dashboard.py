@@ -170,7 +170,7 @@ def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float
     env = {**os.environ, ENV_A: str(Path(a).resolve()), ENV_B: str(Path(b).resolve()),
            ENV_OPTIONS: json.dumps({"metric": metric, "threshold": threshold})}
     cmd = [sys.executable, "-m", "voila", str(folder / "tdinspect_dashboard.ipynb"), f"--port={port}",
-           "--Voila.ip=127.0.0.1", "--strip_sources=True"] + ([] if open_browser else ["--no-browser"])
+           "--Voila.ip=127.0.0.1", "--strip_sources=True", "--preheat_kernel=True"] + ([] if open_browser else ["--no-browser"])
     print(f"tdinspect: serving the dashboard of {a} vs {b} on http://127.0.0.1:{port}/ (Ctrl-C stops)")
     try:
         return subprocess.call(cmd, env=env, cwd=folder)
