@@ -249,6 +249,76 @@ def main():
              "print(c1.diff(c3).first_divergence(metric='equal'))"),
     ])
 
+    save("07_live.ipynb", [
+        MD("# 7. Check while the model runs: live comparison and NaN/Inf\n\nTwo full dumps and a "
+           "diff afterwards cost disk for an answer that is one entry. Here the reference is "
+           "`sample_dumps/float32` (two steps of the bundled model); the run under test has one "
+           "weight (`layers.2.mlp.down`) scaled by 1.2, and is compared with the reference **as it "
+           "runs**: it stops at the first entry past the threshold, with the same answer as an "
+           "offline diff, and writes nothing."),
+        CODE("import tempfile, os, torch, tdinspect\nfrom tdinspect.examples import make_model, "
+             "make_tokens\nREF = '../sample_dumps/float32'\n"
+             "run = make_model(seed=0)\nwith torch.no_grad():\n"
+             "    run.get_parameter('layers.2.mlp.down.weight').mul_(1.2)\n"
+             "work = tempfile.mkdtemp()\n"
+             "try:\n    with torch.no_grad(), tdinspect.capture(run, compare_to=REF) as cap:\n"
+             "        for step in range(2):\n            run(make_tokens(seed=step))\n"
+             "            cap.step()\nexcept tdinspect.DivergenceError as err:\n"
+             "    live = err.divergence\nlive"),
+        MD("The same answer as the offline diff of two full dumps (same metric, same threshold, same "
+           "rule: live comparison calls `Diff`'s own per-pair function):"),
+        CODE("offline = tdinspect.DumpSet.open(REF).diff('../sample_dumps/wrong_layer')"
+             ".first_divergence()\n"
+             "print(live.key, live.pass_, live.value)\nprint(offline.key, offline.pass_, offline.value)\n"
+             "live.before"),
+        MD("## Evidence, not a full dump\n\nWith a `dump_dir`, only the divergent entry and the "
+           "five before it are written, from both sides, in the usual format:"),
+        CODE("ev = os.path.join(work, 'ev')\n"
+             "try:\n    with torch.no_grad(), tdinspect.capture(run, ev, compare_to=REF) as cap:\n"
+             "        for step in range(2):\n            run(make_tokens(seed=step))\n"
+             "            cap.step()\nexcept tdinspect.DivergenceError as err:\n"
+             "    print(err)\n"
+             "for root, _, files in sorted(os.walk(ev)):\n"
+             "    for f in sorted(files):\n        print(os.path.relpath(os.path.join(root, f), ev))"),
+        CODE("tdinspect.DumpSet.open(ev + '/evidence/ref').diff(ev + '/evidence/run')"
+             ".table(progress=False)[['key', 'rel_diff', 'cosine']]"),
+        MD("`on_divergence='record'` goes on and keeps every entry's metrics (and with a `dump_dir`, one "
+           "CSV per pass in `dump_dir/live/`):"),
+        CODE("with torch.no_grad(), tdinspect.capture(run, compare_to=REF, on_divergence='record') as cap:\n"
+             "    for step in range(2):\n        run(make_tokens(seed=step))\n        cap.step()\n"
+             "t = cap.live.table()\nt[t['pass'] == 1][['key', 'rel_diff', 'max_abs']].tail(6)"),
+        MD("In a notebook cell: `%%tdi_capture --model VAR --compare-to REF` (evidence directory "
+           "optional, `--on-divergence raise|warn|record`)."),
+        CODE("%load_ext tdinspect"),
+        CODE("%%tdi_capture --model run --compare-to ../sample_dumps/float32 --on-divergence record\n"
+             "with torch.no_grad():\n    run(make_tokens(seed=0))"),
+        MD("## NaN and Inf: the first one, named\n\n`on_nonfinite='raise'` checks every output with "
+           "one fused reduction on its device (on a GPU the flags stay there until `step()`), with or "
+           "without a dump. Here a hook puts NaN into one module's output in the third step:"),
+        CODE("sick = make_model(seed=0)\ncalls = []\n"
+             "def inject(mod, args, out):\n    calls.append(1)\n"
+             "    if len(calls) == 3:\n        out = out.clone(); out[0, 0, :3] = float('nan')\n"
+             "    return out\n"
+             "hook = sick.layers[1].mlp.up.register_forward_hook(inject)\n"
+             "try:\n    with torch.no_grad(), tdinspect.capture(sick, on_nonfinite='raise') as cap:\n"
+             "        for step in range(4):\n            sick(make_tokens(seed=step))\n"
+             "            cap.step()\nexcept tdinspect.NonFiniteError as err:\n    print(err)"),
+        MD("An existing dump answers the same (from its statistics), in Python or with "
+           "`tdinspect first-nonfinite DIR` (exit status 1 when found):"),
+        CODE("with torch.no_grad(), tdinspect.capture(sick, work + '/sick') as cap:\n"
+             "    calls.clear()\n    for step in range(4):\n        sick(make_tokens(seed=step))\n"
+             "        cap.step()\ntdinspect.DumpSet.open(work + '/sick').first_nonfinite()"),
+        MD("At op level the check covers backward ops too, and says whether an op **created** the "
+           "non-finite values or inherited them. `sqrt(relu(x))` is finite going forward; at a "
+           "negative `x` its backward divides by `sqrt(0)`:"),
+        CODE("class SqrtRelu(torch.nn.Module):\n    def forward(self, x):\n"
+             "        return torch.sqrt(torch.relu(x))\n"
+             "m, x = SqrtRelu(), torch.tensor([4.0, -1.0, 9.0], requires_grad=True)\n"
+             "try:\n    with tdinspect.capture_ops(model=m, on_nonfinite='raise'):\n"
+             "        y = m(x)\n        print('forward finite:', bool(torch.isfinite(y).all()))\n"
+             "        y.sum().backward()\nexcept tdinspect.NonFiniteError as err:\n    print(err)"),
+    ])
+
 
 if __name__ == "__main__":
     ONLY = tuple(sys.argv[1:])  # e.g. "06" rewrites notebooks/06_*.ipynb alone

@@ -173,3 +173,22 @@ def test_op_level_inherited_when_inputs_already_nonfinite():
     assert "inherited" in str(info.value)
     # after the error the mode is gone: torch runs unrecorded
     assert torch.sqrt(torch.tensor(4.0)) == 2.0
+
+
+def test_huge_finite_values_odd_dtypes_and_layouts():
+    """The CPU check squares values (v·v): an overflow there is confirmed exactly, never reported."""
+    model = nn.Sequential(nn.Identity())
+    with tdinspect.capture(model, on_nonfinite="raise") as cap:
+        model(torch.full((4, 3), 3e38))  # v·v overflows float32: still finite
+        model(torch.full((4, 3), 1e300, dtype=torch.float64))
+        model(torch.ones(4, 3).t())  # non-contiguous
+        model(torch.ones(3, dtype=torch.bfloat16))
+        model(torch.arange(3))  # integers cannot hold NaN
+        cap.step()
+    for bad, counts in ((torch.tensor([1.0, float("inf")]).t(), (0, 1)),
+                        (torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16), (1, 0)),
+                        (torch.full((3, 2), 3e38)[:, :1].clone().fill_(float("-inf")), (0, 3))):
+        with pytest.raises(tdinspect.NonFiniteError) as info:
+            with tdinspect.capture(model, on_nonfinite="raise") as cap:
+                model(bad)
+        assert (info.value.nonfinite.nan, info.value.nonfinite.inf) == counts

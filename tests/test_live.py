@@ -301,3 +301,29 @@ def test_recorded_inputs_and_params_are_compared_too(tmp_path):
         with tdinspect.capture(wrong, compare_to=tmp_path / "ref", record=what) as cap:
             _steps(wrong, cap, n=2)
     _same(info.value.divergence, offline)
+
+
+def test_capture_magic_compare_to(runs, tmp_path):
+    pytest.importorskip("nbclient")
+    from .test_jupyter import _run, _text
+
+    ref = runs["ref"]
+    cells = [
+        "%load_ext tdinspect",
+        "import torch\nfrom tdinspect.examples import make_model, make_tokens\n"
+        "m = make_model(); w = make_model()\n"
+        "with torch.no_grad(): w.get_parameter('layers.2.mlp.down.weight').mul_(1.2)",
+        f"%%tdi_capture --model m --compare-to {ref}\nwith torch.no_grad(): m(make_tokens(seed=0))",
+        f"%%tdi_capture {tmp_path / 'ev'} --model w --compare-to {ref} --on-divergence record\n"
+        "with torch.no_grad(): w(make_tokens(seed=0))",
+        f"%%tdi_capture --model w --compare-to {ref}\nwith torch.no_grad(): w(make_tokens(seed=0))",
+        "print(all(not mod._forward_hooks for mod in w.modules()))",
+        "%%tdi_capture --model w\n1",
+    ]
+    nb = _run(cells)
+    assert f"no divergence from {ref}" in _text(nb.cells[2])
+    assert "first divergence" in _text(nb.cells[3]) and "model.layers.2.mlp.down (call 0, pass 0)" \
+        in _text(nb.cells[3])
+    assert "DivergenceError" in _text(nb.cells[4]) and "True" in _text(nb.cells[5])
+    assert "give a dump directory" in "".join(o.get("text", "") for o in nb.cells[6].outputs)
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["evidence", "live"]

@@ -10,8 +10,9 @@ Usage::
         model(batch); cap.step()
     # NonFiniteError: model.layers.2.mlp.down (call 0, pass 2): 3 NaN and 0 Inf of 4096 elements
 
-Health check: each output gets one fused reduction (``aminmax``) on its own
-device. On CPU the answer is read at once, so the error is raised inside the
+Health check: each output gets one fused reduction on its own device
+(``aminmax``; on CPU a BLAS ``dot(x, x)``, confirmed exactly when it is not
+finite). On CPU the answer is read at once, so the error is raised inside the
 forward (or backward) that made the value; on an accelerator the flags stay on
 the device and are read once per :meth:`step` (no synchronisation per entry),
 which then names the first offending entry. At op level the error also says
@@ -137,8 +138,22 @@ def _minmax(v: torch.Tensor) -> torch.Tensor:
 
 def _finite_now(t: torch.Tensor) -> bool:
     v = _checkable(t)
-    if v is None:
-        return True
+    return True if v is None else _finite_cpu(v)
+
+
+def _finite_cpu(v: torch.Tensor) -> bool:
+    """Whether every element of a host tensor is finite, read now.
+
+    ``v·v`` (BLAS, one pass) is finite when every element is; a NaN or Inf
+    makes it non-finite, and so can squares past the dtype's range, which the
+    exact min/max check then tells apart. On a loaded CPU the BLAS dot is
+    also far less sensitive to intra-op thread contention than torch's own
+    reductions (measured: 0.05 vs 10 ms for 4 MB on 2 busy cores).
+    """
+    if v.dtype in (torch.float32, torch.float64) and v.is_contiguous():
+        flat = v.reshape(-1)
+        if math.isfinite(torch.dot(flat, flat).item()):
+            return True
     lo, hi = _minmax(v).tolist()
     return math.isfinite(lo) and math.isfinite(hi)
 
@@ -185,8 +200,7 @@ class HealthCheck:
         if v is None or (self.action == "warn" and pass_ in self._warned):
             return
         if v.device.type == "cpu":
-            lo, hi = _minmax(v).tolist()
-            if math.isfinite(lo) and math.isfinite(hi):
+            if _finite_cpu(v):
                 return
             inherited = None
             if inputs is not None:

@@ -11,7 +11,9 @@
     beside the old one, which ``%tdi_open`` / ``%tdi_diff`` then use (they
     open the newest run); ``--overwrite`` removes the earlier runs. A cell
     that raises still writes what ran before the error, marked ``failed``
-    in the pass's sidecar, and says so.
+    in the pass's sidecar, and says so. ``--compare-to REF`` compares each
+    entry with the reference dump while the cell runs (DIR, then optional,
+    holds only the evidence; ``--on-divergence raise|warn|record``).
 
 A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
 raises ``UsageError`` with one line saying what was looked up, so "Run All"
@@ -111,11 +113,16 @@ class TdinspectMagics(Magics):
         display(summary)
 
     @magic_arguments()
-    @argument("dir", help="dump directory")
+    @argument("dir", nargs="?", default=None,
+              help="dump directory (with --compare-to: where the evidence goes, optional)")
     @argument("--model", default=None, help="variable holding the nn.Module")
     @argument("--ops", action="store_true", help="op-level capture (TorchDispatchMode)")
     @argument("--filter", nargs="*", default=None, help="regexes on names")
     @argument("--overwrite", action="store_true", help="remove earlier runs in DIR")
+    @argument("--compare-to", dest="compare_to", default=None,
+              help="reference dump: compare every entry with it while the cell runs")
+    @argument("--on-divergence", dest="on_divergence", default="raise",
+              choices=["raise", "warn", "record"], help="with --compare-to (default raise)")
     @cell_magic
     def tdi_capture(self, line, cell):
         """Capture what the cell runs as a new run in DIR (one pass)."""
@@ -123,15 +130,19 @@ class TdinspectMagics(Magics):
 
         args = parse_argstring(self.tdi_capture, line)
         model = self._variable(args.model) if args.model else None
+        if args.dir is None and args.compare_to is None:
+            raise UsageError("give a dump directory (or --compare-to REF)")
+        live = {} if args.compare_to is None else {"compare_to": args.compare_to,
+                                                    "on_divergence": args.on_divergence}
         try:
             if args.ops:
                 cap = tdinspect.capture_ops(args.dir, model=model, filter=args.filter,
-                                            overwrite=args.overwrite)
+                                            overwrite=args.overwrite, **live)
             else:
                 if model is None:
                     raise UsageError("module-level capture needs --model VAR (or use --ops)")
                 cap = tdinspect.capture(model, args.dir, filter=args.filter,
-                                        overwrite=args.overwrite)
+                                        overwrite=args.overwrite, **live)
         except (ValueError, TypeError, OSError) as exc:
             raise _usage(exc) from exc
         with cap:
@@ -139,7 +150,12 @@ class TdinspectMagics(Magics):
             error = result.error_in_exec
             failed = None if error is None else f"{type(error).__name__}: {error}"
             path = cap.step(failed=failed)
-        if failed is None:
+        if live:
+            first = cap.live.first
+            print(f"tdinspect: no divergence from {args.compare_to}" if first is None else
+                  f"tdinspect: first divergence from {args.compare_to}: {first.key} (call "
+                  f"{first.call}, pass {first.pass_}): {first.reason}")
+        elif failed is None:
             print(f"tdinspect: wrote {path}")
         else:
             print(f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before the "
