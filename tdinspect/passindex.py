@@ -21,6 +21,7 @@ from .format import (DumpFormatError, PassFiles, decode_arg, load_call_spec, loa
                      pass_filename, read_sidecar, sidecar_filename)
 from .naming import parse_key
 from .dumper.kinds import restore
+from .rawpass import read_raw
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
 
@@ -53,6 +54,7 @@ class PassIndex:
     failed: str | None = None  # the error that cut this pass short (a failed notebook cell)
     storage: list[Any] | None = None  # how a non-plain tensor was stored (dumper/kinds.py)
     skipped: list[Any] | None = None  # why a tensor was not stored (meta, FakeTensor...)
+    raw: list[Any] | None = None  # where stored tensors lie in the archive (tdinspect.rawpass)
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -80,7 +82,7 @@ class PassIndex:
                        parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
                        checksum=col("checksum"),
                        failed=str(doc["failed"]) if doc.get("failed") else None,
-                       storage=e.get("storage"), skipped=e.get("skipped"))
+                       storage=e.get("storage"), skipped=e.get("skipped"), raw=e.get("raw"))
         tensors = load_pass(files.tensors, mmap=True)
         keys = list(tensors)
         n = len(keys)
@@ -99,14 +101,23 @@ class PassIndex:
         """The pass file's tensors (memory-mapped), checked against the sidecar."""
         if self.files.tensors is None:
             raise DumpFormatError(f"{self.files.sidecar}: statistics-only pass, no tensors were saved")
-        tensors = load_pass(self.files.tensors, mmap=True)
         expected = {k for k, s in zip(self.keys, self.stored) if s}
+        tensors = self._read_records() if self.raw is not None else None
+        if tensors is None:
+            tensors = load_pass(self.files.tensors, mmap=True)
         if expected != tensors.keys():
             missing = sorted(expected - tensors.keys())[:3]
             extra = sorted(tensors.keys() - expected)[:3]
             raise DumpFormatError(f"{self.files.tensors}: sidecar and pass file disagree "
                                   f"(in sidecar only: {missing}; in pass file only: {extra})")
         return tensors
+
+    def _read_records(self) -> dict[str, torch.Tensor] | None:
+        """The stored tensors read from the archive's records as the sidecar lays them out
+        (no unpickling); ``None`` when the layout does not check out against the file."""
+        rows = [i for i, s in enumerate(self.stored) if s]
+        return read_raw(self.files.tensors, [self.keys[i] for i in rows],
+                        [self.raw[i] for i in rows])
 
     def tensor(self, key: str, loaded: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One entry's tensor, references resolved; ``loaded`` reuses an open pass file."""

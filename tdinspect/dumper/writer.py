@@ -19,6 +19,7 @@ import torch
 
 from ..checksum import checksum_hex
 from ..format import pass_filename, save_pass, sidecar_filename, write_sidecar
+from ..rawpass import layout
 
 
 class CaptureWriteError(RuntimeError):
@@ -59,6 +60,11 @@ class PendingPass:
         else:
             stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"])
                       if keep}
+            # where each tensor's bytes lie in the archive: analysis reads them without unpickling
+            places = layout(stored)
+            if places is not None:
+                where = dict(zip(stored, places))
+                entries["raw"] = [where.get(k) for k in self.keys]
             try:
                 # the sidecar, bound to the complete pass file, lands before the pass file does
                 save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync,

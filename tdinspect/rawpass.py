@@ -1,0 +1,160 @@
+"""Reading a pass file's tensors straight from its zip records, without unpickling.
+
+``torch.save`` stores every storage as an uncompressed zip record
+(``archive/data/<n>``) and a pickle (``archive/data.pkl``) that says which
+record, offset, shape and strides make each tensor. Reading that pickle, even
+with ``weights_only=True``, costs a Python-level unpickler step per object and
+holds the GIL: for passes of many small entries it was 77% of a diff.
+
+So the writer also records the pickle's facts in the sidecar (column ``raw``:
+``[record, storage_offset, shape, strides, dtype]`` per stored entry), as :func:`layout` derives them from the tensors handed to
+``torch.save`` (storages are numbered in the order first met, as torch does).
+:func:`read_raw` then finds each record through the zip's central directory
+and local headers, memory-maps the file copy-on-write (writing to a tensor
+never reaches the file) and views the bytes, after checking every claim
+against the archive: the record exists, is stored uncompressed, holds enough
+bytes for the view, the dtype is one of torch's, the byte order is little.
+Anything that does not check out returns ``None`` and the caller falls back to
+``torch.load(weights_only=True)``: the sidecar can only make reading faster,
+never make it read outside the record it names (it is data, and a hostile one
+at worst shows other bytes of the same file, which the sidecar's binding to
+the pass file then also flags).
+
+Examples
+--------
+>>> import io, tempfile, os
+>>> tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}
+>>> path = os.path.join(tempfile.mkdtemp(), "pass00000.pt")
+>>> torch.save(tensors, path)
+>>> raw = layout(tensors)
+>>> back = read_raw(path, ["a", "b"], raw)
+>>> torch.equal(back["a"], tensors["a"]), back["b"].dtype
+(True, torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zipfile
+from typing import Any
+
+import torch
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIGNATURE = 0x04034B50
+# every dtype torch.save can write, by the name the sidecar uses (never getattr on a file's text)
+_DTYPES = {str(d): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64,
+    torch.complex32, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)
+    if isinstance(d, torch.dtype)}
+
+
+def layout(tensors: dict[str, torch.Tensor]) -> list[list[Any]] | None:
+    """``[record, storage_offset, shape, strides, dtype]`` of each tensor as ``torch.save``
+    lays it out, or ``None`` when a tensor is not a plain dense one (sparse, quantized, a
+    subclass: torch pickles those differently, so the numbering below would not hold).
+
+    Storages are numbered ``"0"``, ``"1"``, ... in the order the dict first
+    meets them (tensors sharing a storage share its record), as
+    ``torch.serialization`` numbers them.
+    """
+    records: dict[int, str] = {}
+    out = []
+    for t in tensors.values():
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+            return None
+        record = records.setdefault(t.untyped_storage()._cdata, str(len(records)))
+        out.append([record, int(t.storage_offset()), list(t.shape), list(t.stride()),
+                    str(t.dtype)])
+    return out
+
+
+def _data_offsets(fileobj, infos: list[zipfile.ZipInfo]) -> dict[str, tuple[int, int]]:
+    """``{record name: (data start, size)}`` of the uncompressed records."""
+    out = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            continue
+        fileobj.seek(info.header_offset)
+        head = fileobj.read(_LOCAL_HEADER.size)
+        if len(head) != _LOCAL_HEADER.size:
+            continue
+        fields = _LOCAL_HEADER.unpack(head)
+        if fields[0] != _LOCAL_SIGNATURE:
+            continue
+        start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        out[info.filename] = (start, info.file_size)
+    return out
+
+
+def _valid_view(shape: Any, strides: Any, offset: Any, numel: int) -> bool:
+    ints = (isinstance(shape, list) and isinstance(strides, list) and len(shape) == len(strides)
+            and all(type(v) is int and v >= 0 for v in (*shape, *strides))
+            and type(offset) is int and offset >= 0)
+    if not ints:
+        return False
+    if any(s == 0 for s in shape):
+        return offset <= numel
+    return offset + sum((s - 1) * st for s, st in zip(shape, strides)) < numel
+
+
+def read_raw(path: str | os.PathLike, keys: list[str],
+             raw: list[Any]) -> dict[str, torch.Tensor] | None:
+    """The tensors of a pass file from its records, or ``None`` when anything does not check out.
+
+    Parameters
+    ----------
+    path : path-like
+        The pass file.
+    keys, raw : lists
+        Per stored entry, in file order: the sidecar's key and ``raw`` layout
+        (see :func:`layout`).
+
+    Returns
+    -------
+    dict or None
+        ``{key: tensor}`` viewing a private (copy-on-write) map of the file.
+    """
+    try:
+        with open(path, "rb") as f:
+            with zipfile.ZipFile(f) as archive:
+                infos = archive.infolist()
+                prefix = infos[0].filename.split("/", 1)[0] + "/" if infos else ""
+                if any(i.filename == prefix + "byteorder" for i in infos) and \
+                        archive.read(prefix + "byteorder") != b"little":
+                    return None
+            where = _data_offsets(f, infos)
+            if os.fstat(f.fileno()).st_size == 0:
+                return None
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error):
+        return None
+    if len(keys) != len(raw):
+        return None
+    storages: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    out = {}
+    for key, entry in zip(keys, raw):
+        if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
+                and isinstance(entry[4], str) and entry[4] in _DTYPES):
+            return None
+        record, offset, shape, strides, dtype = entry[:4] + [_DTYPES[entry[4]]]
+        located = where.get(f"{prefix}data/{record}")
+        if located is None:
+            return None
+        start, size = located
+        itemsize = dtype.itemsize
+        if size % itemsize or start + size > len(mapped):
+            return None
+        storage = storages.get((record, dtype))
+        if storage is None:
+            storage = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=start) \
+                .view(dtype) if size else torch.empty(0, dtype=dtype)
+            storages[(record, dtype)] = storage
+        if not _valid_view(shape, strides, offset, storage.numel()):
+            return None
+        out[key] = storage.as_strided(shape, strides, offset)
+    return out
