@@ -102,6 +102,33 @@ def _valid_view(shape: Any, strides: Any, offset: Any, numel: int) -> bool:
     return offset + sum((s - 1) * st for s, st in zip(shape, strides)) < numel
 
 
+def _pickled_str(text: str) -> bytes:
+    """How pickle protocol 2 (``torch.save``'s) writes a string: ``X``, length, UTF-8."""
+    data = text.encode("utf-8", "surrogatepass")
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def _pickle_agrees(pickled: bytes, keys: list[str], raw: list[list[Any]]) -> bool:
+    """Whether the archive's own pickle names ``keys`` in this order, each followed (before
+    the next key) by its record's name where that record is first used: a sidecar that
+    renames, reorders or swaps entries is caught without unpickling anything."""
+    starts, pos = [], 0
+    for key in keys:
+        pos = pickled.find(_pickled_str(key), pos)
+        if pos < 0:
+            return False
+        starts.append(pos)
+        pos += 1
+    ends = starts[1:] + [len(pickled)]
+    seen: set[str] = set()
+    for (record, *_), start, end in zip(raw, starts, ends):
+        if record not in seen:
+            seen.add(record)
+            if pickled.find(_pickled_str(record), start, end) < 0:
+                return False
+    return True
+
+
 def read_raw(path: str | os.PathLike, keys: list[str],
              raw: list[Any]) -> dict[str, torch.Tensor] | None:
     """The tensors of a pass file from its records, or ``None`` when anything does not check out.
@@ -127,13 +154,17 @@ def read_raw(path: str | os.PathLike, keys: list[str],
                 if any(i.filename == prefix + "byteorder" for i in infos) and \
                         archive.read(prefix + "byteorder") != b"little":
                     return None
+                pickled = archive.read(prefix + "data.pkl")
             where = _data_offsets(f, infos)
             if os.fstat(f.fileno()).st_size == 0:
                 return None
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error):
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error, KeyError):
         return None
-    if len(keys) != len(raw):
+    if len(keys) != len(raw) or not all(isinstance(e, list) and e and isinstance(e[0], str)
+                                        for e in raw):
+        return None
+    if not _pickle_agrees(pickled, keys, raw):
         return None
     storages: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = {}

@@ -140,3 +140,13 @@ def test_files_without_a_layout_still_open(tmp_path):
     ds = DumpSet.open(tmp_path)
     assert same_bits(ds.tensor("model.a"), tensors["model.a"])
     assert not os.path.exists(Path(folder) / "pass00000.json")
+
+
+def test_a_renamed_or_swapped_entry_is_caught_by_the_archive_itself(tmp_path):
+    tensors = {"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}
+    path = _saved(tmp_path, tensors)
+    raw = layout(tensors)
+    assert read_raw(path, ["a", "b"], raw) is not None
+    assert read_raw(path, ["b", "a"], raw) is None             # reordered
+    assert read_raw(path, ["a", "renamed"], raw) is None       # renamed
+    assert read_raw(path, ["a", "b"], [raw[1], raw[0]]) is None  # records swapped
