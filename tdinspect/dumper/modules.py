@@ -173,6 +173,7 @@ class ModuleCapture:
         self.enabled = config.enabled or self.health is not None or compare_to is not None
         self.folder = None
         self.names: list[str] = []
+        self._containers: set[str] = set()
         self._handles: list[Any] = []
         self._fired: set[str] = set()
         self._stance = None
@@ -216,6 +217,8 @@ class ModuleCapture:
         self._out_extra = {} if self.record == ("outputs",) else {"kind": "output"}
         for name, mod in chosen:
             self.names.append(name)
+            if type(mod).forward is torch.nn.Module.forward:  # ModuleList, ModuleDict: never called
+                self._containers.add(name)
             mtype = type(mod).__name__
             if "inputs" in self.record or "params" in self.record:
                 self._handles.append(mod.register_forward_pre_hook(
@@ -358,8 +361,10 @@ class ModuleCapture:
 
         ``nn.MultiheadAttention`` uses its ``out_proj`` weights without calling
         it, for example; capture with ``modules="all"`` to see such parents.
+        Containers without a forward of their own (``ModuleList``,
+        ``ModuleDict``) are never called, so never missing.
         """
-        return [n for n in self.names if n not in self._fired]
+        return [n for n in self.names if n not in self._fired and n not in self._containers]
 
     def close(self, write_pending: bool = True, warn: bool = True) -> None:
         """Write a pending non-empty pass, remove every hook, wait for the writer."""
