@@ -120,11 +120,32 @@ def cmd_ls(args) -> int:
     for k in first.keys:
         base, call = split_call(k)
         calls[base] = max(calls.get(base, 0), call + 1)
+    shapes = _shapes_per_call(ds)
     rows = [[k, calls.get(k, 0), first.dtype[first.position[k]] if k in first.position else "",
-             str(first.shape[first.position[k]]) if k in first.position else ""]
-            for k in ds.ops]
+             shapes.get(k, "")] for k in ds.ops]
     print(text_table(["op", f"calls in pass {first.index}", "dtype", "shape"], rows))
     return 0
+
+
+def _shapes_per_call(ds) -> dict[str, str]:
+    """Each op's shape, or, when its calls differ (prefill ``[2, 16, 64]`` then decode
+    ``[2, 1, 64]``), every distinct shape with where it first appears and how often."""
+    from .naming import split_call
+
+    seen: dict[str, dict[str, list]] = {}
+    for pi in ds.pass_indexes():
+        for key, shape in zip(pi.keys, pi.shape):
+            base, call = split_call(key)
+            where = seen.setdefault(base, {}).setdefault(str(shape), [pi.index, call, 0])
+            where[2] += 1
+    out = {}
+    for base, by_shape in seen.items():
+        if len(by_shape) == 1:
+            out[base] = next(iter(by_shape))
+        else:
+            out[base] = "; ".join(f"{shape} (pass {p} call {c}{f', x{n}' if n > 1 else ''})"
+                                  for shape, (p, c, n) in by_shape.items())
+    return out
 
 
 def cmd_stats(args) -> int:
