@@ -47,6 +47,13 @@ from .checks import CaptureCheckError, Guarded, HealthCheck, open_live
 from .recorder import Recorder, current_rank
 
 
+def _eager(fn):
+    """``fn`` run eagerly even inside a ``torch.compile``d forward: dynamo does not trace it
+    (tracing the recorder's statistics hit recompile limits and crashed the user's forward);
+    the graph breaks at the hook instead."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def path_label(path) -> str:
     """The ``[label]...`` of a pytree key path (``(SequenceKey(2), MappingKey("h"))`` -> ``[2][h]``)."""
     return "".join(label(k.idx if isinstance(k, SequenceKey) else
@@ -247,7 +254,7 @@ class ModuleCapture:
                     rec.record(name + sub + suffix, tensor, module_type=module_type, kind="input")
             return None
 
-        return pre_hook
+        return _eager(pre_hook)
 
     def _call_number(self, name: str) -> int:
         rec = self.recorder
@@ -276,7 +283,7 @@ class ModuleCapture:
             fired.add(name)
             return None
 
-        return hook
+        return _eager(hook)
 
     def _record_params(self, name: str, module: nn.Module, module_type: str) -> None:
         """Parameters and buffers of ``module``: copied when they changed since last stored."""
