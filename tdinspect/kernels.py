@@ -37,6 +37,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -72,8 +73,9 @@ class PairSums:
 
 
 def _numpy_sums(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
-                chunk: int = 1 << 15) -> PairSums:
-    """Fallback backend: numpy kernels on chunks small enough to stay in cache."""
+                chunk: int = 1 << 15, lut: np.ndarray | None = None) -> PairSums:
+    """Fallback backend: numpy kernels on chunks small enough to stay in cache (raw codes
+    decoded through ``lut`` into the chunk buffers)."""
     m = x.shape[0]
     total = PairSums(n=m)
     size = min(chunk, m)
@@ -83,8 +85,12 @@ def _numpy_sums(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
     for i in range(0, m, chunk):
         k = min(chunk, m - i)
         xc, yc = bx[:k], by[:k]
-        np.copyto(xc, x[i:i + k])  # never in place on x, y: they may be a mapped file's memory
-        np.copyto(yc, y[i:i + k])
+        if lut is None:  # never in place on x, y: they may be a mapped file's memory
+            np.copyto(xc, x[i:i + k])
+            np.copyto(yc, y[i:i + k])
+        else:
+            np.take(lut, x[i:i + k], out=xc)
+            np.take(lut, y[i:i + k], out=yc)
         d, ay, r, gt = buf_d[:k], buf_a[:k], buf_r[:k], buf_b[:k]
         with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
             total.sxx += float(np.dot(xc, xc))
@@ -126,7 +132,10 @@ def _define_numba_kernel():
     # "afn" and "contract", max_abs, max_rel and the mismatch count round exactly as
     # the numpy backend's do, so the two agree bit for bit on them; without "nnan" and
     # "ninf", a NaN/Inf element still makes the sums non-finite (the caller's signal).
-    def fused(x, y, rtol, atol, eps):  # pragma: no cover - compiled; covered via pair_sums
+    # lut None: x, y hold the values; else they hold raw codes (bf16/fp16/fp8 bits as
+    # unsigned ints) decoded by lut[code] in the loop, so no converted copy is made (numba
+    # compiles each case separately and prunes the other branch).
+    def fused(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled; covered via pair_sums
         n = x.shape[0]
         sxx, syy, sdd, sab = np.zeros(LANES), np.zeros(LANES), np.zeros(LANES), np.zeros(LANES)
         mxa, mxr, mis = np.zeros(LANES), np.zeros(LANES), np.zeros(LANES, np.int64)
@@ -135,8 +144,12 @@ def _define_numba_kernel():
         whole = n - n % LANES
         for start in range(0, whole, LANES):
             for j in range(LANES):
-                xi = np.float64(x[start + j])
-                yi = np.float64(y[start + j])
+                if lut is None:
+                    xi = np.float64(x[start + j])
+                    yi = np.float64(y[start + j])
+                else:
+                    xi = lut[x[start + j]]
+                    yi = lut[y[start + j]]
                 d = xi - yi
                 ad = abs(d)
                 ay = abs(yi)
@@ -173,22 +186,52 @@ def default_backend() -> str:
 
 
 _BACKEND: str | None = None
+_CODE_DTYPES = {1: np.uint8, 2: np.uint16}
+
+
+@functools.lru_cache(maxsize=None)
+def decode_table(dtype) -> np.ndarray:
+    """The float64 value of every bit pattern of a 1- or 2-byte torch float dtype.
+
+    Indexed by the raw bits (as unsigned integers): ``decode_table(torch.bfloat16)[0x3F80]``
+    is 1.0. Exact (every such value is a float64), built by torch's own conversion, so
+    fp8 variants decode exactly as torch reads them.
+
+    Examples
+    --------
+    >>> import torch
+    >>> float(decode_table(torch.float8_e4m3fn)[0x38])
+    1.0
+    """
+    import torch  # only callers holding torch tensors ask for a table
+
+    size = torch.empty((), dtype=dtype).element_size()
+    codes = torch.from_numpy(np.arange(1 << (8 * size), dtype=_CODE_DTYPES[size]))
+    table = codes.view(dtype).to(torch.float64).numpy()
+    table.setflags(write=False)
+    return table
 
 
 def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
-              backend: str | None = None, min_numba: int = NUMBA_MIN_ELEMENTS) -> PairSums:
+              backend: str | None = None, min_numba: int = NUMBA_MIN_ELEMENTS,
+              lut: np.ndarray | None = None) -> PairSums:
     """The seven sums of ``x`` against the reference ``y``.
 
     Parameters
     ----------
     x, y : numpy.ndarray
-        1-D, same length and dtype (float32 or float64), contiguous.
+        1-D, same length and dtype (float32 or float64), contiguous; or, with
+        ``lut``, the raw bits of a narrow float (uint8 or uint16).
     rtol, atol : float
         The tolerances of the mismatch count.
     backend : {"numba", "numpy"}, optional
         Default: :func:`default_backend`, decided once per process.
     min_numba : int
         Pairs shorter than this use numpy whatever the backend.
+    lut : numpy.ndarray, optional
+        float64 value of each code (:func:`decode_table`): bfloat16, float16 and
+        float8 are decoded element by element inside the loop, never converted
+        as a whole.
 
     Examples
     --------
@@ -206,9 +249,11 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
                          f"and {y.shape} {y.dtype}")
     if backend not in ("numba", "numpy"):
         raise ValueError(f"backend={backend!r}: expected 'numba' or 'numpy'")
+    if lut is not None and (x.dtype.kind != "u" or lut.shape[0] != 1 << (8 * x.dtype.itemsize)):
+        raise ValueError(f"a decode table of {lut.shape[0]} values cannot decode {x.dtype} codes")
     if backend == "numpy" or x.shape[0] < min_numba:
-        return _numpy_sums(x, y, rtol, atol)
+        return _numpy_sums(x, y, rtol, atol, lut=lut)
     whole = x.shape[0] - x.shape[0] % LANES
-    out = _numba_kernel()(x[:whole], y[:whole], float(rtol), float(atol), EPS)
+    out = _numba_kernel()(x[:whole], y[:whole], float(rtol), float(atol), EPS, lut)
     fused = PairSums(whole, *(float(v) for v in out[:6]), int(out[6]))
-    return fused + _numpy_sums(x[whole:], y[whole:], rtol, atol)  # the < 16-element tail
+    return fused + _numpy_sums(x[whole:], y[whole:], rtol, atol, lut=lut)  # the < 16-element tail

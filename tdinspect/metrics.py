@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import EPS, PairSums, pair_sums
+from .kernels import EPS, PairSums, decode_table, pair_sums
 from .stats import broadcast_dims, first_slice
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
@@ -182,12 +182,24 @@ def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> int:
     return int(bad.sum())
 
 
+# narrow floats handed to the kernel as their raw bits (torch has no uint16 <-> numpy for
+# bf16, and a float32 copy would cost a write and a read of twice the bytes)
+_CODED = {dt: torch.uint8 if torch.empty((), dtype=dt).element_size() == 1 else torch.uint16
+          for dt in (torch.bfloat16, torch.float16, *(getattr(torch, n) for n in _FLOAT8_RTOL
+                                                      if hasattr(torch, n)))}
+
+
 def _sums(xr: torch.Tensor, yr: torch.Tensor, dt: torch.dtype, rtol: float, atol: float,
           chunk: int, scale: float = 1.0) -> PairSums:
     """The kernel's sums of two flat tensors (times ``scale``), converted to ``dt`` a chunk
     at a time if needed."""
-    if scale == 1.0 and xr.dtype == yr.dtype == dt and xr.is_contiguous() and yr.is_contiguous():
-        return pair_sums(xr.numpy(), yr.numpy(), rtol=rtol, atol=atol)  # no copy at all
+    if scale == 1.0 and xr.is_contiguous() and yr.is_contiguous():
+        if xr.dtype == yr.dtype == dt:
+            return pair_sums(xr.numpy(), yr.numpy(), rtol=rtol, atol=atol)  # no copy at all
+        if xr.dtype == yr.dtype and xr.dtype in _CODED:  # bf16/fp16/fp8: decoded in the loop
+            codes = _CODED[xr.dtype]
+            return pair_sums(xr.view(codes).numpy(), yr.view(codes).numpy(), rtol=rtol, atol=atol,
+                             lut=decode_table(xr.dtype))
     s = PairSums()
     for i in range(0, xr.numel(), chunk):  # memory stays bounded for huge tensors
         xc, yc = xr[i:i + chunk].to(dt), yr[i:i + chunk].to(dt)
@@ -321,8 +333,11 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
             # A NaN/Inf somewhere (or float64 squares beyond its range): count where the sides
             # disagree, then compare only the elements finite on both. Finite tensors, the
             # usual case, are read once.
-            out["nonfinite_mismatch"] = float(_nonfinite_mismatch(xr, yr))
-            keep = torch.isfinite(xr) & torch.isfinite(yr)
+            # torch has no isinf/isfinite for float8: its masks come from a float32 copy
+            xm, ym = (t.float() if t.is_floating_point() and t.element_size() == 1 else t
+                      for t in (xr, yr))
+            out["nonfinite_mismatch"] = float(_nonfinite_mismatch(xm, ym))
+            keep = torch.isfinite(xm) & torch.isfinite(ym)
             if not bool(keep.all()):
                 xr, yr = xr[keep], yr[keep]
                 s = _sums(xr, yr, dt, rtol, atol, chunk)

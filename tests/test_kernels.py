@@ -135,7 +135,7 @@ def test_kernel_compiles_without_a_writable_cache(monkeypatch):
         numba.njit(cache=True)(identity)
     kernel = kernels._define_numba_kernel()
     x = np.arange(32.0)
-    assert kernel(x, x - 1, 0.0, 0.5, kernels.EPS)[-1] == 32  # every |d| = 1 > atol
+    assert kernel(x, x - 1, 0.0, 0.5, kernels.EPS, None)[-1] == 32  # every |d| = 1 > atol
 
 
 @pytest.mark.parametrize("backend", ["numba", "numpy"])
@@ -156,3 +156,66 @@ def test_nan_and_inf_are_found_and_masked_in_big_tensors(monkeypatch, backend):
     want = compare_tensors(x[keep], y[keep])
     for k in ("rel_diff", "max_abs", "mean_abs", "max_rel", "cosine", "sqnr_db", "mismatch"):
         assert math.isfinite(got[k]) and got[k] == pytest.approx(want[k], rel=1e-9), k
+
+
+NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 2000), dtype=st.sampled_from(NARROW),
+       scale=st.sampled_from([1e-3, 1.0, 1e2]), noise=st.sampled_from([0.0, 1e-2, 1.0]),
+       specials=st.booleans(), seed=st.integers(0, 2**16))
+def test_narrow_floats_decoded_in_the_loop_agree_with_the_definitions(n, dtype, scale, noise,
+                                                                       specials, seed):
+    """bf16/fp16/fp8 handed over as raw bits and decoded by the table inside both backends."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(n, generator=g) * scale).to(dtype)
+    x = (y.float() + noise * scale * torch.randn(n, generator=g)).to(dtype)
+    if specials and n:  # subnormals, zeros of both signs and the format's extremes
+        fi = torch.finfo(dtype)
+        y[0] = fi.smallest_normal / 4 if dtype != torch.float8_e4m3fn else fi.tiny
+        x[n // 2] = -0.0
+        y[n - 1] = fi.max
+    codes = torch.uint8 if dtype.itemsize == 1 else torch.uint16
+    xb, yb = x.view(codes).numpy(), y.view(codes).numpy()
+    lut = kernels.decode_table(dtype)
+    rtol, atol = 1.6e-2, 1e-5
+    ref = oracle(x.double().numpy(), y.double().numpy(), rtol, atol)  # torch's own decoding
+    for backend in ("numba", "numpy"):
+        s = kernels.pair_sums(xb, yb, rtol=rtol, atol=atol, backend=backend, min_numba=0, lut=lut)
+        assert s.n == n
+        for name in ("sxx", "syy", "sdd", "sabs"):
+            assert getattr(s, name) == pytest.approx(ref[name], rel=1e-12, abs=1e-300), name
+        assert (s.max_abs, s.max_rel, s.mismatch) == (ref["max_abs"], ref["max_rel"], ref["mismatch"])
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_compare_tensors_decodes_narrow_floats_without_a_float32_copy(monkeypatch, dtype):
+    """The same metrics as through a float32 conversion, and the pair reaches the kernel as
+    its raw bits (the table path), NaN masking included."""
+    n = kernels.NUMBA_MIN_ELEMENTS + 7
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(n, generator=g).to(dtype)
+    x = (y.float() + 1e-2 * torch.randn(n, generator=g)).to(dtype)
+    x[3] = float("nan")  # e4m3fn has no Inf; NaN everywhere
+    seen = []
+    real = kernels.pair_sums
+
+    def spy(a, b, **kw):
+        seen.append((a.dtype, kw.get("lut") is not None))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr("tdinspect.metrics.pair_sums", spy)
+    got = compare_tensors(x, y)
+    assert seen and all(dt.kind == "u" and coded for dt, coded in seen)
+    monkeypatch.setattr("tdinspect.metrics._CODED", {})  # the float32 conversion it replaced
+    want = compare_tensors(x, y)
+    assert got["nonfinite_mismatch"] == want["nonfinite_mismatch"] == 1
+    for k in ("rel_diff", "max_abs", "mean_abs", "max_rel", "cosine", "sqnr_db", "mismatch"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12), k
+
+
+def test_a_decode_table_must_fit_the_codes():
+    with pytest.raises(ValueError, match="cannot decode"):
+        kernels.pair_sums(np.zeros(4, np.uint16), np.zeros(4, np.uint16), rtol=0, atol=0,
+                          lut=kernels.decode_table(torch.float8_e5m2))
