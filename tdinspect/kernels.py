@@ -78,36 +78,52 @@ def _numpy_sums(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
     decoded through ``lut`` into the chunk buffers)."""
     m = x.shape[0]
     total = PairSums(n=m)
-    size = min(chunk, m)
-    bx, by = np.empty(size), np.empty(size)  # float64 copies (reused: no page faults)
-    buf_d, buf_a, buf_r, buf_b = np.empty(size), np.empty(size), np.empty(size), np.empty(size, bool)
-    ones = np.ones(size)  # Σ|d| as a BLAS dot: several times faster than sum()
-    for i in range(0, m, chunk):
-        k = min(chunk, m - i)
-        xc, yc = bx[:k], by[:k]
-        if lut is None:  # never in place on x, y: they may be a mapped file's memory
-            np.copyto(xc, x[i:i + k])
-            np.copyto(yc, y[i:i + k])
-        else:
-            np.take(lut, x[i:i + k], out=xc)
-            np.take(lut, y[i:i + k], out=yc)
-        d, ay, r, gt = buf_d[:k], buf_a[:k], buf_r[:k], buf_b[:k]
-        with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
-            total.sxx += float(np.dot(xc, xc))
-            total.syy += float(np.dot(yc, yc))
-            np.subtract(xc, yc, out=d)
-            total.sdd += float(np.dot(d, d))
-            np.abs(d, out=d)
-            total.max_abs = max(total.max_abs, float(d.max()))
-            total.sabs += float(np.dot(d, ones[:k]))
-            np.abs(yc, out=ay)
-            np.maximum(ay, EPS, out=ay)
-            total.max_rel = max(total.max_rel, float(np.divide(d, ay, out=r).max()))
-            np.abs(yc, out=ay)
-            ay *= rtol
-            ay += atol
-            total.mismatch += int(np.count_nonzero(np.greater(d, ay, out=gt)))
+    # float64 chunk buffers, reused across chunks and calls (no page faults; a pass of 10^4
+    # small pairs spent a third of this function allocating them)
+    bufs = _scratch(min(chunk, max(m, 1 << 12)))
+    with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
+        for i in range(0, m, chunk):
+            _chunk_sums(total, x[i:i + chunk], y[i:i + chunk], rtol, atol, lut, bufs)
     return total
+
+
+def _chunk_sums(total: PairSums, x, y, rtol, atol, lut, bufs) -> None:
+    """Add one cache-sized chunk's sums to ``total``."""
+    k = x.shape[0]
+    xc, yc, d, ay, r, gt, ones = (b[:k] for b in bufs)
+    if lut is None:  # never in place on x, y: they may be a mapped file's memory
+        np.copyto(xc, x)
+        np.copyto(yc, y)
+    else:
+        np.take(lut, x, out=xc)
+        np.take(lut, y, out=yc)
+    total.sxx += float(np.dot(xc, xc))
+    total.syy += float(np.dot(yc, yc))
+    np.subtract(xc, yc, out=d)
+    total.sdd += float(np.dot(d, d))
+    np.abs(d, out=d)
+    total.max_abs = max(total.max_abs, float(d.max()))
+    total.sabs += float(np.dot(d, ones))
+    np.abs(yc, out=ay)
+    np.maximum(ay, EPS, out=ay)
+    total.max_rel = max(total.max_rel, float(np.divide(d, ay, out=r).max()))
+    np.abs(yc, out=ay)
+    ay *= rtol
+    ay += atol
+    total.mismatch += int(np.count_nonzero(np.greater(d, ay, out=gt)))
+
+
+_SCRATCH = threading.local()  # one set per thread: dask threads compare pairs at once
+
+
+def _scratch(size: int) -> tuple[np.ndarray, ...]:
+    """This thread's chunk buffers, at least ``size`` long (five float64, one bool, and ones:
+    Σ|d| as a BLAS dot, several times faster than sum())."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None or bufs[0].shape[0] < size:
+        bufs = (*(np.empty(size) for _ in range(5)), np.empty(size, bool), np.ones(size))
+        _SCRATCH.bufs = bufs
+    return bufs
 
 
 _NUMBA_KERNEL = None
@@ -160,6 +176,23 @@ def _define_numba_kernel():
                 mxa[j] = max(mxa[j], ad)
                 mxr[j] = max(mxr[j], ad / max(ay, eps))
                 mis[j] += 1 if ad > atol + rtol * ay else 0
+        for k in range(whole, n):  # the < 16-element tail (one call, no numpy tail)
+            if lut is None:
+                xi = np.float64(x[k])
+                yi = np.float64(y[k])
+            else:
+                xi = lut[x[k]]
+                yi = lut[y[k]]
+            d = xi - yi
+            ad = abs(d)
+            ay = abs(yi)
+            sxx[0] += xi * xi
+            syy[0] += yi * yi
+            sdd[0] += d * d
+            sab[0] += ad
+            mxa[0] = max(mxa[0], ad)
+            mxr[0] = max(mxr[0], ad / max(ay, eps))
+            mis[0] += 1 if ad > atol + rtol * ay else 0
         return sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), mxr.max(), mis.sum()
 
     options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
@@ -251,9 +284,9 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
         raise ValueError(f"backend={backend!r}: expected 'numba' or 'numpy'")
     if lut is not None and (x.dtype.kind != "u" or lut.shape[0] != 1 << (8 * x.dtype.itemsize)):
         raise ValueError(f"a decode table of {lut.shape[0]} values cannot decode {x.dtype} codes")
+    # by size only, never by what this process loaded before: a pair's sums must not depend
+    # on the process that compares it (dask workers, the CLI)
     if backend == "numpy" or x.shape[0] < min_numba:
         return _numpy_sums(x, y, rtol, atol, lut=lut)
-    whole = x.shape[0] - x.shape[0] % LANES
-    out = _numba_kernel()(x[:whole], y[:whole], float(rtol), float(atol), EPS, lut)
-    fused = PairSums(whole, *(float(v) for v in out[:6]), int(out[6]))
-    return fused + _numpy_sums(x[whole:], y[whole:], rtol, atol, lut=lut)  # the < 16-element tail
+    out = _numba_kernel()(x, y, float(rtol), float(atol), EPS, lut)
+    return PairSums(x.shape[0], *(float(v) for v in out[:6]), int(out[6]))

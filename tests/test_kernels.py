@@ -219,3 +219,4 @@ def test_a_decode_table_must_fit_the_codes():
     with pytest.raises(ValueError, match="cannot decode"):
         kernels.pair_sums(np.zeros(4, np.uint16), np.zeros(4, np.uint16), rtol=0, atol=0,
                           lut=kernels.decode_table(torch.float8_e5m2))
+
