@@ -39,3 +39,45 @@ def test_compiling_after_capture_started_runs_and_records_the_eager_entries(tmp_
     a, b = DumpSet.open(tmp_path / "eager"), DumpSet.open(tmp_path / "compiled")
     assert a.ops == b.ops and len(a.ops) > 10
     assert a.diff(b).first_divergence(metric="equal") is None
+
+
+def _eager_and(tmp_path, prepare):
+    """Capture an eager run and a run of the same model after ``prepare(model)``."""
+    tokens = make_tokens()
+    runs = {}
+    for name, fn in (("eager", lambda m: m), ("compiled", prepare)):
+        model = fn(make_model(seed=0))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.no_grad(), tdinspect.capture(model, tmp_path / name, environ={}) as dump:
+                model(tokens)
+                dump.step()
+        runs[name] = (DumpSet.open(tmp_path / name), [str(w.message) for w in seen])
+    torch._dynamo.reset()
+    return runs
+
+
+def test_in_place_compile_is_detected_at_capture_and_runs_eagerly(tmp_path):
+    """Issue 13: m.compile() in place captured nothing, with only a warning at the end."""
+    def compile_in_place(m):
+        m.compile(backend="eager")
+        return m
+
+    runs = _eager_and(tmp_path, compile_in_place)
+    (eager, _), (compiled, said) = runs["eager"], runs["compiled"]
+    assert any("compile" in s and "eagerly" in s for s in said), said
+    assert compiled.ops == eager.ops and len(eager.ops) > 10
+    assert eager.diff(compiled).first_divergence(metric="equal") is None
+
+
+def test_compiled_submodule_names_line_up_with_the_eager_run(tmp_path):
+    """Issue 13: a compiled submodule gave names with _orig_mod and 18 modules missing."""
+    def compile_a_layer(m):
+        m.layers[1] = torch.compile(m.layers[1], backend="eager")
+        return m
+
+    runs = _eager_and(tmp_path, compile_a_layer)
+    (eager, _), (compiled, _) = runs["eager"], runs["compiled"]
+    assert not [op for op in compiled.ops if "_orig_mod" in op]
+    assert compiled.ops == eager.ops
+    assert eager.diff(compiled).first_divergence(metric="equal") is None

@@ -126,10 +126,21 @@ def flatten_inputs(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str
 
 
 def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The model to hook, and whether any part of it is compiled: a ``torch.compile(m)``
+    wrapper (outside or on a submodule) or an in-place ``m.compile()``. Hooks do not fire
+    inside compiled graphs, so capture then runs the model eagerly."""
     inner = getattr(model, "_orig_mod", None)
     if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return inner, True
-    return model, False
+        return _unwrap_compiled(inner)[0], True
+    compiled = any(type(m).__name__ == "OptimizedModule"
+                   or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return model, compiled
+
+
+def _eager_name(name: str) -> str:
+    """``layers.0._orig_mod.proj`` -> ``layers.0.proj``: a compiled submodule's wrapper adds
+    ``_orig_mod`` to the path, which would keep compiled and eager runs from lining up."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list[tuple[str, nn.Module]]:
@@ -138,8 +149,10 @@ def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list
         raise ConfigError(f"modules={modules!r}: expected 'leaves' or 'all'")
     chosen = []
     for name, mod in model.named_modules():
-        full = module_key(root, name)
+        full = module_key(root, _eager_name(name))
         if modules == "leaves" and next(mod.children(), None) is not None:
+            continue
+        if type(mod).__name__ == "OptimizedModule":  # its _orig_mod is hooked under this name
             continue
         try:
             keep = predicate(full, mod)
