@@ -81,8 +81,8 @@ def compare_modes(model, tokens, steps: int, out: Path, modes: dict, start) -> d
 
 def synthetic_run(root: Path, passes: int, entries: int, numel: int, *, seed: int,
                   noise: float = 0.0, perturb: tuple[int, int] | None = None,
-                  sidecars: bool = True) -> Path:
-    """A dump of ``passes`` x ``entries`` float32 tensors of ``numel`` elements, written by our
+                  sidecars: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+    """A dump of ``passes`` x ``entries`` tensors (``dtype``, default float32) of ``numel`` elements, written by our
     recorder: the same values for every seed (rolled copies of one random vector), plus
     ``noise`` everywhere (a rerun on another backend) and a 10% error at ``perturb=(pass,
     entry)``. ``sidecars=False`` removes the sidecars (a dump written by another tool)."""
@@ -96,7 +96,7 @@ def synthetic_run(root: Path, passes: int, entries: int, numel: int, *, seed: in
                 t = t + noise * torch.randn(numel, generator=gen)
             if perturb == (p, e):
                 t = t + 0.1 * torch.randn(numel, generator=gen)
-            rec.record(f"model.layers.{e // 10}.op{e % 10}", t, module_type="Linear")
+            rec.record(f"model.layers.{e // 10}.op{e % 10}", t.to(dtype), module_type="Linear")
         rec.step()
     rec.close()
     if not sidecars:

@@ -8,7 +8,12 @@ Run: ``python bench/diff.py``. In one run, on files it writes and removes:
    against the floor: ``torch.load(mmap=True, weights_only=True)`` both pass
    files and compute ``(a - b).abs().max()`` per pair, on the same files
    (medians of ``--rounds`` alternating runs, both warmed first);
-3. ``first_divergence`` with the divergence in pass 0 vs a full diff.
+3. ``first_divergence`` with the divergence in pass 0 vs a full diff;
+4. the same ratio for float32, bfloat16, float16 and float8_e4m3fn dumps
+   (``--dtype-numel`` elements a tensor; torch cannot subtract float8, so
+   that floor widens to float32 first);
+5. the same ratio for one pass of ``--small-entries`` small tensors
+   (``--small-numel`` elements): the per-entry overhead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,29 @@ from common import synthetic_run as write_run  # noqa: E402
 from tdinspect import DumpSet, kernels  # noqa: E402
 
 
+def _abs_max_diff(x: torch.Tensor, y: torch.Tensor) -> None:
+    if x.element_size() == 1 and x.is_floating_point():  # no float8 arithmetic in torch
+        x, y = x.float(), y.float()
+    (x - y).abs().max()
+
+
+def ratio(a: DumpSet, b: DumpSet, rounds: int) -> tuple[float, float, float]:
+    """``(ours, floor, seconds of one diff)`` in bytes/s, medians of alternating rounds."""
+    floor_throughput(a, b)
+    a.diff(b).table(progress=False)
+    floors, times = [], []
+    for _ in range(rounds):
+        floors.append(floor_throughput(a, b))
+        t0 = time.perf_counter()
+        a.diff(b).table(progress=False)
+        times.append(time.perf_counter() - t0)
+    total = sum(2 * e.numel() * e.element_size() for pa in a.pass_indexes()
+                for e in [torch.empty(s, dtype=getattr(torch, str(d).removeprefix("torch.")))
+                          for s, d in zip(pa.shape, pa.dtype)])
+    t = statistics.median(times)
+    return total / t, statistics.median(floors), t
+
+
 def floor_throughput(a: DumpSet, b: DumpSet) -> float:
     t0 = time.perf_counter()
     total = 0
@@ -37,7 +65,7 @@ def floor_throughput(a: DumpSet, b: DumpSet) -> float:
         ta = torch.load(pa.files.tensors, mmap=True, weights_only=True)
         tb = torch.load(pb.files.tensors, mmap=True, weights_only=True)
         for k, x in ta.items():
-            (x - tb[k]).abs().max()
+            _abs_max_diff(x, tb[k])
             total += 2 * x.numel() * x.element_size()
     return total / (time.perf_counter() - t0)
 
@@ -48,6 +76,9 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=20)
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype-numel", type=int, default=1 << 22)
+    parser.add_argument("--small-entries", type=int, default=10_000)
+    parser.add_argument("--small-numel", type=int, default=256)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-diff-", dir=args.dir))
@@ -98,6 +129,26 @@ def main() -> None:
         t_first = time.perf_counter() - t0
         print(f"first_divergence at pass 0: {t_first:.3f} s vs full diff {t_full:.2f} s "
               f"({t_first / t_full:.1%}); found {div.key} pass {div.pass_}")
+        for d in (a, b, c):
+            shutil.rmtree(d)
+
+        # 4. narrow floats (decoded in the kernel's loop), 2 passes x 4 entries
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+            name = str(dt).removeprefix("torch.")
+            x = write_run(root / f"{name}_a", 2, 4, args.dtype_numel, seed=1, dtype=dt)
+            y = write_run(root / f"{name}_b", 2, 4, args.dtype_numel, seed=2, noise=1e-2, dtype=dt)
+            ours, floor, _ = ratio(DumpSet.open(x), DumpSet.open(y), args.rounds)
+            print(f"{name:14s} {args.dtype_numel} elements a tensor: {ours / 1e9:.2f} GB/s, floor "
+                  f"{floor / 1e9:.2f} GB/s, ratio {ours / floor:.0%}")
+            shutil.rmtree(x)
+            shutil.rmtree(y)
+
+        # 5. one pass of many small entries: the per-entry overhead
+        x = write_run(root / "small_a", 1, args.small_entries, args.small_numel, seed=1)
+        y = write_run(root / "small_b", 1, args.small_entries, args.small_numel, seed=2, noise=1e-3)
+        ours, floor, t = ratio(DumpSet.open(x), DumpSet.open(y), args.rounds)
+        print(f"{args.small_entries} entries of {args.small_numel} float32: diff {t:.2f} s "
+              f"({t / args.small_entries * 1e6:.0f} us an entry), ratio to the floor {ours / floor:.0%}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
