@@ -61,8 +61,31 @@ def path_label(path) -> str:
                          k.name if isinstance(k, GetAttrKey) else k) for k in path)
 
 
-def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _cache_layers(obj: Any) -> list[tuple[Any, Any]] | None:
+    """``[(keys, values), ...]`` of a KV cache (Hugging Face ``DynamicCache`` and kin: a
+    ``layers`` list of objects with ``keys``/``values``, or older ``key_cache``/``value_cache``
+    lists), found by shape of the object so that capture never imports transformers."""
+    layers = getattr(obj, "layers", None)
+    if isinstance(layers, (list, tuple)) and layers and all(
+            hasattr(layer, "keys") and hasattr(layer, "values") and not isinstance(layer, Mapping)
+            for layer in layers):
+        return [(layer.keys, layer.values) for layer in layers]
+    keys, values = getattr(obj, "key_cache", None), getattr(obj, "value_cache", None)
+    if isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values):
+        return list(zip(keys, values))
+    return None
+
+
+def flatten_output(output: Any, prefix: str = "",
+                   dropped: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(label, tensor)`` for every tensor in a module's output, in a stable order.
+
+    A KV cache object (HF ``DynamicCache``) gives ``[i][key]`` and ``[i][value]`` per
+    layer. Any other part that is neither a tensor nor plain data is not stored: with
+    ``dropped``, its label and type are added there so the caller can say so.
 
     Examples
     --------
@@ -79,10 +102,16 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.T
             yield sub, leaf
         elif isinstance(leaf, Mapping):  # mapping types pytree does not know (ModelOutput-like)
             for k, v in leaf.items():
-                yield from flatten_output(v, sub + label(k))
+                yield from flatten_output(v, sub + label(k), dropped)
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for f in dataclasses.fields(leaf):
-                yield from flatten_output(getattr(leaf, f.name), sub + label(f.name))
+                yield from flatten_output(getattr(leaf, f.name), sub + label(f.name), dropped)
+        elif (layers := _cache_layers(leaf)) is not None:
+            for i, (keys, values) in enumerate(layers):
+                yield from flatten_output(keys, sub + label(i) + label("key"), dropped)
+                yield from flatten_output(values, sub + label(i) + label("value"), dropped)
+        elif dropped is not None and not isinstance(leaf, _PLAIN):
+            dropped[sub] = type(leaf).__name__
 
 
 def map_tensors(obj: Any, fn, prefix: str = "") -> Any:
@@ -287,12 +316,15 @@ class ModuleCapture:
                 return None
             call = self._call_number(name)
             suffix = "" if call == 0 else f"{CALL_SEP}{call}"
-            for sub, tensor in flatten_output(output):
+            dropped: dict[str, str] = {}
+            for sub, tensor in flatten_output(output, dropped=dropped):
                 key = name + sub + suffix
                 if health is not None:
                     self._checked(health.check, key, tensor, pass_=rec.pass_index, order=len(rec))
                 if outputs:
                     rec.record(key, tensor, module_type=module_type, **extra)
+            if dropped:
+                rec.note_dropped({name + sub + suffix: kind for sub, kind in dropped.items()})
             fired.add(name)
             return None
 

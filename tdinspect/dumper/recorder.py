@@ -188,6 +188,7 @@ class Recorder:
         self.total_entries = 0
         self.pass_index = 0
         self.observer = None  # sees every entry and pass end (live comparison)
+        self._dropped_said = False
         self.folder = self.writer = self.run = None
         self._lock = threading.Lock()  # threads calling the model record one at a time
         self._threads: dict[threading.Thread, int] = {}  # 0, 1, ... in order of first record
@@ -246,6 +247,17 @@ class Recorder:
 
     def __len__(self) -> int:
         return len(self._pass.keys)
+
+    def note_dropped(self, parts: dict[str, str]) -> None:
+        """Parts of outputs that are neither tensors nor plain data (not stored): listed in
+        the pass's sidecar (``dropped``: {label: type}) and said once per capture."""
+        self._pass.header.setdefault("dropped", {}).update(parts)
+        if not self._dropped_said:
+            self._dropped_said = True
+            label, kind = next(iter(parts.items()))
+            warnings.warn(f"tdinspect: output parts that are neither tensors nor plain data are "
+                          f"not stored (first: {label}, a {kind}); the sidecar lists them "
+                          f"under 'dropped'", RuntimeWarning, stacklevel=4)
 
     def next_call(self, site: str) -> int:
         """0-based call number of ``site`` (a module name, or module/op) in this pass."""
