@@ -140,3 +140,29 @@ def test_wrapper_subclass_keeps_the_pass_readable(tmp_path):
     assert torch.equal(ds.tensor("model.p"), x + 1)
     ((_, _, key, reason),) = ds.not_stored()
     assert key == "model.w" and "wrapper without storage" in reason
+
+
+def test_dtensor_output_stores_its_local_shard_and_placements(tmp_path):
+    """A DTensor output made the whole pass unreadable: now its local shard is stored, with
+    the placements, mesh and global shape in the sidecar (a real one-process gloo group)."""
+    import json
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = _Emit(lambda x: distribute_tensor(x * 2, mesh, [Shard(0)]))
+        x = torch.arange(6.0).reshape(2, 3)
+        with tdinspect.capture(model, tmp_path / "dump") as dump:
+            out = model(x)
+            dump.step()
+        assert torch.equal(out.to_local(), x * 2)  # the forward went on
+    finally:
+        dist.destroy_process_group()
+    ds = DumpSet.open(tmp_path / "dump")
+    assert torch.equal(ds.tensor("model"), x * 2)
+    (side,) = (tmp_path / "dump").rglob("pass00000.json")
+    storage = json.loads(side.read_text())["entries"]["storage"][0]
+    assert storage["dtensor"] == {"placements": [str(Shard(0))], "mesh": [1], "global_shape": [2, 3]}
