@@ -40,6 +40,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(proc, log) -> None:
+    """End a server started in its own process group (SIGTERM, then SIGKILL after 20 s) and close its log."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
 @pytest.fixture
 def jupyterlab(tmp_path):
     if not os.path.exists(CHROMIUM):
@@ -75,13 +86,7 @@ def jupyterlab(tmp_path):
                 time.sleep(0.5)
         yield base, token
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        _stop(proc, log)
 
 
 def _accept_dialogs(page) -> None:
@@ -268,13 +273,7 @@ def voila_dashboard(tmp_path):
                 time.sleep(0.5)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        _stop(proc, log)
 
 
 def test_dashboard_served_by_voila(voila_dashboard):
