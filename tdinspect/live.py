@@ -31,6 +31,7 @@ missing entry comes before it in the reference's order.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import warnings
@@ -46,7 +47,7 @@ from .align.mapping import Mapping
 from .dumper.checks import DivergenceError
 from .dumper.writer import PendingPass
 from .dumpset import DumpSet
-from .format import _stats_row, rank_dirname
+from .format import _stats_row, atomic_write, rank_dirname
 from .metrics import metric as metric_named
 from .stats import STAT_NAMES, tensor_stats
 
@@ -231,13 +232,11 @@ class LiveCompare:
     def _write_rows(self, pass_: int) -> None:
         folder = self.evidence_dir / "live"
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"pass{pass_:05d}.csv"
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(self._pass_rows)
-        os.replace(tmp, path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(self._pass_rows)
+        atomic_write(folder / f"pass{pass_:05d}.csv", lambda f: f.write(text.getvalue().encode()))
 
     def _write_evidence(self, div) -> Path:
         """The divergent entry and those before it, both sides, as two small dumps."""
