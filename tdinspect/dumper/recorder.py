@@ -288,9 +288,10 @@ class Recorder:
         p = self._pass
         if self.dims is not None:
             extra["dims"] = self.dims.lookup(split_call(key)[0])
+        measured = tensor is not None and self.writer is not None \
+            and not extra.get("uninitialized")
         digest = None
-        if self.checksum and tensor is not None and self.writer is not None \
-                and not extra.get("uninitialized"):
+        if self.checksum and measured:
             digest = tensor_checksum(tensor)  # on the device; one int64 goes to the host at step()
         if self.observer is not None:
             self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
@@ -301,10 +302,9 @@ class Recorder:
             if shared is not None:
                 return self._append(key, tensor, None, shared, module_type, extra, digest)
         copy = stat = None
-        if tensor is not None and self.writer is not None and not extra.get("uninitialized") \
-                and not is_plain(tensor):
+        if measured and not is_plain(tensor):
             return self._record_kind(key, tensor, module_type, store, extra, digest)
-        if tensor is not None and self.writer is not None and not extra.get("uninitialized"):
+        if measured:
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
             # the writer thread, the bottleneck when full tensors go to disk, only writes
             stat = tensor_stats(tensor)
