@@ -17,7 +17,7 @@ import torch
 
 from ..checksum import tensor_checksum
 from ..format import pass_filename, sidecar_filename
-from ..naming import split_call
+from ..naming import make_key, split_call
 from ..runs import new_run_folder
 from ..stats import tensor_stats
 from .kinds import is_plain, prepare
@@ -367,7 +367,7 @@ class Recorder:
             base, call = split_call(key)
             while key in self._index:
                 call += 1
-                key = f"{base}::call{call}"
+                key = make_key(base, call)
             self._say_once("dup", f"tdinspect: an entry was recorded twice under one name; "
                                   f"the second is stored as {key!r}")
         p.checksums.append(digest)
