@@ -320,14 +320,18 @@ class OpCapture:
             self._seen[ident] = (weakref.ref(t.untyped_storage()), key, uninitialized, root)
             self._by_storage.setdefault(ident[0], set()).add(ident)
 
-    def _forget_written(self, func, args, kwargs) -> None:
-        """Drop what an in-place op is about to change (every view of the written storage)."""
+    def _written_args(self, func) -> list[tuple[int, str]]:
+        """``(index, name)`` of the arguments ``func`` writes to (in place, ``out=``); cached."""
         written = self._writes.get(func)
         if written is None:
             written = self._writes[func] = [
                 (i, a.name) for i, a in enumerate(func._schema.arguments)
                 if a.alias_info is not None and a.alias_info.is_write]
-        for i, name in written:
+        return written
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """Drop what an in-place op is about to change (every view of the written storage)."""
+        for i, name in self._written_args(func):
             t = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 for ident in self._by_storage.pop(t.untyped_storage().data_ptr(), ()):
@@ -415,7 +419,7 @@ class OpCapture:
         before = None
         if any(t.device.type != "cpu" for t in tensors):
             before = HealthCheck.device_flag(tensors)
-        elif any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        elif self._written_args(func):
             before = any_nonfinite(tensors)
         return tensors, before
 
