@@ -593,10 +593,6 @@ class Diff:
 
     # -- thresholds ---------------------------------------------------------------------
     @staticmethod
-    def _threshold_fn(threshold, metric_name: str):
-        return threshold_fn(threshold, metric_name)
-
-    @staticmethod
     def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
         """Which rows diverge (a boolean array), by :func:`divergent`."""
         ops = rows["op"].to_numpy(object)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tdinspect import DumpFormatError, DumpSet
+from tdinspect.diff import threshold_fn
 from tdinspect.metrics import compare_tensors
 
 from .conftest import only_folder
@@ -223,7 +224,7 @@ def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metr
     for diff in diffs:
         m = diff._check_metric(metric)
         for threshold in (None, per_name):
-            thr_fn = diff._threshold_fn(threshold, m.name)
+            thr_fn = threshold_fn(threshold, m.name)
             for _, rows in diff.iter_passes():
                 vectorised = diff._hits(rows, m, thr_fn).tolist()
                 one_by_one = [rule(r, m, thr_fn) for r in rows.to_dict("records")]

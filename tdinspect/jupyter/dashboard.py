@@ -60,11 +60,12 @@ class Dashboard:
         self.build_seconds = time.perf_counter() - t0
 
     def _refresh_rows(self, change=None) -> None:
+        from ..diff import threshold_fn
         from ..metrics import metric
 
         ex = self.explorer
         m = metric(ex.metric.value)
-        hits = ex.diff._hits(ex.table, m, ex.diff._threshold_fn(ex.threshold.value, m.name))
+        hits = ex.diff._hits(ex.table, m, threshold_fn(ex.threshold.value, m.name))
         options = []
         for (i, row), bad in zip(ex.table.iterrows(), hits):
             value = row[m.name]
