@@ -62,6 +62,14 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").contiguous()
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a later in-place change of ``b`` may show in ``a`` (when unsure: yes)."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
 def _stats_as_dumped(t: torch.Tensor) -> dict[str, float]:
     """The statistics a sidecar would give a reader (rounded as the writer rounds them)."""
     row = _stats_row(tensor_stats(t).tolist())
@@ -173,7 +181,7 @@ class LiveCompare:
                 compare_pair(row, side_of(pi, ia, self._ref_files, "A"), b_side, transform,
                              self.mode, self.chunk)
         keep = host if self.evidence_dir is not None and host is not None else None
-        if keep is not None and keep is tensor:
+        if keep is not None and _shares_memory(keep, tensor):
             keep = keep.clone()  # the model may change its output in place later
         self._ring.append((key, keep, module_type, partners))
         for row in rows:

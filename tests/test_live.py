@@ -327,3 +327,42 @@ def test_capture_magic_compare_to(runs, tmp_path):
     assert "DivergenceError" in _text(nb.cells[4]) and "True" in _text(nb.cells[5])
     assert "give a dump directory" in "".join(o.get("text", "") for o in nb.cells[6].outputs)
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["evidence", "live"]
+
+
+class _BumpThenScale(torch.nn.Module):
+    """Adds 1 in place to its input (the previous module's output), then scales it."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        x.add_(1)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["modules", "ops"])
+def test_evidence_holds_values_as_recorded_when_the_model_changes_them_later(tmp_path, ops):
+    def model(scale):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), _BumpThenScale(scale))
+
+    def run(m, *args, **kw):
+        cap = tdinspect.capture_ops(*args, **kw) if ops else tdinspect.capture(m, *args, **kw)
+        x = torch.arange(8.0).reshape(2, 4)
+        with torch.no_grad(), cap:
+            m(x)
+            cap.step()
+
+    run(model(1.0), tmp_path / "ref")
+    with pytest.raises(tdinspect.DivergenceError) as info:
+        run(model(2.0), tmp_path / "ev", compare_to=tmp_path / "ref")
+    div = info.value.divergence
+    # the linear's output, changed in place after it was recorded
+    first = "model.Sequential.Linear/aten.addmm.default[out0]" if ops else "model.0"
+    assert first in dict(div.before)
+    run_ev = load_pass(only_folder(tmp_path / "ev/evidence/run") / "pass00000.pt")
+    ref = load_pass(only_folder(tmp_path / "ref") / "pass00000.pt")
+    assert torch.equal(run_ev[first], ref[first])
+    assert DumpSet.open(tmp_path / "ev/evidence/ref").diff(tmp_path / "ev/evidence/run") \
+        .first_divergence().key == div.key
