@@ -349,8 +349,8 @@ class OpCapture:
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
         mtype = self._tracker.types.get(module, "")
         view_base = self._view_base(func, args)
-        need_args = self.inputs or self.trace is not None
-        leaves, spec = tree_flatten((args, kwargs)) if need_args else ((), None)
+        watch = self.trace is not None or self.health is not None  # look at the tensor inputs
+        leaves, spec = tree_flatten((args, kwargs)) if self.inputs or watch else ((), None)
         in_keys: list[str | None] = [None] * len(leaves)
         if self.inputs and rec is not None:
             tensor_i = 0
@@ -371,9 +371,9 @@ class OpCapture:
                     in_keys[i] = key
         if self._seen:
             self._forget_written(func, args, kwargs)
-        traced_in = self._describe([x for x in leaves if isinstance(x, torch.Tensor)]) \
-            if self.trace is not None else None
-        health_in = self._health_inputs(func, args, kwargs) if self.health is not None else None
+        in_tensors = [x for x in leaves if isinstance(x, torch.Tensor)] if watch else []
+        traced_in = self._describe(in_tensors) if self.trace is not None else None
+        health_in = self._health_inputs(func, in_tensors) if self.health is not None else None
         out = func(*args, **kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else [
             o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -412,10 +412,9 @@ class OpCapture:
                 self._remember(o, key)
         return out
 
-    def _health_inputs(self, func, args, kwargs):
+    def _health_inputs(self, func, tensors: list):
         """The op's tensor inputs, and their NaN/Inf flag taken now when the op will overwrite
         them (in place, ``out=``) or the flag stays on an accelerator (read at ``step()``)."""
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         before = None
         if any(t.device.type != "cpu" for t in tensors):
             before = HealthCheck.device_flag(tensors)
