@@ -216,15 +216,19 @@ class PassIndex:
 
     # -- statistics --------------------------------------------------------------------
     def ensure_stats(self) -> np.ndarray:
-        """Statistics of every entry (computed from the tensors when no sidecar had them)."""
+        """Statistics of every entry (computed from the tensors when no sidecar had them;
+        NaN for an entry without a tensor of its own)."""
         if self.stats is None:
             loaded = self.load()
-            rows = []
-            for i, key in enumerate(self.keys):
-                rows.append(tensor_stats(loaded[key]).tolist() if self.stored[i] else
-                            [math.nan] * len(STAT_NAMES))
+            nan = [math.nan] * len(STAT_NAMES)
+            rows = [nan if t is None else tensor_stats(t).tolist()
+                    for t in (self._stats_tensor(i, loaded) for i in range(len(self.keys)))]
             self.stats = np.asarray(rows, dtype=np.float64).reshape(len(self.keys), len(STAT_NAMES))
         return self.stats
+
+    def _stats_tensor(self, i: int, loaded) -> torch.Tensor | None:
+        """Entry ``i``'s tensor for :meth:`ensure_stats`, or ``None`` (not stored)."""
+        return loaded[self.keys[i]] if self.stored[i] else None
 
     def stat_dict(self, i: int) -> dict[str, float]:
         return dict(zip(STAT_NAMES, self.ensure_stats()[i].tolist()))

@@ -23,11 +23,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..passindex import PassIndex
-from ..stats import STAT_NAMES, tensor_stats
 
 
 class AlignError(ValueError):
@@ -242,15 +240,9 @@ class LogicalPass(PassIndex):
         pi = self.sources[src]
         return pi.shape[pi.position[key]]
 
-    def ensure_stats(self) -> np.ndarray:
-        """Statistics of the assembled tensors (NaN for entries that cannot be assembled)."""
-        if self.stats is None:
-            loaded = self.load()
-            rows = []
-            for key in self.keys:
-                try:
-                    rows.append(tensor_stats(self.tensor(key, loaded)).tolist())
-                except AlignError:
-                    rows.append([math.nan] * len(STAT_NAMES))
-            self.stats = np.asarray(rows, dtype=np.float64).reshape(len(self.keys), len(STAT_NAMES))
-        return self.stats
+    def _stats_tensor(self, i: int, loaded) -> torch.Tensor | None:
+        """The assembled tensor, or ``None`` (NaN statistics) when it cannot be assembled."""
+        try:
+            return self.tensor(self.keys[i], loaded)
+        except AlignError:
+            return None
