@@ -250,26 +250,33 @@ class HealthCheck:
                           f"{found.describe()}", RuntimeWarning, stacklevel=4)
 
 
-class Guarded:
+class StopsOnCheck:
+    """What runs capture checks: a :class:`CaptureCheckError` first stops the capture
+    (``_on_check_error``: record nothing more, write no partial pass), then leaves."""
+
+    def _on_check_error(self) -> None:
+        raise NotImplementedError
+
+    def _checked(self, check, *args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except CaptureCheckError:
+            self._on_check_error()
+            raise
+
+
+class Guarded(StopsOnCheck):
     """A recorder observer whose :class:`CaptureCheckError` first runs ``on_error`` (which
     closes the capture), whichever hook recorded the entry."""
 
     def __init__(self, inner, on_error):
-        self.inner, self.on_error = inner, on_error
+        self.inner, self._on_check_error = inner, on_error
 
     def entry(self, *args, **kwargs):
-        try:
-            return self.inner.entry(*args, **kwargs)
-        except CaptureCheckError:
-            self.on_error()
-            raise
+        return self._checked(self.inner.entry, *args, **kwargs)
 
     def end_pass(self, pass_: int):
-        try:
-            return self.inner.end_pass(pass_)
-        except CaptureCheckError:
-            self.on_error()
-            raise
+        return self._checked(self.inner.end_pass, pass_)
 
 
 def open_live(compare_to, *, evidence_dir, rank: int, level: str, **options):

@@ -43,7 +43,7 @@ from torch.utils._pytree import (GetAttrKey, MappingKey, SequenceKey, tree_flatt
 
 from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
 from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
-from .checks import CaptureCheckError, Guarded, HealthCheck, open_live
+from .checks import Guarded, HealthCheck, StopsOnCheck, open_live
 from .recorder import Recorder, current_rank
 
 
@@ -192,7 +192,7 @@ def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list
     return chosen
 
 
-class ModuleCapture:
+class ModuleCapture(StopsOnCheck):
     """A running module-level capture; made by :func:`capture`.
 
     Use it as a context manager, or call :meth:`close` yourself. When dumping
@@ -260,8 +260,7 @@ class ModuleCapture:
                                  overwrite=overwrite)
         self.folder = self.recorder.folder
         if self.live is not None:  # every recorded entry is compared (and may end the capture)
-            self.recorder.observer = Guarded(self.live, lambda: self.close(write_pending=False,
-                                                                           warn=False))
+            self.recorder.observer = Guarded(self.live, self._on_check_error)
         # outputs carry an explicit kind once other kinds share the pass (default: no new column)
         self._out_extra = {} if self.record == ("outputs",) else {"kind": "output"}
         for name, mod in chosen:
@@ -371,14 +370,10 @@ class ModuleCapture:
                           "(DumpConfig.use_cuda_graph).", RuntimeWarning, stacklevel=3)
         return True
 
-    def _checked(self, check, *args, **kwargs):
-        """Run a check; when it raises, leave the model as it was (hooks removed, no partial
-        pass written) before the error leaves ``model(...)`` or ``step()``."""
-        try:
-            return check(*args, **kwargs)
-        except CaptureCheckError:
-            self.close(write_pending=False, warn=False)
-            raise
+    def _on_check_error(self) -> None:
+        """A check raised: leave the model as it was (hooks removed, no partial pass written)
+        before the error leaves ``model(...)`` or ``step()``."""
+        self.close(write_pending=False, warn=False)
 
     # -- public API -----------------------------------------------------------------------
     def step(self, failed: str | None = None):

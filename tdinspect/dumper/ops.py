@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import ConfigError, DumpConfig, FilterSpec
 from ..format import encode_arg
 from ..naming import CALL_SEP, module_key
-from .checks import CaptureCheckError, HealthCheck, any_nonfinite, open_live
+from .checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
 from .modules import resolve_config
 from .recorder import Recorder, current_rank, parallel_coords
 
@@ -167,7 +167,7 @@ class _OpRecorderMode(TorchDispatchMode):
         return self.owner._checked(self.owner._dispatch, func, args, kwargs or {})
 
 
-class OpCapture:
+class OpCapture(StopsOnCheck):
     """A running op-level capture; made by :func:`capture_ops`.
 
     Push it with ``with`` (or :meth:`start` / :meth:`close`). When dumping is
@@ -250,20 +250,16 @@ class OpCapture:
                 self._checked(self.health.end_pass)
             return path
 
-    def _checked(self, check, *args, **kwargs):
-        """Run a check; when it raises, record nothing more and write no partial pass.
+    def _on_check_error(self) -> None:
+        """A check raised: record nothing more and write no partial pass.
 
         The dispatch mode itself is popped by ``close()`` (``with`` calls it):
         it cannot leave the mode stack from inside its own dispatch.
         """
-        try:
-            return check(*args, **kwargs)
-        except CaptureCheckError:
-            self._failed = True
-            rec, self.recorder = self.recorder, None
-            if rec is not None:
-                rec.close(write_pending=False)
-            raise
+        self._failed = True
+        rec, self.recorder = self.recorder, None
+        if rec is not None:
+            rec.close(write_pending=False)
 
     def close(self, write_pending: bool = True) -> None:
         """Stop recording, write a pending non-empty pass, wait for the writer."""
