@@ -65,7 +65,7 @@ def layout(tensors: dict[str, torch.Tensor]) -> list[list[Any]] | None:
     records: dict[int, str] = {}
     out = []
     for t in tensors.values():
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_nested:
             return None
         record = records.setdefault(t.untyped_storage()._cdata, str(len(records)))
         out.append([record, int(t.storage_offset()), list(t.shape), list(t.stride()),

@@ -10,6 +10,7 @@ import torch
 
 import tdinspect
 from tdinspect import DumpSet, load_pass
+from tdinspect.naming import split_call
 
 
 class _Sub(torch.Tensor):
@@ -45,7 +46,7 @@ def test_every_kind_is_captured_or_listed_and_the_forward_goes_on(tmp_path):
     kinds = _kinds()
     model = torch.nn.ModuleDict({k: _Emit(f) for k, f in kinds.items()})
     x = torch.tensor(1.5)
-    with tdinspect.capture(model, tmp_path) as dump:
+    with tdinspect.capture(model, tmp_path, on_nonfinite="raise") as dump:  # checked, too
         outs = {k: m(x) for k, m in model.items()}
         dump.step()
     folder = dump.folder
@@ -88,7 +89,7 @@ def test_fake_tensor_output_does_not_break_the_forward(tmp_path):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
-    with tdinspect.capture(model, tmp_path) as dump:
+    with tdinspect.capture(model, tmp_path, on_nonfinite="raise") as dump:
         with FakeTensorMode(allow_non_fake_inputs=True):
             out = model(torch.ones(4, 3))
         assert out.shape == (4, 2)
@@ -166,3 +167,67 @@ def test_dtensor_output_stores_its_local_shard_and_placements(tmp_path):
     (side,) = (tmp_path / "dump").rglob("pass00000.json")
     storage = json.loads(side.read_text())["entries"]["storage"][0]
     assert storage["dtensor"] == {"placements": [str(Shard(0))], "mesh": [1], "global_shape": [2, 3]}
+
+
+def _op_kinds():
+    """Each kind made by ops, then used by another op (an input that is not plain)."""
+    torch.manual_seed(0)
+    dense = torch.randn(3, 4)
+    dense[0, 1] = dense[2, 2] = 0.0
+
+    def coo(x):
+        t = (dense * x).to_sparse()
+        t.mul_(2)  # an in-place op writing a sparse tensor
+        return t, t.to_dense()
+
+    def fake(x):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            t = torch.ones(4, 3) @ torch.ones(3, 2)
+        return t, None
+
+    return {
+        "mul_.": coo,
+        "_to_sparse_csr.": lambda x: (t := (dense * x).to_sparse_csr(), t.to_dense()),
+        "quantize_per_tensor.": lambda x: (t := torch.quantize_per_tensor(dense * x, 0.05, 3,
+                                                                         torch.quint8),
+                                           t.dequantize()),
+        "nested_tensor": lambda x: (t := torch.nested.nested_tensor([dense[0] * x, dense[1, :2] * x]),
+                                    t.to_padded_tensor(0.0)),
+        "empty.": lambda x: (torch.empty(5, 2, device="meta"), None),
+        "ones.": fake,
+        "add.": lambda x: (t := _NoData(dense * x) + 1, t * 2),
+    }
+
+
+def test_every_kind_under_capture_ops_is_stored_or_listed_and_the_forward_goes_on(tmp_path):
+    """Op capture meets these kinds as outputs and as inputs (and writes one in place): each
+    pass holds one kind, so nothing plain before it hides how the pass file is laid out."""
+    kinds = _op_kinds()
+    x = torch.tensor(1.5)
+    eager = [f(x) for f in kinds.values()]
+    with tdinspect.capture_ops(tmp_path, inputs=True, on_nonfinite="raise") as cap:
+        live = []
+        for f in kinds.values():
+            live.append(f(x))
+            cap.step()
+    ds = DumpSet.open(tmp_path)
+    assert ds.passes == list(range(len(kinds)))
+    plain = lambda t: t.inner if isinstance(t, _NoData) else t  # noqa: E731
+    for p, (name, (out, used), (_, live_used)) in enumerate(zip(kinds, eager, live)):
+        if used is not None:  # the forward went on, with the same values
+            assert torch.equal(plain(live_used), plain(used)), name
+        key = [k for k in ds.sel(pass_=p).ops if name in k and "[out0]" in k][-1]
+        why = [w for _, q, k, w in ds.not_stored() if q == p and split_call(k)[0] == key]
+        if name in ("ones.", "add."):  # fake and storage-less wrapper: listed with their reason
+            assert why and ("FakeTensor" if name == "ones." else "wrapper") in why[0]
+        elif name == "empty.":
+            assert ds.get_pass(p).uninitialized[ds.get_pass(p).position[key]]
+        else:
+            expected = (out.to_dense() if out.layout != torch.strided else
+                        out.dequantize() if out.is_quantized else
+                        torch.cat([t.reshape(-1) for t in out.unbind()]))
+            assert torch.equal(ds.tensor(key, pass_=p), expected), name
+    assert ds.diff(DumpSet.open(tmp_path)).first_divergence(metric="equal") is None
+

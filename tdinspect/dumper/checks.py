@@ -32,6 +32,8 @@ import torch
 
 from ..config import ConfigError
 from ..naming import split_call
+from ..stats import broadcast_dims, first_slice
+from .kinds import flat_values, holds_no_data
 
 
 class CaptureCheckError(RuntimeError):
@@ -120,11 +122,17 @@ class DivergenceError(CaptureCheckError):
 
 def _checkable(t: torch.Tensor) -> torch.Tensor | None:
     """A real floating view of ``t`` to reduce, or ``None`` when it cannot hold NaN/Inf."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+    if not isinstance(t, torch.Tensor) or holds_no_data(t):
+        return None
+    if t.layout != torch.strided or t.is_nested:
+        t = flat_values(t)
+    elif 0 in t.stride():  # an expand: its distinct elements only
+        t = first_slice(t, broadcast_dims(t))
+    if t.numel() == 0:
         return None
     if t.is_complex():
         return torch.view_as_real(t.detach())
-    if not t.is_floating_point() or t.device.type == "meta":
+    if not t.is_floating_point():
         return None
     return t.detach()
 

@@ -41,6 +41,30 @@ def is_plain(t: torch.Tensor) -> bool:
             and t.device.type != "meta" and not (0 in t.stride() and broadcast_dims(t)))
 
 
+def holds_no_data(t: torch.Tensor) -> bool:
+    """A meta tensor or a ``FakeTensor``: a shape and a dtype, no values to read."""
+    if t.device.type == "meta":
+        return True
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def flat_values(t: torch.Tensor) -> torch.Tensor:
+    """The values a sparse or nested tensor holds, as one plain tensor (never made dense);
+    any other tensor as it is."""
+    if t.is_nested:
+        parts = t.unbind()
+        return torch.cat([p.reshape(-1) for p in parts]) if parts else t.new_empty(0)
+    if t.layout == torch.sparse_coo:
+        return t._values()  # duplicates of an uncoalesced tensor are values too
+    if t.layout != torch.strided:
+        return t.values()
+    return t
+
+
 @dataclass
 class Prepared:
     """What to store for one tensor, and what the sidecar says about it."""
@@ -93,10 +117,9 @@ def _prepare(t: torch.Tensor) -> Prepared:
         return Prepared(t, tensor_stats(values), list(t.shape), str(values.dtype),
                         storage={"quantized": q})
     if t.is_nested:
-        parts = t.unbind()
-        flat = torch.cat([p.reshape(-1) for p in parts]) if parts else t.new_empty(0)
+        flat = flat_values(t)
         return Prepared(t, tensor_stats(flat), [flat.numel()], str(t.dtype),
-                        storage={"nested": [list(p.shape) for p in parts]})
+                        storage={"nested": [list(p.shape) for p in t.unbind()]})
     dims = broadcast_dims(t)
     if dims:
         held = first_slice(t, dims)
@@ -160,8 +183,7 @@ def restore(t: torch.Tensor) -> torch.Tensor:
     the sidecar.
     """
     if t.is_nested:
-        parts = t.unbind()
-        return torch.cat([p.reshape(-1) for p in parts]) if parts else t.new_empty(0)
+        return flat_values(t)
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.is_quantized:

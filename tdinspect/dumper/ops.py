@@ -50,6 +50,7 @@ from ..config import ConfigError, DumpConfig, FilterSpec
 from ..format import encode_arg
 from ..naming import CALL_SEP, module_key
 from .checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
+from .kinds import holds_no_data
 from .modules import resolve_config
 from .recorder import Recorder, current_rank, parallel_coords
 
@@ -292,15 +293,21 @@ class OpCapture(StopsOnCheck):
         return keep
 
     @staticmethod
-    def _identity(t: torch.Tensor) -> tuple:
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                t.dtype, t.device)
+    def _identity(t: torch.Tensor) -> tuple | None:
+        """Where ``t``'s elements sit, or ``None`` when it has no plain storage of its own
+        (meta, fake, sparse, nested, a wrapper subclass): such a tensor is never matched."""
+        if holds_no_data(t):
+            return None
+        try:
+            return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                    tuple(t.stride()), t.dtype, t.device)
+        except (RuntimeError, NotImplementedError):
+            return None
 
     def _lookup(self, t: torch.Tensor) -> tuple[str, bool, tuple] | None:
         """``(key, uninitialized, root)`` of the recorded entry ``t`` still equals, else ``None``."""
-        if t.device.type == "meta":
-            return None
-        hit = self._seen.get(self._identity(t))
+        ident = self._identity(t)
+        hit = None if ident is None else self._seen.get(ident)
         if hit is None:
             return None
         ref, key, uninit, root = hit
@@ -308,8 +315,8 @@ class OpCapture(StopsOnCheck):
 
     def _remember(self, t: torch.Tensor, key: str, uninitialized: bool = False,
                   root: tuple | None = None) -> None:
-        if t.device.type != "meta":
-            ident = self._identity(t)
+        ident = self._identity(t)
+        if ident is not None:
             if root is None:  # a stored entry: its own root, at its place in the storage
                 root = (key, [*ident[2]], [*ident[3]], ident[1])
             # a weak reference to the storage: a freed and reused address is no match
@@ -329,8 +336,9 @@ class OpCapture(StopsOnCheck):
         """Drop what an in-place op is about to change (every view of the written storage)."""
         for i, name in self._written_args(func):
             t = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                for ident in self._by_storage.pop(t.untyped_storage().data_ptr(), ()):
+            ident = self._identity(t) if isinstance(t, torch.Tensor) else None
+            if ident is not None:
+                for ident in self._by_storage.pop(ident[0], ()):
                     self._seen.pop(ident, None)
 
     def _dispatch(self, func, args, kwargs):
