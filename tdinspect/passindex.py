@@ -83,12 +83,13 @@ class PassIndex:
                        checksum=col("checksum"),
                        failed=str(doc["failed"]) if doc.get("failed") else None,
                        storage=e.get("storage"), skipped=e.get("skipped"), raw=e.get("raw"))
-        tensors = load_pass(files.tensors, mmap=True)
-        keys = list(tensors)
+        loaded = load_pass(files.tensors, mmap=True)
+        keys = list(loaded)
+        tensors = [restore(t) for t in loaded.values()]  # shapes and dtypes as analysis reads them
         n = len(keys)
         aten = [parse_key(k).op if _parses(k) else None for k in keys]
-        return cls(rank, files.index, files, keys, [list(t.shape) for t in tensors.values()],
-                   [str(t.dtype) for t in tensors.values()], [""] * n, [True] * n, None,
+        return cls(rank, files.index, files, keys, [list(t.shape) for t in tensors],
+                   [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
                    [False] * n, [None] * n, [None] * n, aten,
                    "op" if any(a is not None for a in aten) else "module")
 
@@ -227,8 +228,9 @@ class PassIndex:
         return self.stats
 
     def _stats_tensor(self, i: int, loaded) -> torch.Tensor | None:
-        """Entry ``i``'s tensor for :meth:`ensure_stats`, or ``None`` (not stored)."""
-        return loaded[self.keys[i]] if self.stored[i] else None
+        """Entry ``i``'s tensor for :meth:`ensure_stats` (as analysis reads it), or ``None``
+        (not stored)."""
+        return self.tensor(self.keys[i], loaded) if self.stored[i] else None
 
     def stat_dict(self, i: int) -> dict[str, float]:
         return dict(zip(STAT_NAMES, self.ensure_stats()[i].tolist()))

@@ -231,3 +231,23 @@ def test_every_kind_under_capture_ops_is_stored_or_listed_and_the_forward_goes_o
             assert torch.equal(ds.tensor(key, pass_=p), expected), name
     assert ds.diff(DumpSet.open(tmp_path)).first_divergence(metric="equal") is None
 
+
+
+def test_statistics_without_a_sidecar_are_those_of_the_tensors_as_read(tmp_path):
+    """With the sidecar gone, statistics come from the pass file: sparse, quantized and nested
+    entries are reduced as analysis reads them (dense, dequantized, joined), as capture did."""
+    kinds = {k: f for k, f in _kinds().items() if k in ("coo", "csr", "quant", "nested", "sub")}
+    model = torch.nn.ModuleDict({k: _Emit(f) for k, f in kinds.items()})
+    with tdinspect.capture(model, tmp_path) as dump:
+        for m in model.values():
+            m(torch.tensor(1.5))
+        dump.step()
+    with_sidecar = DumpSet.open(tmp_path).entries(progress=False).set_index("key")
+    (dump.folder / "pass00000.json").unlink()
+    ds = DumpSet.open(tmp_path)
+    assert ds.get_pass(0).stats is None  # nothing left to read them from
+    without = ds.entries(progress=False).set_index("key")
+    for k in kinds:
+        for stat in ("min", "max", "mean", "std", "numel"):
+            assert without.loc[f"model.{k}", stat] == pytest.approx(
+                with_sidecar.loc[f"model.{k}", stat], rel=1e-6), (k, stat)
