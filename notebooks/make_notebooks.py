@@ -54,18 +54,28 @@ def main():
            "reference?"),
         CODE("import tdinspect\nref = tdinspect.DumpSet.open('../sample_dumps/float32')\n"
              "diff = ref.diff('../sample_dumps/wrong_layer')\ndiff.first_divergence()"),
-        MD("The first entry over the threshold is the layer we broke. Everything after it carries the "
-           "error; `growth` lists only the entries that *add* error (growth = error / largest error "
-           "before it), not those that inherit it:"),
+        MD("The first entry over the threshold is the layer we broke. The threshold is `\"auto\"` by "
+           "default: each entry's comes from its two dtypes, `u/4` for `rel_diff` with `u` the unit "
+           "roundoff of the coarser one (float32: 1.5e-8, so an entry diverges once the runs agree "
+           "to fewer than about half of float32's digits); the reason says where it came from. A "
+           "number sets one threshold for every entry:"),
+        CODE("print(diff.summary()['threshold'])\nprint(diff.first_divergence(threshold=1e-3))"),
+        MD("Everything after the broken layer carries the error; `growth` lists only the entries "
+           "that *add* error (growth = error / largest error before it), not those that inherit it:"),
         CODE("diff.growth().query('`pass` == 0').sort_values('growth', ascending=False).head(5)"),
-        CODE("fig = tdinspect.plot.divergence(diff, threshold=1e-3)"),
+        CODE("fig = tdinspect.plot.divergence(diff)"),
         MD("## float32 vs bfloat16\n\nA precision change is not a bug: errors are small everywhere and grow "
-           "along the network. The dtype difference is shown, not counted as a divergence."),
+           "along the network. The dtype difference is shown, not counted as a divergence, and "
+           "`\"auto\"` takes the coarser side's precision: for a bfloat16 entry against a float32 one "
+           "the threshold is bfloat16's `u/4` = 9.8e-4, which bfloat16 rounding stays under "
+           "(the dashed line). A fixed 1e-5 shows where the error grows past that."),
         CODE("bf = ref.diff('../sample_dumps/bfloat16')\nprint(bf.first_divergence())\n"
              "print(bf.first_divergence(threshold=1e-5))\n"
              "bf.table(progress=False)[['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']].head(8)"),
-        CODE("fig = tdinspect.plot.divergence(bf, threshold=1e-5)"),
-        MD("Move the threshold: the first-divergence marker and its description follow."),
+        CODE("fig = tdinspect.plot.divergence(bf)"),
+        MD("Move the threshold: the first-divergence marker and its description follow. The explorer "
+           "starts here at a fixed 1e-5; tick `auto` to go back to each entry's dtype-derived "
+           "threshold (switching the metric does too)."),
         CODE("explorer = tdinspect.explore(bf, threshold=1e-5)\nexplorer"),
     ])
 
@@ -138,20 +148,22 @@ def main():
              "d.structural_entries(progress=False)"),
         MD("## The bug\n\nThe second port rotates interleaved pairs instead of the two halves of each "
            "head (a classic RoPE porting bug). q, k and v come out of their projections before the "
-           "rotation, so the first entry to part is the attention output:"),
+           "rotation, so the first entry to part is the attention output. Its error is small "
+           "(rel_diff 2e-5: a fixed 1e-3 would let it through), but the default threshold, "
+           "`\"auto\"`, takes it from the dtypes: float32's `u/4` = 1.5e-8."),
         CODE("bug = ref.diff(buggy_dir, mapping=rules)\n"
-             "div = bug.first_divergence(threshold=1e-6, structural='report')\ndiv"),
+             "div = bug.first_divergence(structural='report')\ndiv"),
         MD("Per entry, in execution order (A key, the B entry it met, the error):"),
         CODE("t = bug.table(progress=False)\n"
              "t[~t['structural']][['key', 'key_b', 'rel_diff', 'cosine']].head(14)"),
-        CODE("fig = tdinspect.plot.divergence(bug, threshold=1e-6)"),
+        CODE("fig = tdinspect.plot.divergence(bug)"),
         MD("## Where along the tokens?\n\nThe error per position of the token dim tells a position "
            "bug from a layer bug at a glance. Position 0 is rotated by angle 0 whatever the pairing, so "
            "a RoPE bug leaves it exact and parts from the second token on; a wrong weight would show at "
            "every position."),
-        CODE("da = bug.per_position('model.model.layers.0.self_attn.o_proj', dim=1, threshold=1e-6)\n"
+        CODE("da = bug.per_position('model.model.layers.0.self_attn.o_proj', dim=1)\n"
              "print('first divergent position:', da.attrs['first_position'])\nda.isel(call=0).round(9).to_pandas()  # pass x position"),
-        CODE("fig = tdinspect.plot.per_position(bug, dim=1, threshold=1e-6)"),
+        CODE("fig = tdinspect.plot.per_position(bug, dim=1)"),
         MD("The rules go to a file for the command line:\n\n"
            "```\ntdinspect suggest-mapping ref/ port/ > map.yaml\n"
            "tdinspect first-divergence ref/ port/ --mapping map.yaml --structural report\n```"),

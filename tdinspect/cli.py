@@ -14,6 +14,11 @@ Examples
     tdinspect stats dumps/run_a --op 'layers\\.0\\.'
     tdinspect diff dumps/run_a dumps/run_b --metric rel_diff --threshold 1e-3
     tdinspect first-divergence dumps/run_a dumps/run_b --threshold 'attn=1e-2' --json
+
+``--threshold auto`` (the default) derives each entry's threshold from its
+two dtypes (``rel_diff``: ``u/4``, ``u`` the unit roundoff of the coarser:
+float32 1.5e-8, bfloat16 9.8e-4; see :mod:`tdinspect.metrics`); a number
+keeps one threshold for every entry.
     tdinspect first-nonfinite dumps/run_a
 """
 
@@ -42,15 +47,29 @@ def _number(text: str) -> float:
     return value
 
 
+def _number_or_auto(text: str) -> float | str:
+    return "auto" if text.strip() == "auto" else _number(text)
+
+
+def threshold_arg(text: str) -> float | str:
+    """``--threshold`` of the dashboard: ``auto`` or a number (argparse type)."""
+    try:
+        return _number_or_auto(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number (not NaN), got {text!r}") \
+            from None
+
+
 def _threshold(values: list[str] | None):
-    """``--threshold 1e-3`` or repeated ``--threshold REGEX=VALUE``."""
+    """``--threshold auto`` (the default), ``--threshold 1e-3`` or repeated
+    ``--threshold REGEX=VALUE`` (VALUE a number or ``auto``)."""
     if not values:
-        return None
+        return "auto"
     plain = [v for v in values if "=" not in v]
     named = [v for v in values if "=" in v]
     try:
         if plain and not named and len(plain) == 1:
-            return _number(plain[0])
+            return _number_or_auto(plain[0])
         out = {}
         for v in named:
             pattern, _, number = v.rpartition("=")
@@ -59,12 +78,12 @@ def _threshold(values: list[str] | None):
             except re.error as exc:
                 raise _Fail(f"--threshold {v!r}: invalid regular expression {pattern!r} ({exc})") \
                     from None
-            out[pattern] = _number(number)
+            out[pattern] = _number_or_auto(number)
         if plain:
-            out[".*"] = _number(plain[-1])
+            out[".*"] = _number_or_auto(plain[-1])
         return out
     except ValueError:
-        raise _Fail(f"--threshold: expected a number (not NaN) or REGEX=NUMBER, got {values}") \
+        raise _Fail(f"--threshold: expected auto, a number (not NaN) or REGEX=NUMBER, got {values}") \
             from None
 
 
@@ -187,10 +206,12 @@ def cmd_first_divergence(args) -> int:
         print(_dump(summary))
         return 0 if div is None else 1
     if div is None:
-        print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}")
+        print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
+              f"\n  threshold: {summary['threshold']}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
-        print(f"first divergence: {div['key']} ({where}, call {div['call']})\n  {div['reason']}")
+        print(f"first divergence: {div['key']} ({where}, call {div['call']})\n  {div['reason']}"
+              f"\n  threshold: {summary['threshold']}")
     listed = summary.get("structural_entries")
     if listed:
         print(f"{len(listed)} structural entries set aside (--structural report):")
@@ -212,6 +233,7 @@ def cmd_diff(args) -> int:
         print(_dump(summary))
         return 0 if df.empty else 1
     print(repr(diff))
+    print(f"threshold: {summary['threshold']}")
     if df.empty:
         print(f"no divergence ({metric})")
         return 0
@@ -278,8 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("b", help="compared dump")
             p.add_argument("--metric", choices=sorted(METRICS), default=None,
                            help="divergence metric (default rel_diff; stats_rel for stats-only)")
-            p.add_argument("--threshold", action="append", metavar="T|REGEX=T",
-                           help="threshold, or per-name thresholds (repeatable)")
+            p.add_argument("--threshold", action="append", metavar="auto|T|REGEX=T",
+                           help="auto (default): each entry's from its two dtypes, rel_diff u/4 "
+                                "and cosine 1 - u/4 with u the unit roundoff of the coarser "
+                                "(float32 1.5e-8, float16 1.2e-4, bfloat16 9.8e-4), sqnr_db "
+                                "10*log10(2/u), integers exact, fixed defaults for the other "
+                                "metrics; a number for every entry; REGEX=T per entry name "
+                                "(repeatable, T a number or auto)")
             p.add_argument("--align", choices=["name", "sequence"], default="name")
             p.add_argument("--mapping", metavar="FILE", default=None,
                            help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
@@ -332,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", help="reference dump")
     p.add_argument("b", help="compared dump")
     p.add_argument("--metric", choices=sorted(METRICS), default=None)
-    p.add_argument("--threshold", type=float, default=None)
+    p.add_argument("--threshold", type=threshold_arg, default="auto",
+                   help="auto (default: from each entry's dtypes) or a number")
     p.add_argument("--port", type=int, default=8866)
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

@@ -30,9 +30,10 @@ def run_demo(out: str | None = None) -> int:
     ref = DumpSet.open(root / "reference")
     print(ref)
     diff = ref.diff(root / "wrong_layer")
-    div = diff.first_divergence(threshold=1e-3, metric="rel_diff")
+    div = diff.first_divergence()  # rel_diff at threshold="auto": u/4 of the entry's dtypes
     print(f"first divergence: {div.key} (pass {div.pass_}, call {div.call})\n  {div.reason}"
           if div else "no divergence")
+    print(f"  threshold: {diff.summary()['threshold']}")
     growth = diff.growth(progress=False).query("`pass` == 0")  # only entries that add error
     growth = growth.sort_values("growth", ascending=False).head(3)
     print("entries that add the most error in pass 0 (growth = error / largest error before it):")
@@ -40,6 +41,6 @@ def run_demo(out: str | None = None) -> int:
         grew = "first error" if row.growth == float("inf") else f"x{row.growth:.3g}"
         print(f"  {row.key:40s} error {row.error:.3g}  ({grew})")
     png = root / "divergence.png"
-    divergence(diff, threshold=1e-3).savefig(png, dpi=110)
+    divergence(diff).savefig(png, dpi=110)
     print(f"wrote {png}")
     return 0

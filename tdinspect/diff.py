@@ -14,8 +14,10 @@ what precision comparisons are), and is shown with the ``_cast`` metrics.
 Examples
 --------
 >>> d = DumpSet.open("runs/fp32").diff("runs/bf16")            # doctest: +SKIP
->>> d.first_divergence(threshold=1e-3, metric="rel_diff")      # doctest: +SKIP
-Divergence(model.layers.2.mlp.down call 0 pass 0: rel_diff=3.2e-02 > 0.001)
+>>> d.first_divergence()                                       # doctest: +SKIP
+Divergence(model.layers.2.mlp.down pass 0: rel_diff 0.0321 > 0.00098 (auto: bfloat16))
+>>> d.first_divergence(threshold=1e-3)                         # doctest: +SKIP
+Divergence(model.layers.2.mlp.down pass 0: rel_diff 0.0321 > 0.001)
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from .align.logical import AlignError, LogicalPass, describe, slices_of
 from .align.mapping import Mapping
 from .align.transforms import TransformError
 from .dumpset import DumpSet
-from .metrics import TENSOR_METRICS, compare_tensors, metric, stats_rel
+from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_tensors,
+                      metric, stats_rel)
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
@@ -63,8 +66,11 @@ class Divergence:
     value : float
         The metric's value (NaN for a structural divergence without one).
     threshold : float
+        The threshold actually used for this entry (``"auto"`` resolved).
     reason : str
-        Why it counts: ``"rel_diff 3.2e-02 > 1e-03"``, ``"shape [2, 3] vs [3, 2]"``,
+        Why it counts: ``"rel_diff 5.08e-05 > 1.49e-08 (auto: float32)"`` (an
+        ``"auto"`` threshold and where it came from), ``"rel_diff 0.0158 > 0.001"``
+        (a number given), ``"shape [2, 3] vs [3, 2]"``,
         ``"only in B"``, ``"NaN/Inf on one side (12 elements)"``...
     order : float
         Its position in the reference pass.
@@ -595,11 +601,8 @@ class Diff:
     @staticmethod
     def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
         """Which rows diverge (a boolean array), by :func:`divergent`."""
-        ops = rows["op"].to_numpy(object)
-        per_op = {op: thr_fn(op) for op in dict.fromkeys(ops)}
-        thr = np.fromiter((per_op[op] for op in ops), float, len(ops))
-        return divergent(m, rows[m.name].to_numpy(float), thr, rows["structural"].to_numpy(bool),
-                         rows["reason"].to_numpy(object) != "")
+        return divergent(m, rows[m.name].to_numpy(float), thr_fn.of_rows(rows),
+                         rows["structural"].to_numpy(bool), rows["reason"].to_numpy(object) != "")
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
@@ -633,7 +636,7 @@ class Diff:
         return df[self._layout_rows(df)][STRUCTURAL_COLUMNS].reset_index(drop=True)
 
     # -- answers ------------------------------------------------------------------------
-    def first_divergence(self, threshold: float | dict | None = None,
+    def first_divergence(self, threshold: float | str | dict | None = None,
                          metric: str | None = None, structural: str = "diverge") -> Divergence | None:
         """The earliest entry, in the reference's (pass, order), past ``threshold``.
 
@@ -642,9 +645,14 @@ class Diff:
 
         Parameters
         ----------
-        threshold : float or {regex: float}, optional
-            Default: the metric's (1e-3 for ``rel_diff``). A dict sets
-            thresholds by entry name (first matching regex wins).
+        threshold : "auto", float or {regex: float or "auto"}, optional
+            ``"auto"`` (the default, also ``None``): each entry's from its two
+            dtypes, ``u/4`` for ``rel_diff`` with ``u`` the unit roundoff of
+            the coarser one (float32 1.5e-8, bfloat16 9.8e-4; see
+            :mod:`tdinspect.metrics`); metrics without a dtype-derived scale
+            (``max_abs``...) keep their fixed default. A number is used for
+            every entry; a dict sets thresholds by entry name (first matching
+            regex wins; ``"auto"`` where none matches).
         metric : str, optional
             ``rel_diff`` (default), ``max_abs``, ``mean_abs``, ``max_rel``,
             ``cosine`` and ``sqnr_db`` (diverge below), ``mismatch``,
@@ -689,7 +697,7 @@ class Diff:
             return None
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
-        located = "" if row["structural"] else self._locate(row, m, thr_fn(row["op"]))
+        located = "" if row["structural"] else self._locate(row, m, thr_fn(row))
         earlier = rows.iloc[max(0, n - BEFORE):n]
         listed = None
         if report:
@@ -723,7 +731,7 @@ class Diff:
         return ""
 
     def per_position(self, key: str, dim: int | str = 1, metric: str | None = None,
-                     threshold: float | None = None) -> "xr.DataArray":
+                     threshold: float | str | dict | None = None) -> "xr.DataArray":
         """The metric of one entry along ``dim``: where along the tokens two runs part.
 
         One value per position for each pass and call (and rank) where both
@@ -739,14 +747,18 @@ class Diff:
         dim : int or str
             The position dim, or its name in the entry's dims (``"s"``).
         metric, threshold : optional
-            Default: the diff's metric and that metric's threshold.
+            Default: the diff's metric at ``"auto"`` (from the entry's dtypes,
+            as :meth:`first_divergence`).
 
         Returns
         -------
         xarray.DataArray
             Dims ``pass``, ``call``, ``position`` (``rank`` first when several);
             NaN where a call is shorter. ``attrs["first_position"]`` is the
-            first position past the threshold (-1 when none).
+            first position past the threshold (-1 when none);
+            ``attrs["threshold"]`` the threshold used (the first call's, should
+            calls differ in dtype) and ``attrs["threshold_source"]`` where it
+            came from (``""``: given).
 
         Examples
         --------
@@ -761,7 +773,7 @@ class Diff:
         m = self._check_metric(metric)
         if self.mode == "stats":
             raise ValueError("per_position compares tensors: a side is statistics-only")
-        thr = m.default_threshold if threshold is None else float(threshold)
+        thr_fn = threshold_fn(threshold, m.name)
         base = split_call(key)[0]
         cells, skipped = [], []
         for (rank, p), rows in self.iter_passes():
@@ -781,7 +793,8 @@ class Diff:
                 ya, xb = ya.movedim(d, 0).contiguous(), xb.movedim(d, 0).contiguous()
                 values = [compare_tensors(xb[j], ya[j], chunk=self.chunk)[m.name]
                           for j in range(ya.shape[0])]
-                cells.append((rank, p, int(row["call"]), values))
+                cells.append((rank, p, int(row["call"]), values, thr_fn.lookup(
+                    base, row["dtype_a"], row["dtype_b"])))
         if not cells:
             raise KeyError(f"{key!r}: no pass where both sides hold it with one shape"
                            + (f" ({'; '.join(skipped[:3])})" if skipped else ""))
@@ -790,15 +803,19 @@ class Diff:
         ncall = max(c[2] for c in cells) + 1
         npos = max(len(c[3]) for c in cells)
         data = np.full((len(ranks), len(passes), ncall, npos), np.nan)
-        for rank, p, call, values in cells:
+        thrs = np.full((len(ranks), len(passes), ncall, 1), np.nan)
+        for rank, p, call, values, (t, _) in cells:
             data[ranks.index(rank), passes.index(p), call, :len(values)] = values
+            thrs[ranks.index(rank), passes.index(p), call] = t
         with np.errstate(invalid="ignore"):
-            over = data > thr if m.higher_is_worse else data < thr
+            over = data > thrs if m.higher_is_worse else data < thrs
+        thr, source = cells[0][4]
         hit = np.flatnonzero(over.any(axis=(0, 1, 2)))
         da = xr.DataArray(data, dims=("rank", "pass", "call", "position"),
                           coords={"rank": ranks, "pass": passes, "call": np.arange(ncall),
                                   "position": np.arange(npos)}, name=m.name,
                           attrs={"key": base, "dim": str(dim), "metric": m.name, "threshold": thr,
+                                 "threshold_source": source,
                                  "first_position": int(hit[0]) if len(hit) else -1})
         return da.isel(rank=0, drop=True) if len(ranks) == 1 else da
 
@@ -816,12 +833,16 @@ class Diff:
             return pd.DataFrame(columns=COLUMNS)
         return pd.concat(frames, ignore_index=True)
 
-    def divergences(self, threshold: float | dict | None = None, metric: str | None = None,
+    def divergences(self, threshold: float | str | dict | None = None, metric: str | None = None,
                     progress: bool | None = None) -> pd.DataFrame:
-        """All divergent entries in execution order, with their reasons (a DataFrame)."""
+        """All divergent entries in execution order, with their reasons (a DataFrame).
+
+        ``threshold`` as for :meth:`first_divergence` (``"auto"`` by default);
+        the column ``threshold`` holds each entry's."""
         m = self._check_metric(metric)
         thr_fn = threshold_fn(threshold, m.name)
         df = self.table(progress)
+        df["threshold"] = thr_fn.of_rows(df)
         df["diverges"] = self._hits(df, m, thr_fn)
         df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
         df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
@@ -888,13 +909,14 @@ class Diff:
         worst = df.drop_duplicates("module")
         return worst[["module", "error", "key", "pass", "call", "reason"]].reset_index(drop=True)
 
-    def by_rank_pass(self, threshold: float | dict | None = None, metric: str | None = None):
+    def by_rank_pass(self, threshold: float | str | dict | None = None, metric: str | None = None):
         """Per (rank, pass): how many entries diverge, the first of them and its reason.
 
         A ``pandas.DataFrame`` indexed by ``(rank, pass)`` with columns
         ``n_entries``, ``n_divergent``, ``first`` (key, ``""`` when none),
         ``why`` and ``worst`` (largest metric value): which ranks and steps
-        part first, at a glance (reads every pass).
+        part first, at a glance (reads every pass). ``threshold`` as for
+        :meth:`first_divergence` (``"auto"`` by default).
         """
         m = self._check_metric(metric)
         thr_fn = threshold_fn(threshold, m.name)
@@ -942,8 +964,12 @@ class Diff:
 
     def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
         div = self.first_divergence(threshold, metric, structural)
+        name = div.metric if div else (metric or self.default_metric)
+        read = [f for f in self._results.values() if len(f)]
         out = {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
-                "metric": div.metric if div else (metric or self.default_metric),
+                "metric": name,
+                "threshold": threshold_fn(threshold, name).describe(
+                    pd.concat(read) if read else None),
                 "first_divergence": None if div is None else {
                     "op": div.op, "call": div.call, "pass": div.pass_, "rank": div.rank,
                     "key": div.key, "value": _num(div.value), "threshold": div.threshold,
@@ -955,7 +981,7 @@ class Diff:
 
     def __repr__(self) -> str:
         return (f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, mode={self.mode}, "
-                f"align={self.align})")
+                f"align={self.align}, threshold: auto by default ({auto_rule(self.default_metric)}))")
 
     def _repr_html_(self) -> str:
         from .report import diff_html
@@ -967,22 +993,113 @@ class Diff:
 BEFORE = 5  # entries listed before a divergence
 
 
-def threshold_fn(threshold, metric_name: str):
-    """``op -> threshold``: a number, the metric's default, or the first matching regex of a dict."""
-    m = metric(metric_name)
-    if threshold is None or isinstance(threshold, (int, float)):
-        value = m.default_threshold if threshold is None else _valid_threshold(threshold)
-        return lambda op: value
-    if isinstance(threshold, dict):
-        compiled = [(_valid_regex(k), _valid_threshold(v, k)) for k, v in threshold.items()]
+class Thresholds:
+    """The threshold of each row: ``"auto"`` (the default), a number, or ``{regex: value}``.
 
-        def per_name(op):
-            for pattern, v in compiled:
-                if pattern.search(op):
-                    return v
-            return m.default_threshold
-        return per_name
-    raise TypeError(f"threshold must be a number or a {{regex: number}} dict, got {threshold!r}")
+    ``"auto"`` (or ``None``) derives a row's threshold from its ``dtype_a`` and
+    ``dtype_b`` (:func:`tdinspect.metrics.auto_threshold`, the one rule); a
+    number is used for every row; a dict gives the value of the first regex
+    matching the entry name (a value may be ``"auto"``), ``"auto"`` where none
+    matches. Call it on a row (a mapping with ``op``, ``dtype_a``,
+    ``dtype_b``) for the number; :meth:`of_rows` gives a whole frame's.
+
+    Examples
+    --------
+    >>> t = Thresholds("auto", "rel_diff")
+    >>> t({"op": "model.fc", "dtype_a": "torch.float32", "dtype_b": "torch.float32"})
+    1.4901161193847656e-08
+    >>> Thresholds({"fc": 1e-3}, "rel_diff").source({"op": "model.fc", "dtype_a": "", "dtype_b": ""})
+    ''
+    """
+
+    def __init__(self, threshold, metric_name: str):
+        self.metric = metric(metric_name)
+        self.spec = AUTO if threshold is None else threshold
+        self.fixed: float | None = None
+        self.rules: list[tuple[re.Pattern, float | None]] = []  # None: "auto"
+        if isinstance(threshold, str) and threshold != AUTO:
+            raise ValueError(f"threshold={threshold!r}: expected 'auto', a number or a "
+                             "{regex: number} dict")
+        if isinstance(threshold, dict):
+            self.rules = [(_valid_regex(k), None if v == AUTO else _valid_threshold(v, k))
+                          for k, v in threshold.items()]
+        elif threshold is not None and threshold != AUTO:
+            if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+                raise TypeError(f"threshold must be 'auto', a number or a {{regex: number}} dict, "
+                                f"got {threshold!r}")
+            self.fixed = _valid_threshold(threshold)
+        self._cache: dict[tuple, tuple[float, str]] = {}
+
+    def lookup(self, op: str, dtype_a, dtype_b) -> tuple[float, str]:
+        """``(threshold, source)`` of one entry: source ``""`` for a number given,
+        ``"auto: <dtype>"`` or ``"default"`` for ``"auto"``."""
+        if self.fixed is not None:
+            return self.fixed, ""
+        key = (op, dtype_a, dtype_b) if self.rules else (dtype_a, dtype_b)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._resolve(op, dtype_a, dtype_b)
+        return hit
+
+    def _resolve(self, op, dtype_a, dtype_b) -> tuple[float, str]:
+        for pattern, value in self.rules:
+            if pattern.search(op):
+                if value is not None:
+                    return value, ""
+                break
+        return auto_threshold(self.metric.name, dtype_a or "", dtype_b or "")
+
+    def __call__(self, row) -> float:
+        return self.lookup(row["op"], row.get("dtype_a", ""), row.get("dtype_b", ""))[0]
+
+    def source(self, row) -> str:
+        """Where ``row``'s threshold came from (``""``: a number given)."""
+        return self.lookup(row["op"], row.get("dtype_a", ""), row.get("dtype_b", ""))[1]
+
+    def of_rows(self, rows: pd.DataFrame) -> np.ndarray:
+        """The thresholds of a frame's rows (vectorised over distinct names and dtypes)."""
+        n = len(rows)
+        if self.fixed is not None:
+            return np.full(n, self.fixed)
+        da, db = rows["dtype_a"].to_numpy(object), rows["dtype_b"].to_numpy(object)
+        if self.rules:
+            ops = rows["op"].to_numpy(object)
+            return np.fromiter((self.lookup(o, a, b)[0] for o, a, b in zip(ops, da, db)), float, n)
+        return np.fromiter((self.lookup("", a, b)[0] for a, b in zip(da, db)), float, n)
+
+    def describe(self, rows: pd.DataFrame | None = None) -> str:
+        """The threshold in words: the number, or ``auto (rule; dtype value, ...)`` with the
+        values of the dtypes in ``rows``."""
+        if self.fixed is not None:
+            return f"{self.fixed:g}"
+        rule = auto_rule(self.metric.name)
+        values = {}
+        if rows is not None and len(rows):
+            for a, b in dict.fromkeys(zip(rows["dtype_a"], rows["dtype_b"])):
+                value, source = auto_threshold(self.metric.name, a or "", b or "")
+                if source.startswith("auto: "):
+                    values.setdefault(source[6:], value)
+        shown = "; ".join(f"{d} {_thr_text(v)}" for d, v in values.items())
+        head = "auto" if not self.rules else (
+            ", ".join(f"{p.pattern}={'auto' if v is None else f'{v:g}'}" for p, v in self.rules)
+            + ", else auto")
+        return f"{head} ({rule}" + (f": {shown}" if shown else "") + ")"
+
+
+def threshold_fn(threshold, metric_name: str) -> Thresholds:
+    """The per-row threshold of ``threshold`` for ``metric_name`` (see :class:`Thresholds`)."""
+    return threshold if isinstance(threshold, Thresholds) else Thresholds(threshold, metric_name)
+
+
+def _thr_digits(value: float, digits: int) -> int:
+    """At least ``digits``, and enough to tell ``value`` from 1 (cosine's ``1 - u/4``)."""
+    while digits < 17 and value != 1 and float(f"{value:.{digits}g}") == 1:
+        digits += 1
+    return digits
+
+
+def _thr_text(value: float, digits: int = 2) -> str:
+    return f"{value:.{_thr_digits(value, digits)}g}"
 
 
 def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
@@ -1000,14 +1117,24 @@ def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
 
 
 def reason_of(row, m, thr_fn) -> str:
-    """The reason text of a row :func:`divergent` marked."""
+    """The reason text of a row :func:`divergent` marked (with where an ``"auto"``
+    threshold came from: ``rel_diff 5.08e-05 > 1.49e-08 (auto: float32)``)."""
     if row["structural"]:
         return row["reason"]
-    value, thr = row[m.name], thr_fn(row["op"])
+    value = row[m.name]
     if value is None or math.isnan(value):
         return f"{m.name} could not be computed"
-    digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)
-    return f"{m.name} {value:.{digits}g} {'>' if m.higher_is_worse else '<'} {thr:g}"
+    thr, source = threshold_fn(thr_fn, m.name).lookup(row["op"], row.get("dtype_a", ""),
+                                                       row.get("dtype_b", ""))
+    op = ">" if m.higher_is_worse else "<"
+    if not source:  # a number given: as it was written
+        digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)
+        return f"{m.name} {value:.{digits}g} {op} {thr:g}"
+    for p in range(3, 18):  # as many digits on both sides as it takes to tell them apart
+        q = _thr_digits(thr, p)
+        if f"{value:.{q}g}" != f"{thr:.{q}g}":
+            break
+    return f"{m.name} {value:.{q}g} {op} {thr:.{q}g} ({source})"
 
 
 def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str = "") -> Divergence:
@@ -1015,7 +1142,7 @@ def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str 
     just before it; ``listed``: structural entries set aside (``structural="report"``);
     ``located``: which parts of an assembled entry differ."""
     return Divergence(row["op"], int(row["call"]), int(row["pass"]), int(row["rank"]),
-                      row["key"], m.name, float(row[m.name]), thr_fn(row["op"]),
+                      row["key"], m.name, float(row[m.name]), thr_fn(row),
                       reason_of(row, m, thr_fn) + located, float(row["order"]), bool(row["structural"]),
                       before, row, listed)
 

@@ -211,7 +211,7 @@ class LiveCompare:
         if self.action == "record":
             self.rows.append(row)
         m = self.metric
-        if not divergent(m, row[m.name], self.threshold(row["op"]), row["structural"],
+        if not divergent(m, row[m.name], self.threshold(row), row["structural"],
                          row["reason"] != ""):
             return
         div = divergence_of(row, m, self.threshold,

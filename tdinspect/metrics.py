@@ -2,21 +2,21 @@
 
 ``y`` is the reference run (the first argument of a diff), ``x`` the other.
 
-=============  ================================================  ===========  =========
-metric         definition                                        diverges     default
-=============  ================================================  ===========  =========
-rel_diff       ``1 - 2Σxy/(Σx²+Σy²)`` = ``Σ(x-y)²/(Σx²+Σy²)``    above        1e-3
-max_abs        ``max |x-y|``                                     above        1e-3
-mean_abs       ``mean |x-y|``                                    above        1e-4
-max_rel        ``max |x-y| / max(|y|, eps)``                     above        1e-2
-cosine         ``Σxy / (‖x‖‖y‖)``, 1 when both are exactly 0     below        0.99
-sqnr_db        ``10·log10(Σy² / Σ(x-y)²)``, inf when equal       below        30
-mismatch       fraction outside ``atol + rtol·|y|``              above        0
-equal          same dtype and same bits (1 or 0)                 below (0)    1
-rel_diff_cast  ``rel_diff`` after rounding the wider side        above        1e-3
-max_abs_cast   ``max_abs`` after rounding the wider side         above        1e-3
-stats_rel      max ``|a-b|/|b|`` of min, max, mean, l2           above        1e-3
-=============  ================================================  ===========  =========
+=============  ================================================  ===========  =========  ===============
+metric         definition                                        diverges     fixed      ``"auto"``
+=============  ================================================  ===========  =========  ===============
+rel_diff       ``1 - 2Σxy/(Σx²+Σy²)`` = ``Σ(x-y)²/(Σx²+Σy²)``    above        1e-3       ``u/4``
+max_abs        ``max |x-y|``                                     above        1e-3       fixed
+mean_abs       ``mean |x-y|``                                    above        1e-4       fixed
+max_rel        ``max |x-y| / max(|y|, eps)``                     above        1e-2       fixed
+cosine         ``Σxy / (‖x‖‖y‖)``, 1 when both are exactly 0     below        0.99       ``1 - u/4``
+sqnr_db        ``10·log10(Σy² / Σ(x-y)²)``, inf when equal       below        30         ``10·log10(2/u)``
+mismatch       fraction outside ``atol + rtol·|y|``              above        0          fixed
+equal          same dtype and same bits (1 or 0)                 below (0)    1          fixed
+rel_diff_cast  ``rel_diff`` after rounding the wider side        above        1e-3       ``u/4``
+max_abs_cast   ``max_abs`` after rounding the wider side         above        1e-3       fixed
+stats_rel      max ``|a-b|/|b|`` of min, max, mean, l2           above        1e-3       fixed
+=============  ================================================  ===========  =========  ===============
 
 ``rel_diff`` is computed in its second form, which is the same number without
 the cancellation of the first when the runs are close (≈ ½·relative L2 error²,
@@ -31,6 +31,40 @@ divergence, reported with its reason.
 When the dtypes differ, ``rel_diff_cast`` and ``max_abs_cast`` compare after
 rounding the wider side to the narrower dtype (what the narrow run could at
 best have produced); with one dtype they equal ``rel_diff`` and ``max_abs``.
+
+Thresholds: ``threshold="auto"`` (the default everywhere a threshold is
+taken) derives each entry's threshold from its two dtypes
+(:func:`auto_threshold`); an explicit number keeps the *fixed* column.
+``u`` is the unit roundoff (``finfo(dtype).eps / 2``) of the *coarser* of the
+pair's dtypes (complex: its real dtype; integers and bool: ``u = 0``, exact;
+a float facing an integer: the float's):
+
+=============  ========  ========  ========  =========  =============  ===========
+``"auto"``     float64   float32   float16   bfloat16   float8_e4m3fn  float8_e5m2
+=============  ========  ========  ========  =========  =============  ===========
+u              1.1e-16   6.0e-8    4.9e-4    3.9e-3     0.0625         0.125
+rel_diff       2.8e-17   1.5e-8    1.2e-4    9.8e-4     0.016          0.031
+cosine         1-8.9e-16 1-1.5e-8  1-1.2e-4  1-9.8e-4   0.984          0.969
+sqnr_db        162.6     75.3      36.1      27.1       15.1           12.0
+=============  ========  ========  ========  =========  =============  ===========
+
+Why ``u/4``: ``rel_diff ≈ ½·(relative L2 error)²``, so ``rel_diff > u/4``
+means a relative L2 error above ``sqrt(u/2)``: the two runs agree to fewer
+than about half the significant digits the coarser dtype carries. Ordinary
+noise (another reduction order, another device, a fused kernel) stays a few
+``u`` per element and grows slowly through a model, far below
+``sqrt(u/2)`` (float32: 1.7e-4); a real bug (a 1% change of one norm weight,
+another RoPE theta: rel_diff 5e-5 and 8e-5 in float32) is far above
+``u/4`` (float32: 1.5e-8). A multiple of ``u`` squared (``(k·u)²``, 4e-15 ·
+k² in float32) would sit inside that noise and fire on it. bfloat16 keeps
+1e-3's old behaviour (9.8e-4). ``cosine`` uses the same quantity
+(``1 - cosine ≈ rel_diff`` for close runs), floored at ``1 - 2^-50`` (four
+ulps below 1, what a float64 cosine can resolve); ``sqnr_db =
+-10·log10(2·rel_diff)`` gives ``10·log10(2/u)`` dB. Integers get 0 /
+1 / inf: any difference diverges. The other metrics have no dtype-derived
+scale and keep their fixed defaults under ``"auto"``; ``mismatch`` already
+uses ``assert_close``'s per-dtype tolerances. A row whose dtypes are
+unknown (an entry on one side only) uses the fixed default.
 
 Exact in meaning at every magnitude:
 
@@ -120,6 +154,88 @@ def metric(name: str) -> Metric:
         return METRICS[name]
     except KeyError:
         raise ValueError(f"unknown metric {name!r}; choose one of {sorted(METRICS)}") from None
+
+
+AUTO = "auto"
+# metrics whose "auto" threshold comes from the dtypes (the others keep their fixed default)
+_AUTO_RULES = {"rel_diff": "u/4", "rel_diff_cast": "u/4", "cosine": "1 - u/4",
+               "sqnr_db": "10·log10(2/u) dB"}
+_COSINE_FLOOR = 1 - 2.0 ** -50  # four ulps below 1: what a float64 cosine resolves
+_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values()
+           if isinstance(v, torch.dtype)}  # a fixed table: a dtype named in a file is looked up here
+_INTEGER = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+            *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))}
+
+
+def dtype_named(dtype) -> torch.dtype | None:
+    """A ``torch.dtype`` from itself or its name (``"torch.float32"``, ``"float32"``);
+    ``None`` for an empty or unknown name."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        return None
+    return _DTYPES.get(dtype.removeprefix("torch."))
+
+
+def unit_roundoff(dtype) -> float | None:
+    """``u = finfo(dtype).eps / 2`` (complex: of its real dtype); 0 for integers and bool
+    (exact); ``None`` when unknown (no dtype, a quantized or packed one).
+
+    Examples
+    --------
+    >>> unit_roundoff("torch.bfloat16"), unit_roundoff(torch.int64)
+    (0.00390625, 0.0)
+    """
+    dt = dtype_named(dtype)
+    if dt is None:
+        return None
+    if dt.is_complex:
+        dt = dt.to_real()
+    if dt.is_floating_point:
+        return torch.finfo(dt).eps / 2
+    return 0.0 if dt in _INTEGER else None
+
+
+@functools.lru_cache(maxsize=4096)
+def auto_threshold(metric_name: str, dtype_a, dtype_b) -> tuple[float, str]:
+    """The ``threshold="auto"`` of one entry: ``(value, where it came from)``.
+
+    ``u`` is the unit roundoff of the coarser of the two dtypes (see the module
+    docstring's table): ``rel_diff`` and ``rel_diff_cast`` ``u/4``, ``cosine``
+    ``1 - u/4`` (at most ``1 - 2^-50``), ``sqnr_db`` ``10·log10(2/u)``; the
+    source is ``"auto: <coarser dtype>"``. Other metrics, and entries whose
+    dtypes are unknown (on one side only), get the metric's fixed default and
+    the source ``"default"``.
+
+    Examples
+    --------
+    >>> auto_threshold("rel_diff", "torch.float32", "torch.float32")
+    (1.4901161193847656e-08, 'auto: float32')
+    >>> auto_threshold("rel_diff", "torch.float32", "torch.bfloat16")
+    (0.0009765625, 'auto: bfloat16')
+    >>> auto_threshold("max_abs", "torch.float32", "torch.float32")
+    (0.001, 'default')
+    """
+    m = metric(metric_name)
+    ua, ub = unit_roundoff(dtype_a), unit_roundoff(dtype_b)
+    if m.name not in _AUTO_RULES or ua is None or ub is None:
+        return m.default_threshold, "default"
+    u, coarser = max((ua, dtype_a), (ub, dtype_b), key=lambda t: t[0])
+    source = f"auto: {str(dtype_named(coarser)).removeprefix('torch.')}"
+    if m.name == "cosine":
+        return min(1 - u / 4, _COSINE_FLOOR) if u else 1.0, source
+    if m.name == "sqnr_db":
+        return (10 * math.log10(2 / u) if u else math.inf), source
+    return u / 4, source
+
+
+def auto_rule(metric_name: str) -> str:
+    """How ``"auto"`` sets ``metric_name``'s threshold, in words (for reprs and help)."""
+    m = metric(metric_name)
+    rule = _AUTO_RULES.get(m.name)
+    if rule is None:
+        return f"{m.name} has no dtype-derived scale: {m.default_threshold:g}"
+    return f"{m.name} {rule}, u = unit roundoff of the coarser dtype"
 
 
 @functools.lru_cache(maxsize=None)  # torch's lookup costs ~60 us; diffs call it per entry

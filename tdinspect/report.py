@@ -206,15 +206,24 @@ class DiffSummary:
         d = self.diff
         lines = [f"Diff A={d.a.path} (reference), B={d.b.path}: {d.mode}, align={d.align}"]
         lines += [f"  sides differ: {x}" for x in side_differences(d)]
+        lines.append(f"  threshold: {self.threshold_text()}")
         lines.append(f"  first divergence: {self.divergence!r}" if self.divergence else
-                     f"  no divergence ({self.metric}, threshold {self._thr_text()})")
+                     f"  no divergence ({self.metric})")
         return "\n".join(lines)
 
-    def _thr_text(self) -> str:
-        from .metrics import metric
+    def threshold_text(self) -> str:
+        """``auto (rel_diff u/4, ...: float32 1.5e-08)`` (the values of the dtypes compared so
+        far) or the number given."""
+        import pandas as pd
 
-        t = metric(self.metric).default_threshold if self.threshold is None else self.threshold
-        return html.escape(str(t) if isinstance(t, dict) else f"{t:g}")
+        from .diff import threshold_fn
+
+        read = [f for f in self.diff._results.values() if len(f)]
+        rows = pd.concat(read) if read else None
+        return threshold_fn(self.threshold, self.metric).describe(rows)
+
+    def _thr_text(self) -> str:
+        return html.escape(self.threshold_text())
 
     def _repr_html_(self) -> str:
         d = self.diff

@@ -183,7 +183,7 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
         shots = [ARTIFACTS / "browser_02_threshold.png"]
         page.locator(".widget-html-content", has_text="first divergence").last.scroll_into_view_if_needed()
         page.screenshot(path=str(shots[-1]))
-        # switch the metric: its own threshold, direction and scale come with it
+        # switch the metric: its own threshold ("auto"), direction and scale come with it
         cosine, times["metric_s"] = redrawn(lambda: _dropdown(page, "metric").select_option("cosine"),
                                             after)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
@@ -208,7 +208,9 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
           f"after:  {after}\ncosine: {cosine}")
     assert before.startswith("first divergence:")
     assert after != before and after.startswith("first divergence:")
-    assert "cosine threshold 0.990000" in cosine and readout_text.strip() == "0.990000"
+    # the metric switch brings threshold "auto" back: bfloat16's 1 - u/4 for these entries
+    assert "cosine threshold auto (cosine 1 - u/4" in cosine and "bfloat16 0.999" in cosine
+    assert readout_text.strip() == "0.999023"
     assert times["pass_s"] < 60
 
 
@@ -312,6 +314,6 @@ def test_dashboard_served_by_voila(voila_dashboard):
                    "dashboard_preheated_view_s": round(warm_view, 3)})
     print(f"\nscreenshots: {shot}, {shot2}\nfirst view {first_view:.2f} s (pre-heated: "
           f"{warm_view:.2f} s), pick {pick:.2f} s\n{text}")
-    assert "model.layers.2.mlp.down" in text
+    assert "model.layers.2.mlp.down" in text and "(auto: float32)" in text  # threshold "auto"
     assert "None" not in body.split()  # no stray None outputs on the page
     assert pick < 60

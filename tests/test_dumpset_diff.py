@@ -210,7 +210,7 @@ def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metr
             return True
         if row["reason"]:
             return False
-        return m.diverges(row[m.name], thr_fn(row["op"]))
+        return m.diverges(row[m.name], thr_fn(row))
 
     x = torch.arange(6.0).reshape(2, 3)
     a = [{"model.a": x, "model.b": x, "model.c": x, "model.d": x}]
@@ -220,10 +220,11 @@ def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metr
              DumpSet.open(runs["ref"]).diff(runs["bf16"]),
              DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b))]
     per_name = {r"mlp": 1e-9, r"attn": 10.0}
+    half_auto = {r"mlp": "auto", r"attn": 10.0}
     seen = []
     for diff in diffs:
         m = diff._check_metric(metric)
-        for threshold in (None, per_name):
+        for threshold in (None, "auto", 1e-3, per_name, half_auto):
             thr_fn = threshold_fn(threshold, m.name)
             for _, rows in diff.iter_passes():
                 vectorised = diff._hits(rows, m, thr_fn).tolist()

@@ -45,21 +45,32 @@ def test_diff_explorer_threshold_moves_the_marker(runs):
 
 
 def test_switching_metric_brings_its_own_threshold_direction_and_scale(runs):
+    f32 = 2.0 ** -24 / 4  # float32's unit roundoff / 4: rel_diff's "auto" for these entries
     ex = tdinspect.explore(DumpSet.open(runs["ref"]).diff(runs["wrong"]), threshold=1e-6)
     assert ex.ax.get_yscale() == "log" and type(ex.threshold).__name__ == "FloatLogSlider"
-    ex.metric.value = "cosine"
-    assert type(ex.threshold).__name__ == "FloatSlider" and ex.threshold.value == 0.99
+    assert not ex.auto.value and ex.artists.thr.get_visible()  # a number: one line across
+    ex.metric.value = "cosine"  # its own threshold ("auto"), direction and scale
+    assert type(ex.threshold).__name__ == "FloatSlider" and ex.auto.value
+    assert ex.threshold.value == 1 - f32 and ex.threshold_value == "auto"
     assert (ex.threshold.min, ex.threshold.max) == (0.0, 1.0) and ex.ax.get_yscale() == "linear"
-    assert "below" in ex.direction.value and ex.threshold_box.children == (ex.threshold,)
+    assert "below" in ex.direction.value and ex.threshold_box.children == (ex.threshold, ex.auto)
+    assert ex.divergence.key == "model.layers.2.mlp.down" and "(auto: float32)" in ex.label.value
+    # "auto": one threshold per entry, drawn as a step line along the entries
+    assert ex.artists.thr_rows.get_visible() and not ex.artists.thr.get_visible()
+    assert set(ex.artists.thr_rows.get_ydata()) == {1 - f32}
+    ex.threshold.value = 0.99  # moving the slider sets one number for every entry
+    assert not ex.auto.value and ex.threshold_value == 0.99
     assert ex.divergence is None and "no divergence</b> at cosine threshold 0.990000" in ex.label.value
+    ex.auto.value = True  # and ticking auto goes back
+    assert ex.divergence.key == "model.layers.2.mlp.down" and ex.threshold.value == 1 - f32
     ex.metric.value = "equal"
     assert ex.threshold.value == 1.0 and ex.threshold.disabled
     assert ex.divergence.key == "model.layers.2.mlp.down"  # the first entry not bitwise equal
-    assert "equal 0 &lt; 1" in ex.label.value
-    ex.metric.value = "sqnr_db"
-    assert ex.threshold.value == 30.0 and ex.ax.get_yscale() == "linear"
-    ex.metric.value = "rel_diff"  # back: its own default, not the 1e-6 it was opened with
-    assert ex.threshold.value == pytest.approx(1e-3) and ex.ax.get_yscale() == "log"
+    assert "equal 0 &lt; 1 (default)" in ex.label.value
+    ex.metric.value = "sqnr_db"  # 10·log10(2/u) for float32
+    assert ex.threshold.value == pytest.approx(75.257, abs=1e-3) and ex.ax.get_yscale() == "linear"
+    ex.metric.value = "rel_diff"  # back: "auto", not the 1e-6 it was opened with
+    assert ex.auto.value and ex.threshold.value == f32 and ex.ax.get_yscale() == "log"
     assert not ex.threshold.disabled
 
 
@@ -336,6 +347,10 @@ def test_growth_and_the_demo_list_only_entries_that_add_error(runs, tmp_path, ca
     assert len(grow) < len(every) and (grow["added"] > 0).all() and (grow["growth"] > 1).all()
     assert run_demo(str(tmp_path)) == 0
     out = capsys.readouterr().out
+    # the demo names the wrong layer and why, at the default threshold ("auto": float32's u/4)
+    assert "first divergence: model.layers.2.mlp.down (pass 0, call 0)\n  rel_diff 0.0158 > " \
+           "1.49e-08 (auto: float32)" in out
+    assert "threshold: auto (rel_diff u/4" in out
     listed = out.split("entries that add the most error")[1].splitlines()[1:]
     listed = [line for line in listed if line.startswith("  ")]
     assert listed and all("first error" in line or float(line.rsplit("(x", 1)[1].rstrip(")")) > 1
@@ -389,7 +404,7 @@ def test_public_names_annotations_and_documented_keywords():
     chained = [c.name for c in jedi.Interpreter('ds.diff("x").first_', [{"ds": ds}]).complete()]
     assert "first_divergence" in chained  # what IPython's completer (jedi) offers after diff(...)
     doc = tdinspect.explore.__doc__
-    assert "metric : str, optional" in doc and "threshold : float, optional" in doc
+    assert "metric : str, optional" in doc and 'threshold : "auto" or float, optional' in doc
     for name in list(inspect.signature(tdinspect.explore).parameters)[1:]:
         assert f"{name} : " in doc  # every keyword argument is documented
     with pytest.raises(TypeError, match="takes no metric"):
@@ -411,9 +426,14 @@ def test_dashboard_lays_out_plot_table_and_side_by_side(runs, monkeypatch):
     row = next(v for label, v in board.entries.options if v[0] == "model.lm_head" and v[1] == 1)
     board.entries.value = row  # picking a row of the table shows it side by side
     assert ex.shown_at == row and ex.pass_.value == 1
-    ex.metric.value = "cosine"  # the table's marks follow the metric and its threshold
+    ex.metric.value = "cosine"  # the table's marks follow the metric and its threshold ("auto")
+    flagged = [label for label, _ in board.entries.options if label.startswith("⚠")]
+    assert flagged and "model.layers.2.mlp.down" in flagged[0]
+    assert board.entries.value == ("model.layers.2.mlp.down", 0, 0)  # it follows the divergence
+    ex.threshold.value = 0.99  # a fixed threshold: no cosine that low, no marks
     assert not any(label.startswith("⚠") for label, _ in board.entries.options)
-    assert board.entries.value == row
+    board.entries.value = row
+    assert board.entries.value == row and ex.shown_at == row
     parts = [board.entries, ex.plot.widget, ex.view.widget, ex.label]
     tree, todo = set(), [board.widget]
     while todo:

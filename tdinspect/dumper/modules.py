@@ -520,7 +520,9 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         without it nothing is written.
     metric, threshold
         As for :meth:`tdinspect.Diff.first_divergence` (default ``rel_diff``
-        at 1e-3; a ``{regex: value}`` dict sets thresholds by name).
+        at ``"auto"``: each entry's threshold from its two dtypes, float32
+        1.5e-8, bfloat16 9.8e-4; a number for every entry; a ``{regex: value}``
+        dict sets thresholds by name).
     on_divergence : {"raise", "warn", "record"}
         ``"raise"``: :class:`tdinspect.DivergenceError` at the first divergent
         entry, whose ``.divergence`` equals what

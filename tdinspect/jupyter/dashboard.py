@@ -38,7 +38,7 @@ class Dashboard:
         How long building the first view took.
     """
 
-    def __init__(self, diff, *, metric: str | None = None, threshold: float | None = None):
+    def __init__(self, diff, *, metric: str | None = None, threshold: float | str | None = None):
         t0 = time.perf_counter()
         self.diff = diff
         self.explorer = ex = DiffExplorer(diff, metric=metric, threshold=threshold)
@@ -46,7 +46,7 @@ class Dashboard:
         self.entries = W.Select(rows=24, layout=W.Layout(width="98%", height="auto"),
                                 description="")
         self.entries.observe(self._on_row, names="value")
-        for w in (ex.metric, ex._log_slider, ex._lin_slider):
+        for w in (ex.metric, ex._log_slider, ex._lin_slider, ex.auto):
             w.observe(self._refresh_rows, names="value")
         self._refresh_rows()
         table = W.VBox([W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)"
@@ -65,7 +65,7 @@ class Dashboard:
 
         ex = self.explorer
         m = metric(ex.metric.value)
-        hits = ex.diff._hits(ex.table, m, threshold_fn(ex.threshold.value, m.name))
+        hits = ex.diff._hits(ex.table, m, threshold_fn(ex.threshold_value, m.name))
         options = []
         for (i, row), bad in zip(ex.table.iterrows(), hits):
             value = row[m.name]
@@ -93,7 +93,7 @@ def _esc(value) -> str:
     return html.escape(str(value))
 
 
-def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | None = None,
+def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | str | None = None,
               **diff_kwargs) -> Dashboard:
     """One page to find where two runs part: summary, divergence plot, entry table, side by side.
 
@@ -104,7 +104,8 @@ def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | N
         either, the paths come from ``TDINSPECT_DASHBOARD_A`` / ``_B`` (how
         ``tdinspect dashboard A B`` hands them to the Voilà page).
     metric, threshold : optional
-        What the page opens on (default: ``rel_diff`` at its default threshold).
+        What the page opens on (default: ``rel_diff`` at ``"auto"``, each
+        entry's threshold from its dtypes).
     **diff_kwargs
         Passed to :meth:`DumpSet.diff` (``align="sequence"``, ...).
 
@@ -135,7 +136,7 @@ def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | N
     return Dashboard(ref.diff(b, **diff_kwargs), metric=metric, threshold=threshold)
 
 
-def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float | None = None,
+def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float | str | None = None,
           open_browser: bool = True) -> int:
     """Serve :func:`dashboard` of ``a`` and ``b`` with Voilà on 127.0.0.1 (until Ctrl-C).
 

@@ -31,6 +31,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from ..cli import threshold_arg
+
 _NAMES = ("tdi_open", "tdi_diff", "tdi_capture")
 _MISSING = object()
 
@@ -90,7 +92,8 @@ class TdinspectMagics(Magics):
     @argument("a", help="reference: path or DumpSet variable")
     @argument("b", help="compared: path or DumpSet variable")
     @argument("--metric", default=None, help="rel_diff (default), max_abs, cosine, ...")
-    @argument("--threshold", type=float, default=None, help="divergence threshold")
+    @argument("--threshold", type=threshold_arg, default="auto",
+              help="divergence threshold: auto (default, from each entry's dtypes) or a number")
     @argument("--as", dest="as_", default=None, help="bind the Diff to this variable")
     @line_magic
     def tdi_diff(self, line):

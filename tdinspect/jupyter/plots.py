@@ -10,7 +10,7 @@ each with its legend entry; legends sit beside the data, not on it.
 
 Examples
 --------
->>> fig = tdinspect.plot.divergence(diff, threshold=1e-3)    # doctest: +SKIP
+>>> fig = tdinspect.plot.divergence(diff)                    # doctest: +SKIP
 >>> fig.savefig("divergence.png")                            # doctest: +SKIP
 """
 
@@ -97,6 +97,7 @@ class DivergencePlot:
                                label="structural (only one side, shape, NaN)")
         self.missing, = ax.plot([], [], "|", ms=8, color="0.5", transform=band, label="not compared")
         self.thr = ax.axhline(np.nan, color="C1", ls="--", lw=1)
+        self.thr_rows, = ax.plot([], [], ls="--", lw=1, color="C1", drawstyle="steps-mid")
         self.first = ax.axvline(np.nan, color="C3", lw=1.2, label="first divergence")
         self.selected = ax.axvline(np.nan, color="C0", lw=3, alpha=0.25, label="selected entry")
         self._label_x()
@@ -131,8 +132,9 @@ class DivergencePlot:
                              & (df["key"].to_numpy() == div.key))
         return float(hit[0]) if len(hit) else math.nan
 
-    def draw(self, metric, threshold: float, div, selected: float = math.nan) -> None:
-        """Show ``metric`` (a :class:`~tdinspect.metrics.Metric`) at ``threshold``."""
+    def draw(self, metric, threshold, div, selected: float = math.nan) -> None:
+        """Show ``metric`` (a :class:`~tdinspect.metrics.Metric`) at ``threshold``: one
+        number (a line across), or one per row (``"auto"``: a step line along the rows)."""
         ax, df, x = self.ax, self.table, self.x
         sc = scale(metric.name)
         y = df[metric.name].to_numpy(dtype=float)
@@ -149,12 +151,24 @@ class DivergencePlot:
                                  (self.struct, structural, bad_band), (self.missing, nan, bad_band)):
             artist.set_data(x[mask], np.full(mask.sum(), at))
             artist.set_visible(bool(mask.any()))
-        self.thr.set_ydata([threshold, threshold])
-        self.thr.set_label(f"threshold {sc.text(threshold)} ({'above' if metric.higher_is_worse else 'below'}"
+        per_row = np.ndim(threshold) > 0
+        thr_line = self.thr_rows if per_row else self.thr
+        self.thr.set_visible(not per_row)
+        self.thr_rows.set_visible(per_row)
+        if per_row:
+            threshold = np.asarray(threshold, float)
+            self.thr_rows.set_data(x, threshold)
+            text = "auto, per entry"
+        else:
+            self.thr.set_ydata([threshold, threshold])
+            text = sc.text(threshold)
+        thr_line.set_label(f"threshold {text} ({'above' if metric.higher_is_worse else 'below'}"
                            " diverges)")
         self.first.set_xdata([self.row(div)] * 2)
         self.selected.set_xdata([selected, selected])
-        values = np.append(y[shown], threshold)
+        thr_values = np.atleast_1d(threshold)
+        values = np.append(y[shown], thr_values[np.isfinite(thr_values) & (
+            (thr_values > 0) if sc.log else True)])
         if sc.log:
             lo, hi = values[values > 0].min() / 5, values.max() * 5
         else:
@@ -163,7 +177,7 @@ class DivergencePlot:
         ax.set_ylim(lo, hi)
         ax.set_ylabel(metric.name)
         handles = [a for a in (self.line, self.zeros, self.inf, self.struct, self.missing, self.thr,
-                               self.first, self.selected) if a.get_visible() and not (
+                               self.thr_rows, self.first, self.selected) if a.get_visible() and not (
             a in (self.first, self.selected) and np.isnan(a.get_xdata()[0]))]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
                   frameon=False)
@@ -186,8 +200,9 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
     diff : Diff
     metric : str, optional
         Default: the diff's (``rel_diff``).
-    threshold : float, optional
-        Default: the metric's default threshold.
+    threshold : "auto", float or dict, optional
+        Default ``"auto"``: each entry's from its dtypes (drawn as a step
+        line); see :meth:`tdinspect.diff.Diff.first_divergence`.
     pass_, rank : int, optional
         Restrict to one pass / rank (default: all, pass after pass).
     ax : matplotlib Axes, optional
@@ -199,7 +214,6 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
     from ..metrics import metric as get_metric
 
     m = get_metric(metric or diff.default_metric)
-    thr = m.default_threshold if threshold is None else threshold
     df = sorted_table(diff)
     if pass_ is not None:
         df = df[df["pass"] == pass_]
@@ -207,9 +221,18 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
         df = df[df["rank"] == rank]
     df = df.reset_index(drop=True)
     fig, ax = (ax.figure, ax) if ax is not None else _plt().subplots(figsize=(11, 3.8))
-    DivergencePlot(df, ax).draw(m, thr, diff.first_divergence(thr, m.name))
+    DivergencePlot(df, ax).draw(m, drawn_threshold(threshold, m.name, df),
+                                diff.first_divergence(threshold, m.name))
     fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
     return fig
+
+
+def drawn_threshold(threshold, metric_name: str, table):
+    """The threshold as drawn: one number when one was given, else one per row of ``table``."""
+    from ..diff import threshold_fn
+
+    t = threshold_fn(threshold, metric_name)
+    return t.fixed if t.fixed is not None else t.of_rows(table)
 
 
 def sorted_table(diff):
@@ -441,7 +464,7 @@ def tensor(t, *, title: str = "", fig=None):
     return fig
 
 
-def rank_pass(diff, metric: str | None = None, threshold: float | None = None, ax=None):
+def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
     """Which ranks and steps part first: worst metric per (rank, pass), divergent cells outlined.
 
     The colour scale spans at least a decade (log metrics) around the data
@@ -456,8 +479,8 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
-    thr = m.default_threshold if threshold is None else threshold
     by = diff.by_rank_pass(threshold, m.name)
+    thrs = np.unique(np.atleast_1d(drawn_threshold(threshold, m.name, diff.table(progress=False))))
     ranks = sorted({r for r, _ in by.index})
     passes = sorted({p for _, p in by.index})
     grid = np.full((len(ranks), len(passes)), np.nan)
@@ -470,9 +493,9 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
     log_scale = scale(m.name).log
     im = _zero_missing_image(ax, grid, log_scale)
     lo, hi = im.get_clim()
-    t = math.log10(thr) if log_scale and thr > 0 else thr
-    if log_scale:  # at least one decade, and the threshold inside the range
-        lo, hi = min(lo, t - 0.5), max(hi, t + 0.5)
+    ts = [math.log10(t) if log_scale and t > 0 else t for t in thrs if math.isfinite(t)]
+    if log_scale and ts:  # at least one decade, and the thresholds inside the range
+        lo, hi = min(lo, min(ts) - 0.5), max(hi, max(ts) + 0.5)
         if hi - lo < 1:
             mid = (hi + lo) / 2
             lo, hi = mid - 0.5, mid + 0.5
@@ -483,8 +506,9 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks], fontsize=8)
     ax.set_xlabel("pass (step)")
     cb = fig.colorbar(im, ax=ax, label=f"{'log10 ' if log_scale else ''}worst {m.name}")
-    if lo <= t <= hi:
-        cb.ax.axhline(t, color="C1", lw=1.5)
+    for t in ts:  # one line per threshold ("auto": one per dtype pair)
+        if lo <= t <= hi:
+            cb.ax.axhline(t, color="C1", lw=1.5)
     first = by[by["n_divergent"] > 0].sort_index(level=["pass", "rank"])
     title = "no divergence" if first.empty else (
         f"first: rank {first.index[0][0]}, pass {first.index[0][1]}: {first.iloc[0]['first']}")
@@ -494,7 +518,7 @@ def rank_pass(diff, metric: str | None = None, threshold: float | None = None, a
 
 
 def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
-                 threshold: float | None = None, *, ax=None):
+                 threshold=None, *, ax=None):
     """Entries × positions: the metric of each entry along ``dim``, first divergent position marked.
 
     Each row is :meth:`tdinspect.diff.Diff.per_position` of one entry, reduced
@@ -512,7 +536,8 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
     keys : list of str, optional
         Entries (default: every entry both sides hold with one shape, in execution order).
     metric, threshold : optional
-        Default: the diff's metric and its default threshold.
+        Default: the diff's metric at ``"auto"`` (each entry's threshold from
+        its dtypes).
     ax : matplotlib Axes, optional
 
     Returns
@@ -527,26 +552,27 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
-    thr = m.default_threshold if threshold is None else threshold
     if keys is None:
         table = diff.table(progress=False)
         table = table[~table["structural"]].sort_values(["pass", "order", "rank"])
         keys = list(dict.fromkeys(table["op"]))
-    rows, names = [], []
+    rows, names, thrs = [], [], []
     for key in keys:
         try:
-            da = diff.per_position(key, dim=dim, metric=m.name, threshold=thr)
+            da = diff.per_position(key, dim=dim, metric=m.name, threshold=threshold)
         except (KeyError, ValueError):
             continue  # no such dim, or not held by both sides with one shape
         worst = da.max if m.higher_is_worse else da.min
         rows.append(worst([d for d in da.dims if d != "position"]).to_numpy())
         names.append(key)
+        thrs.append(da.attrs["threshold"])
     if not rows:
         raise ValueError(f"no entry of this diff has a dim {dim!r} held by both sides")
     npos = max(len(r) for r in rows)
     grid = np.full((len(rows), npos), np.nan)
     for i, r in enumerate(rows):
         grid[i, :len(r)] = r
+    thr = np.asarray(thrs, float)[:, None]  # each entry's own ("auto": from its dtypes)
     with np.errstate(invalid="ignore"):
         over = grid > thr if m.higher_is_worse else grid < thr
     log = scale(m.name).log
@@ -566,6 +592,9 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
         verdict = "no position past the threshold"
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel(f"position along dim {dim}")
-    ax.set_title(f"{m.name} per position (threshold {thr:g}): {verdict}")
+    given = np.unique(thr)
+    ax.set_title(f"{m.name} per position (threshold "
+                 f"{'auto' if threshold in (None, 'auto') else format(float(given[0]), 'g')}"
+                 f"): {verdict}")
     fig.tight_layout()
     return fig

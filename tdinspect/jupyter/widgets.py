@@ -85,10 +85,13 @@ class DiffExplorer:
     diff : Diff
     metric : str, optional
         The metric shown first (default: the diff's, ``rel_diff``).
-    threshold : float, optional
-        The first threshold (default: the metric's). Switching the metric
-        brings that metric's default threshold, slider range, direction and
-        axis scale.
+    threshold : "auto" or float, optional
+        The first threshold (default ``"auto"``: each entry's from its two
+        dtypes, drawn as a step line; the slider then shows the value of the
+        most common dtype pair). Moving the slider sets one number for every
+        entry and clears the ``auto`` box; ticking it goes back. Switching
+        the metric brings ``"auto"`` back, with that metric's slider range,
+        direction and axis scale.
     positions : int or str, optional
         Add the entries × positions panel along this dim
         (:func:`tdinspect.plot.per_position`), redrawn with the metric and
@@ -100,6 +103,8 @@ class DiffExplorer:
     threshold : ipywidgets.FloatLogSlider or ipywidgets.FloatSlider
         The slider of the current metric (log for errors, linear for cosine,
         SQNR and mismatch; fixed for ``equal``).
+    auto : ipywidgets.Checkbox
+        Whether the threshold is ``"auto"`` (:attr:`threshold_value`).
     entry, pass_, rank : ipywidgets.Dropdown
         What the side-by-side view shows (it opens on the first divergence).
     label : ipywidgets.HTML
@@ -109,7 +114,7 @@ class DiffExplorer:
         Seconds the last build and the last callback of each kind took.
     """
 
-    def __init__(self, diff, metric: str | None = None, threshold: float | None = None,
+    def __init__(self, diff, metric: str | None = None, threshold: float | str | None = None,
                  positions: int | str | None = None):
         import time
 
@@ -126,6 +131,9 @@ class DiffExplorer:
                                             readout_format=".1e")
         self._lin_slider = W.FloatSlider(min=0, max=1, step=1e-3, value=0.5, description="threshold",
                                          continuous_update=False)
+        self.auto = W.Checkbox(value=True, description="auto", indent=False,
+                               tooltip="each entry's threshold from its two dtypes",
+                               layout=W.Layout(width="70px"))
         self.direction = W.HTML()
         self.table = plots.sorted_table(diff)
         self.entry = W.Dropdown(options=list(dict.fromkeys(self.table["key"])), description="entry")
@@ -153,6 +161,7 @@ class DiffExplorer:
         self.metric.observe(self._on_metric, names="value")
         for s in (self._log_slider, self._lin_slider):
             s.observe(self._on_threshold, names="value")
+        self.auto.observe(self._on_auto, names="value")
         for w in (self.entry, self.pass_, self.rank):
             w.observe(self._on_pick, names="value")
         self.fig.canvas.mpl_connect("button_press_event", self._on_click)
@@ -171,6 +180,21 @@ class DiffExplorer:
         """The slider of the current metric."""
         return self._log_slider if plots.scale(self.metric.value).log else self._lin_slider
 
+    @property
+    def threshold_value(self) -> float | str:
+        """What the answers use: ``"auto"`` while the box is ticked, else the slider's value."""
+        return "auto" if self.auto.value else self.threshold.value
+
+    def _auto_shown(self, name: str) -> float:
+        """The slider's value under ``"auto"``: the threshold of the most common dtype pair."""
+        from ..metrics import auto_threshold
+
+        pairs = self.table.groupby(["dtype_a", "dtype_b"]).size()
+        if not len(pairs):
+            return auto_threshold(name, "", "")[0]
+        a, b = pairs.idxmax()
+        return auto_threshold(name, a, b)[0]
+
     @contextmanager
     def _hold(self):
         """Change several widgets with one redraw at the end (callbacks stay quiet inside)."""
@@ -184,18 +208,23 @@ class DiffExplorer:
         from ..metrics import metric
 
         m, sc = metric(name), plots.scale(name)
-        value = m.default_threshold if threshold is None else float(threshold)
+        auto = threshold is None or (isinstance(threshold, str) and threshold == "auto")
+        value = self._auto_shown(name) if auto else float(threshold)
+        if not math.isfinite(value):  # sqnr_db of integers: any difference
+            value = sc.hi
         slider = self.threshold
         with self._hold():
-            if sc.log:
-                value = max(value, 10.0 ** sc.lo)
-                slider.min, slider.max = sc.lo, max(sc.hi, math.ceil(math.log10(value)))
+            self.auto.value = auto
+            if sc.log:  # float64's "auto" (2.8e-17) widens the range below 1e-12
+                lo = min(sc.lo, math.floor(math.log10(value))) if value > 0 else sc.lo
+                value = max(value, 10.0 ** lo)
+                slider.min, slider.max = lo, max(sc.hi, math.ceil(math.log10(value)))
             else:
                 slider.min, slider.max = sc.lo, max(sc.hi, value)
             slider.step, slider.readout_format = sc.step, sc.fmt
             slider.value = value
             slider.disabled = name == "equal"  # bitwise equality has one threshold: 1
-        self.threshold_box.children = [slider]
+        self.threshold_box.children = [slider, self.auto]
         self.direction.value = (f"<small>diverges {'above' if m.higher_is_worse else 'below'}"
                                 f"{' (0 = not bitwise equal)' if name == 'equal' else ''}</small>")
 
@@ -222,7 +251,17 @@ class DiffExplorer:
 
     def _on_threshold(self, change) -> None:
         if not self._quiet and change["owner"] is self.threshold:
+            with self._hold():
+                self.auto.value = False  # a number for every entry now
             self._timed("threshold", self.update, True)
+
+    def _on_auto(self, change) -> None:
+        if self._quiet:
+            return
+        if change["new"]:
+            with self._hold():
+                self.threshold.value = self._auto_shown(self.metric.value)
+        self._timed("threshold", self.update, True)
 
     def _on_pick(self, change) -> None:
         if not self._quiet:
@@ -268,13 +307,16 @@ class DiffExplorer:
         """
         from ..metrics import metric
 
-        m, thr = metric(self.metric.value), self.threshold.value
+        m, thr = metric(self.metric.value), self.threshold_value
         div = self.diff.first_divergence(thr, m.name)
         self.divergence = div
         sc = plots.scale(m.name)
         if div is None:
+            from ..diff import threshold_fn
+
+            text = threshold_fn(thr, m.name).describe(self.table) if thr == "auto" else sc.text(thr)
             self.label.value = (f"<b>no divergence</b> at {html.escape(m.name)} threshold "
-                                f"{sc.text(thr)}")
+                                f"{html.escape(text)}")
         else:
             self.label.value = (f"first divergence: <b>{html.escape(div.key)}</b> (pass {div.pass_}, "
                                 f"call {div.call}"
@@ -297,15 +339,16 @@ class DiffExplorer:
         with self.positions:
             self.positions_fig = plots.per_position(self.diff, dim=self.position_dim,
                                                     metric=self.metric.value,
-                                                    threshold=self.threshold.value)
+                                                    threshold=self.threshold_value)
             display(self.positions_fig)
             plt.close(self.positions_fig)
 
     def _redraw_plot(self) -> None:
         from ..metrics import metric
 
-        self.artists.draw(metric(self.metric.value), self.threshold.value, self.divergence,
-                          self._selected_row())
+        name = self.metric.value
+        self.artists.draw(metric(name), plots.drawn_threshold(self.threshold_value, name, self.table),
+                          self.divergence, self._selected_row())
         self.plot.refresh()
 
     def show_entry(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
@@ -423,7 +466,7 @@ class DumpSetExplorer:
         display(self.widget)
 
 
-def explore(obj, *, metric: str | None = None, threshold: float | None = None,
+def explore(obj, *, metric: str | None = None, threshold: float | str | None = None,
             positions: int | str | None = None):
     """An interactive explorer for a DumpSet or a Diff.
 
@@ -435,8 +478,9 @@ def explore(obj, *, metric: str | None = None, threshold: float | None = None,
         order, a threshold slider and a side-by-side view.
     metric : str, optional
         Diff only: the metric shown first (``rel_diff``, ``cosine``, ...).
-    threshold : float, optional
-        Diff only: the first threshold (default: the metric's default).
+    threshold : "auto" or float, optional
+        Diff only: the first threshold (default ``"auto"``: each entry's from
+        its dtypes; a number for every entry).
     positions : int or str, optional
         Diff only: add the entries × positions panel along this dim (a decode
         run against a full forward: the first divergent token at a glance).
@@ -444,7 +488,8 @@ def explore(obj, *, metric: str | None = None, threshold: float | None = None,
     Returns
     -------
     DiffExplorer or DumpSetExplorer
-        Displays itself; its widgets are attributes (``ex.threshold.value = 1e-5``).
+        Displays itself; its widgets are attributes (``ex.threshold.value = 1e-5``,
+        ``ex.auto.value = True``).
 
     Examples
     --------
