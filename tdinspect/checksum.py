@@ -9,9 +9,11 @@ where ``L = 2^16`` words make a block, ``K_k`` and ``R_c`` are fixed odd
 64-bit multipliers (splitmix64 of ``k`` and of ``c``, seeds below), and every
 product and sum wraps modulo 2^64. Integer addition is associative, so the
 result does not depend on how a device splits the reduction: the same bits
-give the same fingerprint on any CPU or GPU. It costs one conversion to
-int64, one multiply and one sum on the device (≈ 2x a statistics pass); the
-host receives one int64 per tensor.
+give the same fingerprint on any CPU or GPU. On a device it costs one
+conversion to int64, one multiply and one sum; the host receives one int64 per
+tensor. A big CPU tensor is read once by a compiled loop instead
+(:mod:`tdinspect.onepass`, also fused with the statistics by
+:func:`tdinspect.stats.stats_and_checksum`).
 
 Collision rate (two different tensors of the same dtype and shape with the same
 fingerprint; shape and dtype are compared separately):
@@ -116,6 +118,10 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     See the module docstring for the definition and its collision rate.
     """
     words = _words(t)
+    from . import onepass  # imports this module
+
+    if onepass.enabled(words):  # a big CPU tensor: one compiled read, the same value
+        return torch.tensor(onepass.word_checksum(words), dtype=torch.int64)
     n = words.numel()
     device = words.device
     full, tail = divmod(n, BLOCK)

@@ -27,6 +27,10 @@ right to a few float64 ulps of ``mean(|x|)``, ``std`` and ``l2`` for any
 finite input of any size (docs/reliability.md, "Numbers", states the bound
 the property test checks); ``min``, ``max`` and ``absmax`` are exact.
 
+A big contiguous float32 CPU tensor is read once by a compiled loop instead
+(:mod:`tdinspect.onepass`: chunked float64 sums added with compensation, within
+the same bounds), which :func:`stats_and_checksum` shares with the checksum.
+
 Examples
 --------
 >>> import torch
@@ -41,6 +45,9 @@ import math
 import threading
 
 import torch
+
+from . import onepass
+from .checksum import tensor_checksum
 
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
 
@@ -237,15 +244,61 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
         return _row_sync_free(v, n)
     if not v.is_floating_point():  # integers are finite
         return torch.tensor(_finite_row_cpu(v, n), dtype=torch.float64)
+    if v.dtype == torch.float32 and onepass.enabled(v):
+        return _float32_row(v, onepass.float32_sums(v, checksum=False))
     fast = _finite_row_cpu(v, n)
     if fast is not None:
         return torch.tensor(fast, dtype=torch.float64)
+    return _masked_row_cpu(v, n)
+
+
+def _masked_row_cpu(v: torch.Tensor, n: int) -> torch.Tensor:
+    """The statistics row of a CPU float tensor holding NaN or Inf (over its finite elements)."""
     finite = torch.isfinite(v)
     n_nan = int(torch.isnan(v).sum())
     kept = v[finite]
     row = _finite_row_cpu(kept, kept.numel()) if kept.numel() else _NAN_ROW + [0.0] * 3
     row[6:9] = [float(n_nan), float(n - kept.numel() - n_nan), float(n)]
     return torch.tensor(row, dtype=torch.float64)
+
+
+def _float32_row(v: torch.Tensor, sums: "onepass.Float32Sums") -> torch.Tensor:
+    """The statistics row from one read of a float32 tensor (:mod:`tdinspect.onepass`).
+
+    ``M2 = Σx² - n·mean²`` when ``mean² <= std²/7`` (so ``Σx² <= 8/7·M2``: no
+    cancellation), else the second, centred pass. float32 squares never overflow
+    or lose bits in float64: no scaling.
+    """
+    n = sums.numel
+    if sums.nonfinite:
+        return _masked_row_cpu(v, n)
+    mean = sums.total / n
+    if 8 * n * mean * mean <= sums.squares:
+        m2, sq = max(sums.squares - n * mean * mean, 0.0), sums.squares
+    else:
+        m2 = onepass.centred_squares(v, mean)
+        sq = m2 + n * mean * mean
+    lo, hi = sums.minimum, sums.maximum
+    return torch.tensor([lo, hi, mean, math.sqrt(m2 / n), max(abs(lo), abs(hi)), math.sqrt(sq),
+                         0.0, 0.0, float(n)], dtype=torch.float64)
+
+
+def stats_and_checksum(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tensor_stats` and :func:`tdinspect.checksum.tensor_checksum` of ``t``, in one
+    read of its memory where :mod:`tdinspect.onepass` applies (a big contiguous float32
+    CPU tensor); the same values as the two calls.
+
+    Examples
+    --------
+    >>> row, digest = stats_and_checksum(torch.arange(4.0))
+    >>> row[2].item(), digest.dtype
+    (1.5, torch.int64)
+    """
+    t = t.detach()
+    if t.dtype == torch.float32 and onepass.enabled(t):
+        sums = onepass.float32_sums(t, checksum=True)
+        return _float32_row(t, sums), torch.tensor(sums.digest, dtype=torch.int64)
+    return tensor_stats(t), tensor_checksum(t)
 
 
 def stats_to_dict(vec: torch.Tensor | list[float]) -> dict[str, float]:

@@ -146,3 +146,35 @@ def test_op_level_checksums_tell_a_rounding_change(tmp_path):
     assert DumpSet.open(a).diff(a2).first_divergence(metric="equal") is None
     div = DumpSet.open(a).diff(b).first_divergence(metric="equal")
     assert div is not None and "aten." in div.key
+
+
+@pytest.mark.parametrize("numel, dtype", [
+    (1 << 16, torch.float32),                 # the smallest tensor the compiled loop takes
+    (2 * BLOCK + 5, torch.float32),           # blocks and a tail
+    (17 * BLOCK + 3, torch.float32),          # more blocks than torch's conversion chunk
+    (3 * BLOCK + 1, torch.bfloat16),          # words of two elements, a zero-padded last one
+    (BLOCK + 3, torch.float64),               # two words an element
+])
+def test_compiled_loop_gives_the_torch_value(numel, dtype, monkeypatch):
+    """A big CPU tensor is read once by tdinspect.onepass: the same fingerprint as torch's
+    reductions, and with the statistics the same values as the separate calls."""
+    from tdinspect import onepass
+    from tdinspect.stats import stats_and_checksum, tensor_stats
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    x[numel // 2] = -0.0
+    calls = []
+    monkeypatch.setattr(onepass, "word_checksum",
+                        lambda w, f=onepass.word_checksum: calls.append(w.numel()) or f(w))
+    fast = tensor_checksum(x)
+    assert calls  # the compiled loop ran
+    monkeypatch.setenv("TDINSPECT_ONEPASS", "0")
+    assert int(fast) == int(tensor_checksum(x))
+    plain_stats = tensor_stats(x)
+    monkeypatch.delenv("TDINSPECT_ONEPASS")
+    row, digest = stats_and_checksum(x)
+    assert int(digest) == int(fast)
+    assert row.tolist() == tensor_stats(x).tolist()
+    torch.testing.assert_close(row, plain_stats, rtol=1e-14, atol=0)
+    if dtype == torch.float32:  # one read for both: the words loop alone was not called again
+        assert len(calls) == 1

@@ -7,7 +7,9 @@ never torch reductions; the bounds are those stated in docs/reliability.md, "Num
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tdinspect import onepass
 from tdinspect.stats import STAT_NAMES, stats_to_dict, tensor_stats
 
 EPS = 2.0 ** -52
@@ -89,9 +92,14 @@ def assert_stats_close(got: dict, ref: dict, what=""):
         assert abs(got["l2"] - ref["l2"]) <= BOUND * ref["l2"], (what, "l2", got["l2"], ref["l2"])
 
 
-def both_paths(t):
-    """The CPU path and the sync-free (accelerator) path, as dicts."""
-    return [stats_to_dict(tensor_stats(t, sync_free=s)) for s in (False, True)]
+def all_paths(t):
+    """The CPU paths (torch's reductions; the compiled one-read loop of tdinspect.onepass,
+    forced whatever the size) and the sync-free (accelerator) path, as dicts."""
+    with mock.patch.object(onepass, "MIN_ELEMENTS", 0):
+        compiled = stats_to_dict(tensor_stats(t, sync_free=False))
+    with mock.patch.dict(os.environ, {"TDINSPECT_ONEPASS": "0"}):
+        plain = stats_to_dict(tensor_stats(t, sync_free=False))
+    return [plain, compiled, stats_to_dict(tensor_stats(t, sync_free=True))]
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -104,10 +112,37 @@ def test_large_float32_tensor_with_large_mean_and_tiny_std():
     mean = math.fsum(a) / a.size
     std = math.sqrt(math.fsum(np.square(a - mean)) / a.size)
     l2 = math.sqrt(math.fsum(np.square(a)))
-    for got in both_paths(x):
+    for got in all_paths(x):
         assert got["mean"] == pytest.approx(mean, rel=1e-15, abs=0)
         assert got["std"] == pytest.approx(std, rel=1e-13, abs=0)
         assert got["l2"] == pytest.approx(l2, rel=1e-14, abs=0)
+
+
+def _fsum_stats(a: np.ndarray) -> dict[str, float]:
+    """Reference statistics of finite float64 values by math.fsum (for tensors too big for
+    rationals: each centred square is rounded once, far below the bounds)."""
+    mean = math.fsum(a) / a.size
+    return {"mean": mean, "std": math.sqrt(math.fsum(np.square(a - mean)) / a.size),
+            "l2": math.sqrt(math.fsum(np.square(a))), "mean_abs": math.fsum(np.abs(a)) / a.size,
+            "min": float(a.min()), "max": float(a.max()), "absmax": float(np.abs(a).max())}
+
+
+@pytest.mark.parametrize("offset", [0.0, 3e-4, -50.0])  # Σx² - n·mean² and the centred pass
+def test_compiled_loop_on_several_blocks_with_nonfinite_elements(offset):
+    """The one-read loop (tdinspect.onepass) over several of its blocks and a tail: the
+    bounds hold in both of its ways to get M2, and NaN/Inf elements are counted and left
+    out as on the other paths."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3 * (1 << 16) + 5, generator=gen) * 1e-3 + offset
+    assert onepass.enabled(x)
+    y = x.clone()
+    y[[7, 70_000, 150_001]] = torch.tensor([math.nan, math.inf, -math.inf])
+    for t, bad in ((x, (0, 0)), (y, (1, 2))):
+        a = t.double().numpy()
+        ref = {**_fsum_stats(a[np.isfinite(a)]), "numel": float(t.numel()),
+               "nan": float(bad[0]), "inf": float(bad[1])}
+        for got in all_paths(t):
+            assert_stats_close(got, ref, (offset, bad))
 
 
 @pytest.mark.parametrize("values, dtype", [
@@ -120,13 +155,13 @@ def test_large_float32_tensor_with_large_mean_and_tiny_std():
 ])
 def test_extreme_magnitudes(values, dtype):
     t = torch.tensor(values, dtype=dtype)
-    for got in both_paths(t):
+    for got in all_paths(t):
         assert_stats_close(got, reference_stats(t), (values, dtype))
 
 
 def test_complex_statistics_are_of_magnitudes_in_float64():
     t = torch.tensor([3e38 + 3e38j, 1 - 1j, 0j], dtype=torch.complex64)
-    for got in both_paths(t):
+    for got in all_paths(t):
         assert_stats_close(got, reference_stats(t))
 
 
@@ -181,7 +216,7 @@ def tensors(draw, allow_nonfinite=True):
 @given(t=tensors())
 def test_statistics_property_against_exact_reference(t):
     ref = reference_stats(t)
-    for got in both_paths(t):
+    for got in all_paths(t):
         assert_stats_close(got, ref, (t.dtype, list(t.shape)))
     assert list(stats_to_dict(tensor_stats(t))) == list(STAT_NAMES)
 

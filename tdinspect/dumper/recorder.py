@@ -19,7 +19,7 @@ from ..checksum import tensor_checksum
 from ..format import pass_filename, sidecar_filename
 from ..naming import make_key, split_call
 from ..runs import new_run_folder
-from ..stats import tensor_stats
+from ..stats import stats_and_checksum, tensor_stats
 from .kinds import is_plain, prepare
 from .writer import AsyncWriter, PendingPass
 
@@ -290,28 +290,35 @@ class Recorder:
             extra["dims"] = self.dims.lookup(split_call(key)[0])
         measured = tensor is not None and self.writer is not None \
             and not extra.get("uninitialized")
-        digest = None
-        if self.checksum and measured:
-            digest = tensor_checksum(tensor)  # on the device; one int64 goes to the host at step()
         if self.observer is not None:
             self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
                                 uninitialized=bool(extra.get("uninitialized")),
                                 call_args=extra.get("call_args"))
+        shared = None
         if same_stats_as is not None and same_stats_as in self._index:
             shared = p.stats[self._index[same_stats_as]]
-            if shared is not None:
-                return self._append(key, tensor, None, shared, module_type, extra, digest)
-        copy = stat = None
-        if measured and not is_plain(tensor):
-            return self._record_kind(key, tensor, module_type, store, extra, digest)
-        if measured:
+        plain = measured and is_plain(tensor)
+        stat = digest = None
+        if plain and shared is None:
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
-            # the writer thread, the bottleneck when full tensors go to disk, only writes
-            stat = tensor_stats(tensor)
-            if store and not self.stats_only:
-                copy, in_flight = host_copy(tensor, self.pool)
-                self._in_flight |= in_flight
-                p.nbytes += copy.numel() * copy.element_size()
+            # the writer thread, the bottleneck when full tensors go to disk, only writes.
+            # With checksums: both in one read where it can (the checksum stays on the device;
+            # one int64 goes to the host at step())
+            if self.checksum:
+                stat, digest = stats_and_checksum(tensor)
+            else:
+                stat = tensor_stats(tensor)
+        elif self.checksum and measured:
+            digest = tensor_checksum(tensor)
+        if shared is not None:
+            return self._append(key, tensor, None, shared, module_type, extra, digest)
+        if measured and not plain:
+            return self._record_kind(key, tensor, module_type, store, extra, digest)
+        copy = None
+        if measured and store and not self.stats_only:
+            copy, in_flight = host_copy(tensor, self.pool)
+            self._in_flight |= in_flight
+            p.nbytes += copy.numel() * copy.element_size()
         self._append(key, tensor, copy, stat, module_type, extra, digest)
 
     def _record_kind(self, key, tensor, module_type, store, extra, digest) -> None:
@@ -412,22 +419,8 @@ class Recorder:
             return None
         if failed:
             p.header = {**p.header, "failed": failed}
-        if any(s is not None for s in p.stats):
-            stacked = torch.stack([s.to(torch.float64) for s in p.stats if s is not None])
-            if stacked.device.type == "cuda":
-                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-                host.copy_(stacked, non_blocking=True)
-                p.host_stats, self._in_flight = host, True
-            else:
-                p.host_stats = stacked.cpu()
-        if any(c is not None for c in p.checksums):
-            digests = torch.stack([c for c in p.checksums if c is not None])
-            if digests.device.type == "cuda":
-                host = torch.empty(digests.shape, dtype=digests.dtype, pin_memory=True)
-                host.copy_(digests, non_blocking=True)
-                p.host_checksums, self._in_flight = host, True
-            else:
-                p.host_checksums = digests
+        p.host_stats = self._gathered([s if s is None else s.to(torch.float64) for s in p.stats])
+        p.host_checksums = self._gathered(p.checksums)
         if self._in_flight:
             p.ready = torch.cuda.Event()
             p.ready.record()
@@ -439,6 +432,20 @@ class Recorder:
             self.pass_index += 1
             self._new_pass()
         return path
+
+    def _gathered(self, values: list) -> torch.Tensor | None:
+        """The non-``None`` per-entry values stacked into one host tensor (``None`` if
+        none): one copy per pass, asynchronous from CUDA (``_in_flight``)."""
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        stacked = torch.stack(present)
+        if stacked.device.type != "cuda":
+            return stacked.cpu()
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        self._in_flight = True
+        return host
 
     def close(self, write_pending: bool = True) -> None:
         """Write a pending non-empty pass (if asked), wait for the writer, stop it."""
