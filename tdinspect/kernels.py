@@ -11,9 +11,11 @@ All of it in float64, whatever the stored dtype (float32 arrays are widened
 element by element). Two backends compute them:
 
 ``numba``
-    One fused loop, compiled once per dtype (and cached on disk), vectorised
-    over 16 lanes, run without the GIL so dask threads use every core.
-    Measured 9.6 GB/s on one core of the development machine.
+    One fused loop (:mod:`tdinspect.fused_loop`), compiled once per dtype (and
+    cached on disk), vectorised over 16 lanes, run without the GIL so dask
+    threads use every core. Measured 9.6 GB/s on one core of the development
+    machine. bfloat16, float16 and float8 arrive as their raw bits and are
+    decoded inside the loop by bit arithmetic, never converted as a whole.
 ``numpy``
     A loop over cache-sized chunks of numpy kernels (sixteen passes per chunk,
     1-2.5 GB/s), used where numba is not installed, for pairs too small to be
@@ -46,7 +48,6 @@ from dataclasses import dataclass
 import numpy as np
 
 EPS = 1e-12
-LANES = 16  # lanes of accumulators; 4 and 8 did not vectorise here, 16 and 32 ran alike
 # Below this many elements numpy's loop takes ~0.1 ms: not worth numba's one-time
 # ~1.5 s (import, then the compiled kernel from its on-disk cache) in a small session.
 NUMBA_MIN_ELEMENTS = 1 << 16
@@ -73,30 +74,44 @@ class PairSums:
 
 
 def _numpy_sums(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
-                chunk: int = 1 << 15, lut: np.ndarray | None = None) -> PairSums:
+                chunk: int = 1 << 15, codes: str | None = None) -> PairSums:
     """Fallback backend: numpy kernels on chunks small enough to stay in cache (raw codes
-    decoded through ``lut`` into the chunk buffers)."""
+    decoded into the chunk buffers, a chunk at a time)."""
     m = x.shape[0]
     total = PairSums(n=m)
     # float64 chunk buffers, reused across chunks and calls (no page faults; a pass of 10^4
     # small pairs spent a third of this function allocating them)
     bufs = _scratch(min(chunk, max(m, 1 << 12)))
+    decode = _numpy_decoder(codes)
     with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
         for i in range(0, m, chunk):
-            _chunk_sums(total, x[i:i + chunk], y[i:i + chunk], rtol, atol, lut, bufs)
+            _chunk_sums(total, x[i:i + chunk], y[i:i + chunk], rtol, atol, decode, bufs)
     return total
 
 
-def _chunk_sums(total: PairSums, x, y, rtol, atol, lut, bufs) -> None:
+def _numpy_decoder(codes: str | None):
+    """``decode(chunk, out, bits)``: the float64 values of one chunk into ``out`` (never in
+    place on the chunk: it may be a mapped file's memory); ``bits`` is a uint32 scratch."""
+    if codes is None:
+        return lambda v, out, bits: np.copyto(out, v)
+    if codes == "bfloat16":
+        def bfloat16(v, out, bits):
+            np.copyto(bits, v)
+            bits <<= 16
+            np.copyto(out, bits.view(np.float32))
+        return bfloat16
+    if codes == "float16":  # numpy's own half-precision conversion (exact)
+        return lambda v, out, bits: np.copyto(out, v.view(np.float16))
+    lut = decode_table(codes)
+    return lambda v, out, bits: np.take(lut, v, out=out)
+
+
+def _chunk_sums(total: PairSums, x, y, rtol, atol, decode, bufs) -> None:
     """Add one cache-sized chunk's sums to ``total``."""
     k = x.shape[0]
-    xc, yc, d, ay, r, gt, ones = (b[:k] for b in bufs)
-    if lut is None:  # never in place on x, y: they may be a mapped file's memory
-        np.copyto(xc, x)
-        np.copyto(yc, y)
-    else:
-        np.take(lut, x, out=xc)
-        np.take(lut, y, out=yc)
+    xc, yc, d, ay, r, gt, ones, bits = (b[:k] for b in bufs)
+    decode(x, xc, bits)
+    decode(y, yc, bits)
     total.sxx += float(np.dot(xc, xc))
     total.syy += float(np.dot(yc, yc))
     np.subtract(xc, yc, out=d)
@@ -117,89 +132,37 @@ _SCRATCH = threading.local()  # one set per thread: dask threads compare pairs a
 
 
 def _scratch(size: int) -> tuple[np.ndarray, ...]:
-    """This thread's chunk buffers, at least ``size`` long (five float64, one bool, and ones:
-    Σ|d| as a BLAS dot, several times faster than sum())."""
+    """This thread's chunk buffers, at least ``size`` long (five float64, one bool, ones:
+    Σ|d| as a BLAS dot, several times faster than sum(); and a uint32 for decoding bits)."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None or bufs[0].shape[0] < size:
-        bufs = (*(np.empty(size) for _ in range(5)), np.empty(size, bool), np.ones(size))
+        bufs = (*(np.empty(size) for _ in range(5)), np.empty(size, bool), np.ones(size),
+                np.empty(size, np.uint32))
         _SCRATCH.bufs = bufs
     return bufs
 
 
-_NUMBA_KERNEL = None
+_NUMBA_KERNELS: dict | None = None
 _COMPILE_LOCK = threading.Lock()  # dask threads reach the first big pair together
 
 
-def _numba_kernel():
-    """The fused loop, compiled once per process (lazily: numba is slow to load)."""
-    global _NUMBA_KERNEL
+def _numba_kernels() -> dict:
+    """The fused loops by codec (:mod:`tdinspect.fused_loop`), made once per process (lazily:
+    numba is slow to load); each compiles, or loads from numba's disk cache, on first use."""
+    global _NUMBA_KERNELS
     with _COMPILE_LOCK:
-        if _NUMBA_KERNEL is None:
-            _NUMBA_KERNEL = _define_numba_kernel()
-    return _NUMBA_KERNEL
+        if _NUMBA_KERNELS is None:
+            _NUMBA_KERNELS = _define_numba_kernels()
+    return _NUMBA_KERNELS
 
 
-def _define_numba_kernel():
-    import numba
+def _define_numba_kernels() -> dict:
+    from . import fused_loop
 
-    # error_model="numpy": no ZeroDivisionError check, which stops vectorisation.
-    # Elements are taken to float64 in registers (as fast here as float32: the loop is
-    # bound by memory). fastmath for reassociated sums (the lanes) only: without "arcp",
-    # "afn" and "contract", max_abs, max_rel and the mismatch count round exactly as
-    # the numpy backend's do, so the two agree bit for bit on them; without "nnan" and
-    # "ninf", a NaN/Inf element still makes the sums non-finite (the caller's signal).
-    # lut None: x, y hold the values; else they hold raw codes (bf16/fp16/fp8 bits as
-    # unsigned ints) decoded by lut[code] in the loop, so no converted copy is made (numba
-    # compiles each case separately and prunes the other branch).
-    def fused(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled; covered via pair_sums
-        n = x.shape[0]
-        sxx, syy, sdd, sab = np.zeros(LANES), np.zeros(LANES), np.zeros(LANES), np.zeros(LANES)
-        mxa, mxr, mis = np.zeros(LANES), np.zeros(LANES), np.zeros(LANES, np.int64)
-        # The caller passes a multiple of LANES, but LLVM vectorises only when the
-        # bound says so itself (8.9 vs 1.5 GB/s measured), as does the fixed inner trip.
-        whole = n - n % LANES
-        for start in range(0, whole, LANES):
-            for j in range(LANES):
-                if lut is None:
-                    xi = np.float64(x[start + j])
-                    yi = np.float64(y[start + j])
-                else:
-                    xi = lut[x[start + j]]
-                    yi = lut[y[start + j]]
-                d = xi - yi
-                ad = abs(d)
-                ay = abs(yi)
-                sxx[j] += xi * xi
-                syy[j] += yi * yi
-                sdd[j] += d * d
-                sab[j] += ad
-                mxa[j] = max(mxa[j], ad)
-                mxr[j] = max(mxr[j], ad / max(ay, eps))
-                mis[j] += 1 if ad > atol + rtol * ay else 0
-        for k in range(whole, n):  # the < 16-element tail (one call, no numpy tail)
-            if lut is None:
-                xi = np.float64(x[k])
-                yi = np.float64(y[k])
-            else:
-                xi = lut[x[k]]
-                yi = lut[y[k]]
-            d = xi - yi
-            ad = abs(d)
-            ay = abs(yi)
-            sxx[0] += xi * xi
-            syy[0] += yi * yi
-            sdd[0] += d * d
-            sab[0] += ad
-            mxa[0] = max(mxa[0], ad)
-            mxr[0] = max(mxr[0], ad / max(ay, eps))
-            mis[0] += 1 if ad > atol + rtol * ay else 0
-        return sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), mxr.max(), mis.sum()
-
-    options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
     try:
-        return numba.njit(cache=True, **options)(fused)
+        return fused_loop.compile_kernels(cache=True)
     except RuntimeError:  # no writable cache directory (read-only install and home): compile each run
-        return numba.njit(**options)(fused)
+        return fused_loop.compile_kernels(cache=False)
 
 
 def default_backend() -> str:
@@ -220,11 +183,12 @@ def default_backend() -> str:
 
 _BACKEND: str | None = None
 _CODE_DTYPES = {1: np.uint8, 2: np.uint16}
+# decoded by bit arithmetic in the compiled loop (the other narrow floats: by decode_table)
+_ARITHMETIC = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
-@functools.lru_cache(maxsize=None)
 def decode_table(dtype) -> np.ndarray:
-    """The float64 value of every bit pattern of a 1- or 2-byte torch float dtype.
+    """The float64 value of every bit pattern of a 1- or 2-byte torch float dtype (or its name).
 
     Indexed by the raw bits (as unsigned integers): ``decode_table(torch.bfloat16)[0x3F80]``
     is 1.0. Exact (every such value is a float64), built by torch's own conversion, so
@@ -236,10 +200,17 @@ def decode_table(dtype) -> np.ndarray:
     >>> float(decode_table(torch.float8_e4m3fn)[0x38])
     1.0
     """
+    return _table(str(dtype).removeprefix("torch."))
+
+
+@functools.lru_cache(maxsize=None)
+def _table(name: str) -> np.ndarray:
     import torch  # only callers holding torch tensors ask for a table
 
-    size = torch.empty((), dtype=dtype).element_size()
-    codes = torch.from_numpy(np.arange(1 << (8 * size), dtype=_CODE_DTYPES[size]))
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize > 2:
+        raise ValueError(f"codes={name!r}: expected a 1- or 2-byte torch float dtype")
+    codes = torch.from_numpy(np.arange(1 << (8 * dtype.itemsize), dtype=_CODE_DTYPES[dtype.itemsize]))
     table = codes.view(dtype).to(torch.float64).numpy()
     table.setflags(write=False)
     return table
@@ -247,30 +218,35 @@ def decode_table(dtype) -> np.ndarray:
 
 def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
               backend: str | None = None, min_numba: int = NUMBA_MIN_ELEMENTS,
-              lut: np.ndarray | None = None) -> PairSums:
+              codes: str | None = None) -> PairSums:
     """The seven sums of ``x`` against the reference ``y``.
 
     Parameters
     ----------
     x, y : numpy.ndarray
         1-D, same length and dtype (float32 or float64), contiguous; or, with
-        ``lut``, the raw bits of a narrow float (uint8 or uint16).
+        ``codes``, the raw bits of a narrow float (uint8 or uint16).
     rtol, atol : float
         The tolerances of the mismatch count.
     backend : {"numba", "numpy"}, optional
         Default: :func:`default_backend`, decided once per process.
     min_numba : int
         Pairs shorter than this use numpy whatever the backend.
-    lut : numpy.ndarray, optional
-        float64 value of each code (:func:`decode_table`): bfloat16, float16 and
-        float8 are decoded element by element inside the loop, never converted
-        as a whole.
+    codes : str, optional
+        The torch float dtype (its name: ``"bfloat16"``, ``"float16"``,
+        ``"float8_e4m3fn"``...) whose bits ``x`` and ``y`` hold. They are decoded
+        element by element inside the loop (bit arithmetic, or :func:`decode_table`
+        for the rarer float8 formats), or a cache-sized chunk at a time by numpy;
+        never converted as a whole. Exact either way.
 
     Examples
     --------
     >>> s = pair_sums(np.zeros(3, np.float32), np.ones(3, np.float32), rtol=0.0, atol=0.0)
     >>> s.sxx, s.syy, s.max_rel, s.mismatch
     (0.0, 3.0, 1.0, 3)
+    >>> one, two = np.array([0x3F80], np.uint16), np.array([0x4000], np.uint16)  # bfloat16 bits
+    >>> pair_sums(two, one, rtol=0.0, atol=0.0, codes="bfloat16").max_abs
+    1.0
     """
     global _BACKEND
     if backend is None:
@@ -282,11 +258,18 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
                          f"and {y.shape} {y.dtype}")
     if backend not in ("numba", "numpy"):
         raise ValueError(f"backend={backend!r}: expected 'numba' or 'numpy'")
-    if lut is not None and (x.dtype.kind != "u" or lut.shape[0] != 1 << (8 * x.dtype.itemsize)):
-        raise ValueError(f"a decode table of {lut.shape[0]} values cannot decode {x.dtype} codes")
+    lut = None
+    if codes is not None:
+        size = _ARITHMETIC.get(codes) or (decode_table(codes).shape[0] - 1).bit_length() // 8
+        if x.dtype != _CODE_DTYPES[size]:
+            raise ValueError(f"codes={codes!r} needs {np.dtype(_CODE_DTYPES[size])} arrays of "
+                             f"its bits, got {x.dtype}")
     # by size only, never by what this process loaded before: a pair's sums must not depend
     # on the process that compares it (dask workers, the CLI)
     if backend == "numpy" or x.shape[0] < min_numba:
-        return _numpy_sums(x, y, rtol, atol, lut=lut)
-    out = _numba_kernel()(x, y, float(rtol), float(atol), EPS, lut)
+        return _numpy_sums(x, y, rtol, atol, codes=codes)
+    codec = "value" if codes is None else codes if codes in _ARITHMETIC else "table"
+    if codec == "table":
+        lut = decode_table(codes)
+    out = _numba_kernels()[codec](x, y, float(rtol), float(atol), EPS, lut)
     return PairSums(x.shape[0], *(float(v) for v in out[:6]), int(out[6]))

@@ -100,7 +100,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import EPS, PairSums, decode_table, pair_sums
+from .kernels import EPS, PairSums, pair_sums
 from .stats import broadcast_dims, first_slice
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
@@ -313,9 +313,9 @@ def _sums(xr: torch.Tensor, yr: torch.Tensor, dt: torch.dtype, rtol: float, atol
         if xr.dtype == yr.dtype == dt:
             return pair_sums(xr.numpy(), yr.numpy(), rtol=rtol, atol=atol)  # no copy at all
         if xr.dtype == yr.dtype and xr.dtype in _CODED:  # bf16/fp16/fp8: decoded in the loop
-            codes = _CODED[xr.dtype]
-            return pair_sums(xr.view(codes).numpy(), yr.view(codes).numpy(), rtol=rtol, atol=atol,
-                             lut=decode_table(xr.dtype))
+            bits = _CODED[xr.dtype]
+            return pair_sums(xr.view(bits).numpy(), yr.view(bits).numpy(), rtol=rtol, atol=atol,
+                             codes=str(xr.dtype).removeprefix("torch."))
     s = PairSums()
     for i in range(0, xr.numel(), chunk):  # memory stays bounded for huge tensors
         xc, yc = xr[i:i + chunk].to(dt), yr[i:i + chunk].to(dt)

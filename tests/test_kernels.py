@@ -133,7 +133,7 @@ def test_kernel_compiles_without_a_writable_cache(monkeypatch):
 
     with pytest.raises(RuntimeError, match="no locator"):  # what cache=True does then
         numba.njit(cache=True)(identity)
-    kernel = kernels._define_numba_kernel()
+    kernel = kernels._define_numba_kernels()["value"]
     x = np.arange(32.0)
     assert kernel(x, x - 1, 0.0, 0.5, kernels.EPS, None)[-1] == 32  # every |d| = 1 > atol
 
@@ -159,34 +159,140 @@ def test_nan_and_inf_are_found_and_masked_in_big_tensors(monkeypatch, backend):
 
 
 NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+# decoded by the table in the compiled loop (the others by bit arithmetic)
+TABLED = [getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)]
+BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.int64}
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float8_e5m2: 2, torch.float32: 23,
+            torch.float64: 52}
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 2000), dtype=st.sampled_from(NARROW),
+def _nan_with_payload(dtype: torch.dtype, rng: np.random.Generator) -> int:
+    """The bits of a NaN of ``dtype``: random sign and payload (e4m3fn has one NaN a sign)."""
+    if dtype == torch.float8_e4m3fn:
+        return int(rng.choice([0x7F, 0xFF]))
+    size = dtype.itemsize * 8
+    man = MANTISSA[dtype]
+    sign = int(rng.integers(0, 2)) << (size - 1)
+    exponent = ((1 << (size - 1 - man)) - 1) << man
+    return sign | exponent | int(rng.integers(1, 1 << man))
+
+
+def _put_bits(t: torch.Tensor, i: int, bits: int) -> None:
+    view = t.view(BITS[t.element_size()])
+    if view.dtype == torch.uint8 or view.dtype == torch.uint16:
+        view[i] = bits
+    else:  # signed views of 32/64-bit floats
+        view[i] = bits - (1 << (8 * t.element_size())) if bits >> (8 * t.element_size() - 1) else bits
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 2000), dtype=st.sampled_from([torch.float32, torch.float64, *NARROW, *TABLED]),
        scale=st.sampled_from([1e-3, 1.0, 1e2]), noise=st.sampled_from([0.0, 1e-2, 1.0]),
-       specials=st.booleans(), seed=st.integers(0, 2**16))
-def test_narrow_floats_decoded_in_the_loop_agree_with_the_definitions(n, dtype, scale, noise,
-                                                                       specials, seed):
-    """bf16/fp16/fp8 handed over as raw bits and decoded by the table inside both backends."""
+       specials=st.booleans(), nonfinite=st.sampled_from(["", "x", "y", "xy"]), seed=st.integers(0, 2**16))
+def test_every_dtype_decoded_in_the_loop_agrees_with_the_definitions(n, dtype, scale, noise, specials,
+                                                                     nonfinite, seed):
+    """float32/float64 as values, narrow floats as raw bits decoded inside both backends: the
+    same sums as the float64 definitions of torch's own decoding, subnormals and signed zeros
+    included; a NaN (any payload) or Inf on a side makes that side's sum of squares non-finite."""
     g = torch.Generator().manual_seed(seed)
-    y = (torch.randn(n, generator=g) * scale).to(dtype)
-    x = (y.float() + noise * scale * torch.randn(n, generator=g)).to(dtype)
+    rng = np.random.default_rng(seed)
+    fi = torch.finfo(dtype)
+    big = min(fi.max / 2, 1e30)  # no overflow to NaN (the fnuz formats)
+    y = (torch.randn(n, generator=g, dtype=torch.float64) * scale).clamp(-big, big).to(dtype)
+    x = (y.double() + noise * scale * torch.randn(n, generator=g, dtype=torch.float64))
+    x = x.clamp(-big, big).to(dtype)
     if specials and n:  # subnormals, zeros of both signs and the format's extremes
-        fi = torch.finfo(dtype)
-        y[0] = fi.smallest_normal / 4 if dtype != torch.float8_e4m3fn else fi.tiny
-        x[n // 2] = -0.0
-        y[n - 1] = fi.max
-    codes = torch.uint8 if dtype.itemsize == 1 else torch.uint16
-    xb, yb = x.view(codes).numpy(), y.view(codes).numpy()
-    lut = kernels.decode_table(dtype)
+        tiny = fi.smallest_normal * fi.eps * 2  # a subnormal (e4m3fnuz/e5m2fnuz too)
+        y[0], x[min(1, n - 1)] = tiny if tiny > 0 else fi.tiny, -tiny
+        x[n // 2], y[n // 3] = -0.0, 0.0
+        if dtype != torch.float64:  # float64's extremes overflow the definitions themselves
+            y[n - 1], x[n - 1] = fi.max, fi.min
+    narrow = dtype.itemsize <= 2
+    bits = BITS[dtype.itemsize]
+    xb = x.view(bits).numpy() if narrow else x.numpy()
+    yb = y.view(bits).numpy() if narrow else y.numpy()
+    codes = str(dtype).removeprefix("torch.") if narrow else None
     rtol, atol = 1.6e-2, 1e-5
     ref = oracle(x.double().numpy(), y.double().numpy(), rtol, atol)  # torch's own decoding
     for backend in ("numba", "numpy"):
-        s = kernels.pair_sums(xb, yb, rtol=rtol, atol=atol, backend=backend, min_numba=0, lut=lut)
+        s = kernels.pair_sums(xb, yb, rtol=rtol, atol=atol, backend=backend, min_numba=0, codes=codes)
         assert s.n == n
         for name in ("sxx", "syy", "sdd", "sabs"):
             assert getattr(s, name) == pytest.approx(ref[name], rel=1e-12, abs=1e-300), name
         assert (s.max_abs, s.max_rel, s.mismatch) == (ref["max_abs"], ref["max_rel"], ref["mismatch"])
+    if not (nonfinite and n):
+        return
+    for side, t in (("x", x), ("y", y)):  # a NaN with a payload, or an Inf where there is one
+        if side in nonfinite:
+            at = int(rng.integers(0, n))
+            if dtype in (torch.float8_e4m3fn, *TABLED) or rng.integers(0, 2):
+                _put_bits(t, at, _nan_with_payload(dtype, rng) if dtype not in TABLED else 0x80)
+            else:
+                t[at] = float("inf") * (1 if rng.integers(0, 2) else -1)
+    x_finite, y_finite = (bool(torch.isfinite(t.double()).all()) for t in (x, y))
+    assert not (x_finite and y_finite)
+    xb = x.view(bits).numpy() if narrow else x.numpy()
+    yb = y.view(bits).numpy() if narrow else y.numpy()
+    for backend in ("numba", "numpy"):
+        s = kernels.pair_sums(xb, yb, rtol=rtol, atol=atol, backend=backend, min_numba=0, codes=codes)
+        assert (math.isfinite(s.sxx), math.isfinite(s.syy)) == (x_finite, y_finite), backend
+
+
+def _decoded_one_by_one(kernel, codes: np.ndarray) -> np.ndarray:
+    """Each code's value as a compiled kernel decodes it, read back from the sums of 16 copies
+    against 16 copies of its absolute value: Σx² = 16v² (magnitude), Σ(x-y)² = 64v² for a
+    negative v and 0 for a positive one (sign)."""
+    out = np.empty(codes.shape[0])
+    top = codes.dtype.type(1 << (8 * codes.dtype.itemsize - 1))
+    for i, c in enumerate(codes):
+        sxx, _, sdd = kernel(np.full(16, c), np.full(16, c & ~top), 0.0, 0.0, 1e-12, None)[:3]
+        v = math.sqrt(sxx / 16)
+        out[i] = -v if sdd > 0 else v  # -inf - inf = -inf; inf - inf = NaN
+    return out
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_every_bit_pattern_decodes_as_torch_reads_it(dtype):
+    """Exhaustive: every code of every narrow float, through the compiled bit arithmetic (both
+    float16 decoders: the CPU's conversion where it has one, and the portable one) and through
+    the numpy fallback's chunk decoder, against torch's own conversion to float64."""
+    from tdinspect import fused_loop
+
+    bits = BITS[dtype.itemsize]
+    codes = torch.arange(1 << (8 * dtype.itemsize), dtype=torch.int32).to(bits)
+    want = codes.view(dtype).double().numpy()
+    codes = codes.numpy()
+    name = str(dtype).removeprefix("torch.")
+    decoders = {False: fused_loop.compile_kernels(cache=False, f16c=False)[name]}
+    if dtype == torch.float16 and fused_loop.has_f16c():
+        decoders[True] = fused_loop.compile_kernels(cache=False, f16c=True)[name]
+    for f16c, kernel in decoders.items():
+        got = _decoded_one_by_one(kernel, codes)
+        nan = np.isnan(want)
+        assert (np.isnan(got) == nan).all(), f16c
+        # values and infinities exactly (zero's sign does not reach any sum)
+        assert (got[~nan] == want[~nan]).all(), (f16c, codes[~nan][got[~nan] != want[~nan]][:5])
+    chunk = np.empty(codes.shape[0])
+    with np.errstate(invalid="ignore"):  # signalling NaNs quieted by the cast
+        kernels._numpy_decoder(name)(codes, chunk, np.empty(codes.shape[0], np.uint32))
+    np.testing.assert_array_equal(chunk, want)  # bitwise: NaN where NaN, -0.0 where -0.0
+    assert (np.signbit(chunk) == np.signbit(want)).all()
+
+
+def test_float16_by_the_cpu_only_for_the_host_cpu(monkeypatch):
+    """A portable build (NUMBA_CPU_NAME) decodes float16 by bit arithmetic: LLVM turned the
+    half conversion for a 'generic' CPU into a helper call that crashed the process."""
+    from numba.core import config
+
+    from tdinspect import fused_loop
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    assert not fused_loop.has_f16c()
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    monkeypatch.setattr(config, "CPU_FEATURES", "+sse2,-f16c")
+    assert not fused_loop.has_f16c()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+sse2,+f16c")
+    assert fused_loop.has_f16c()
 
 
 @pytest.mark.parametrize("dtype", NARROW)
@@ -202,7 +308,7 @@ def test_compare_tensors_decodes_narrow_floats_without_a_float32_copy(monkeypatc
     real = kernels.pair_sums
 
     def spy(a, b, **kw):
-        seen.append((a.dtype, kw.get("lut") is not None))
+        seen.append((a.dtype, kw.get("codes") == str(dtype).removeprefix("torch.")))
         return real(a, b, **kw)
 
     monkeypatch.setattr("tdinspect.metrics.pair_sums", spy)
@@ -215,8 +321,12 @@ def test_compare_tensors_decodes_narrow_floats_without_a_float32_copy(monkeypatc
         assert got[k] == pytest.approx(want[k], rel=1e-12), k
 
 
-def test_a_decode_table_must_fit_the_codes():
-    with pytest.raises(ValueError, match="cannot decode"):
+def test_codes_must_fit_the_arrays():
+    with pytest.raises(ValueError, match="codes='float8_e5m2' needs uint8 arrays"):
         kernels.pair_sums(np.zeros(4, np.uint16), np.zeros(4, np.uint16), rtol=0, atol=0,
-                          lut=kernels.decode_table(torch.float8_e5m2))
-
+                          codes="float8_e5m2")
+    with pytest.raises(ValueError, match="codes='float32': expected a 1- or 2-byte torch float"):
+        kernels.pair_sums(np.zeros(4, np.uint32), np.zeros(4, np.uint32), rtol=0, atol=0,
+                          codes="float32")
+    with pytest.raises(ValueError, match="codes='bogus'"):
+        kernels.pair_sums(np.zeros(4, np.uint8), np.zeros(4, np.uint8), rtol=0, atol=0, codes="bogus")
