@@ -9,9 +9,13 @@ Run: ``python bench/diff.py``. In one run, on files it writes and removes:
    files and compute ``(a - b).abs().max()`` per pair, on the same files
    (medians of ``--rounds`` alternating runs, both warmed first);
 3. ``first_divergence`` with the divergence in pass 0 vs a full diff;
-4. the same ratio for float32, bfloat16, float16 and float8_e4m3fn dumps
-   (``--dtype-numel`` elements a tensor; torch cannot subtract float8, so
-   that floor widens to float32 first);
+4. the same ratio for float32, bfloat16, float16, float8_e4m3fn and
+   float8_e5m2 dumps, tensors of ``--dtype-sizes`` bytes each (1 KB to 1 GB;
+   2 passes, as many entries as make ~16 MB a pass, at most 1,000). The floor
+   for each dtype is the cheapest torch compare of the same bytes: the
+   faster, measured on the pair, of ``(a - b).abs().max()`` in the stored
+   dtype (torch has no float8 subtraction) and of
+   ``(a.float() - b.float()).abs().max()`` a million elements at a time;
 5. the same ratio for one pass of ``--small-entries`` small tensors
    (``--small-numel`` elements): the per-entry overhead.
 """
@@ -19,6 +23,7 @@ Run: ``python bench/diff.py``. In one run, on files it writes and removes:
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import sys
@@ -32,6 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import synthetic_run as write_run  # noqa: E402
 
 from tdinspect import DumpSet, kernels  # noqa: E402
+from tdinspect.dumper.recorder import Recorder  # noqa: E402
+
+
+WIDEN_CHUNK = 1 << 20
+
+
+def native_abs_max(x: torch.Tensor, y: torch.Tensor) -> None:
+    """The floor's compare in the stored dtype."""
+    (x - y).abs().max()
+
+
+def widened_abs_max(x: torch.Tensor, y: torch.Tensor) -> None:
+    """The floor's compare widened to float32 a chunk at a time (all torch can do for float8)."""
+    for i in range(0, x.numel(), WIDEN_CHUNK):
+        (x[i:i + WIDEN_CHUNK].float() - y[i:i + WIDEN_CHUNK].float()).abs().max()
 
 
 def _abs_max_diff(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -40,24 +60,37 @@ def _abs_max_diff(x: torch.Tensor, y: torch.Tensor) -> None:
     (x - y).abs().max()
 
 
-def ratio(a: DumpSet, b: DumpSet, rounds: int) -> tuple[float, float, float]:
+def cheapest_compare(a: DumpSet, b: DumpSet):
+    """The faster of :func:`native_abs_max` and :func:`widened_abs_max` on these dumps (best
+    of two runs each): the floor of a narrow dtype is the least torch does to compare it."""
+    best = None
+    for compare in (native_abs_max, widened_abs_max):
+        try:
+            speed = max(floor_throughput(a, b, compare) for _ in range(2))
+        except (RuntimeError, NotImplementedError):  # float8 has no subtraction
+            continue
+        if best is None or speed > best[0]:
+            best = (speed, compare)
+    return best[1]
+
+
+def ratio(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[float, float, float]:
     """``(ours, floor, seconds of one diff)`` in bytes/s, medians of alternating rounds."""
-    floor_throughput(a, b)
+    floor_throughput(a, b, compare)
     a.diff(b).table(progress=False)
     floors, times = [], []
     for _ in range(rounds):
-        floors.append(floor_throughput(a, b))
+        floors.append(floor_throughput(a, b, compare))
         t0 = time.perf_counter()
         a.diff(b).table(progress=False)
         times.append(time.perf_counter() - t0)
-    total = sum(2 * e.numel() * e.element_size() for pa in a.pass_indexes()
-                for e in [torch.empty(s, dtype=getattr(torch, str(d).removeprefix("torch.")))
-                          for s, d in zip(pa.shape, pa.dtype)])
+    total = sum(2 * math.prod(s) * getattr(torch, str(d).removeprefix("torch.")).itemsize
+                for pa in a.pass_indexes() for s, d in zip(pa.shape, pa.dtype))
     t = statistics.median(times)
     return total / t, statistics.median(floors), t
 
 
-def floor_throughput(a: DumpSet, b: DumpSet) -> float:
+def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff) -> float:
     t0 = time.perf_counter()
     total = 0
     for pa in a.pass_indexes():
@@ -65,9 +98,57 @@ def floor_throughput(a: DumpSet, b: DumpSet) -> float:
         ta = torch.load(pa.files.tensors, mmap=True, weights_only=True)
         tb = torch.load(pb.files.tensors, mmap=True, weights_only=True)
         for k, x in ta.items():
-            _abs_max_diff(x, tb[k])
+            compare(x, tb[k])
             total += 2 * x.numel() * x.element_size()
     return total / (time.perf_counter() - t0)
+
+
+def narrow_run(root: Path, passes: int, entries: int, numel: int, dtype: torch.dtype, *,
+               noise: float = 0.0) -> Path:
+    """A dump of ``passes`` x ``entries`` tensors of ``numel`` elements of ``dtype``, filled a
+    million elements at a time from one random block (scaled per block, plus ``noise``), so
+    that 1 GB tensors need no 4 GB float32 source."""
+    block = min(numel, WIDEN_CHUNK)
+    base = torch.randn(block, generator=torch.Generator().manual_seed(0))
+    jitter = noise * torch.randn(block, generator=torch.Generator().manual_seed(1))
+    rec = Recorder(root, level="module", max_pending_bytes=64 << 20)
+    for p in range(passes):
+        for e in range(entries):
+            t = torch.empty(numel, dtype=dtype)
+            for j, i in enumerate(range(0, numel, block)):
+                k = min(block, numel - i)
+                v = base[:k] * (1 + ((p * 7 + e + j) % 13) / 13)
+                t[i:i + k] = (v + jitter[:k]).to(dtype) if noise else v.to(dtype)
+            rec.record(f"model.layers.{e // 10}.op{e % 10}", t, module_type="Linear")
+        rec.step()
+    rec.close()
+    return root
+
+
+def parse_size(text: str) -> int:
+    """``"1K"`` -> 1024, ``"16M"``, ``"1G"``."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def narrow_floats(root: Path, args) -> None:
+    """4. float32, bfloat16, float16 and float8 dumps by tensor size (decoded in the kernel's
+    loop), each against the cheapest torch compare of its bytes."""
+    for size in (parse_size(v) for v in args.dtype_sizes.split(",")):
+        entries = max(1, min(1000, (16 << 20) // size))
+        for name in args.dtypes.split(","):
+            dt = getattr(torch, name)
+            numel = size // dt.itemsize
+            x = narrow_run(root / f"{name}_a", 2, entries, numel, dt)
+            y = narrow_run(root / f"{name}_b", 2, entries, numel, dt, noise=1e-2)
+            a, b = DumpSet.open(x), DumpSet.open(y)
+            compare = cheapest_compare(a, b)
+            ours, floor, _ = ratio(a, b, args.rounds, compare)
+            print(f"{name:14s} {size:>13,} B a tensor x {entries:4d} x 2 passes: {ours / 1e9:6.2f} "
+                  f"GB/s, floor {floor / 1e9:6.2f} GB/s ({compare.__name__}), ratio "
+                  f"{ours / floor:.0%}", flush=True)
+            shutil.rmtree(x)
+            shutil.rmtree(y)
 
 
 def main() -> None:
@@ -76,13 +157,19 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=20)
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtype-numel", type=int, default=1 << 22)
+    parser.add_argument("--dtype-sizes", default="1K,64K,1M,16M,256M",
+                        help="bytes a tensor in section 4 (K, M, G suffixes; 1G needs ~5 GB free)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16,float8_e4m3fn,float8_e5m2")
+    parser.add_argument("--dtypes-only", action="store_true", help="run section 4 alone")
     parser.add_argument("--small-entries", type=int, default=10_000)
     parser.add_argument("--small-numel", type=int, default=256)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-diff-", dir=args.dir))
     try:
+        if args.dtypes_only:
+            narrow_floats(root, args)
+            return
         # 1. open time, 100 passes x 1,500 small entries
         meta = write_run(root / "meta", 100, 1500, 16, seed=0)
         t0 = time.perf_counter()
@@ -132,16 +219,7 @@ def main() -> None:
         for d in (a, b, c):
             shutil.rmtree(d)
 
-        # 4. narrow floats (decoded in the kernel's loop), 2 passes x 4 entries
-        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-            name = str(dt).removeprefix("torch.")
-            x = write_run(root / f"{name}_a", 2, 4, args.dtype_numel, seed=1, dtype=dt)
-            y = write_run(root / f"{name}_b", 2, 4, args.dtype_numel, seed=2, noise=1e-2, dtype=dt)
-            ours, floor, _ = ratio(DumpSet.open(x), DumpSet.open(y), args.rounds)
-            print(f"{name:14s} {args.dtype_numel} elements a tensor: {ours / 1e9:.2f} GB/s, floor "
-                  f"{floor / 1e9:.2f} GB/s, ratio {ours / floor:.0%}")
-            shutil.rmtree(x)
-            shutil.rmtree(y)
+        narrow_floats(root, args)  # 4.
 
         # 5. one pass of many small entries: the per-entry overhead
         x = write_run(root / "small_a", 1, args.small_entries, args.small_numel, seed=1)
