@@ -34,6 +34,8 @@ Writes are atomic: a temporary name in the same folder, then ``os.replace``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import os
@@ -142,12 +144,14 @@ def write_sidecar(path: str | os.PathLike, meta: dict, *, fsync: bool = False,
     atomic_write(path, lambda f: f.write(data), fsync=fsync)
 
 
-def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = None) -> dict | None:
+def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = None, *,
+                 index: Any = None) -> dict | None:
     """Read and validate a sidecar; ``null`` statistics come back as NaN.
 
     With ``pass_file``, a sidecar that does not describe it (stale, edited,
     or written without a binding) is ignored with a warning: ``None`` is
-    returned and the caller reads the pass file itself.
+    returned and the caller reads the pass file itself. ``index``: the pass
+    file's :class:`~tdinspect.zipindex.ZipIndex` when the caller has read it.
 
     Raises
     ------
@@ -161,7 +165,8 @@ def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = 
     path = Path(path)
     try:
         raw = path.read_bytes()
-        doc = json.loads(raw)
+        with _no_gc():
+            doc = json.loads(raw)
     except (OSError, ValueError, RecursionError) as exc:
         raise DumpFormatError(f"{path}: unreadable sidecar ({type(exc).__name__}: "
                               f"{str(exc)[:100]})") from None
@@ -171,7 +176,7 @@ def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = 
         raise DumpFormatError(f"{path}: sidecar version {str(doc.get('version'))[:20]!r} is not "
                               f"supported (this tdinspect reads version {SIDECAR_VERSION})")
     if pass_file is not None:
-        reason = mismatch(raw, doc, Path(pass_file))
+        reason = mismatch(raw, doc, Path(pass_file), index)
         if reason is not None:
             warn_ignored(path, reason)
             return None
@@ -183,6 +188,20 @@ def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = 
     # a float array of them (numpy converts None to NaN), which keeps opening fast
     entries["stats"] = [nan_row if s is None else s for s in entries.get("stats", [None] * n)]
     return doc
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The cyclic garbage collector paused: parsing a sidecar makes tens of thousands of
+    lists and dicts (no cycles), and the collections they trigger doubled the parse
+    (measured: 100 sidecars of 1,500 entries, 0.79 s with, 0.34 s without)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def save_pass(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, fsync: bool = False,

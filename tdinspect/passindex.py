@@ -10,6 +10,9 @@ same :func:`tdinspect.stats.tensor_stats` that capture uses.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,7 @@ from .dumper.kinds import restore
 from .rawpass import read_raw
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
+from .zipindex import ZipIndex, read_index
 
 
 @dataclass
@@ -60,12 +64,31 @@ class PassIndex:
         self.position = {k: i for i, k in enumerate(self.keys)}
         if len(self.dims) != len(self.keys):
             self.dims = [None] * len(self.keys)
+        self._zip: ZipIndex | None = None  # the pass file's zip index, read at open
+        self._held: dict[str, torch.Tensor] | None = None  # tensors loaded at open (no sidecar)
+
+    def __getstate__(self) -> dict:
+        # what the open read stays in this process: a worker reads the file itself
+        return {k: v for k, v in self.__dict__.items() if k not in ("_zip", "_held")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _zip=None, _held=None)
 
     # -- reading -----------------------------------------------------------------------
     @classmethod
     def read(cls, rank: int, files: PassFiles) -> "PassIndex":
-        """Index one pass from its sidecar, or from the pass file's metadata."""
-        doc = read_sidecar(files.sidecar, files.tensors) if files.sidecar is not None else None
+        """Index one pass from its sidecar, or from the pass file's metadata.
+
+        Each pass file is read once here: with a sidecar, its zip index (the
+        binding check) is kept for the first read of its tensors; without
+        one, the tensors loaded (memory-mapped) for their keys, shapes and
+        dtypes are kept for the first :meth:`load` (at most
+        :data:`HELD_PASSES` passes at a time in a process).
+        """
+        index = read_index(files.tensors) if files.sidecar is not None \
+            and files.tensors is not None else None
+        doc = read_sidecar(files.sidecar, files.tensors, index=index) \
+            if files.sidecar is not None else None
         if doc is not None:
             e = doc["entries"]
             n = len(e["key"])
@@ -74,24 +97,29 @@ class PassIndex:
             def col(name, default=None):
                 return e.get(name) or [default] * n
 
-            return cls(rank, files.index, files, list(e["key"]), col("shape"), col("dtype"),
-                       col("module_type", ""), [bool(v) for v in col("stored", True)], stats,
-                       [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
-                       col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
-                       bool(doc.get("partial")), kind=col("kind"),
-                       parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
-                       checksum=col("checksum"),
-                       failed=str(doc["failed"]) if doc.get("failed") else None,
-                       storage=e.get("storage"), skipped=e.get("skipped"), raw=e.get("raw"))
+            pi = cls(rank, files.index, files, list(e["key"]), col("shape"), col("dtype"),
+                     col("module_type", ""), [bool(v) for v in col("stored", True)], stats,
+                     [bool(v) for v in col("uninitialized", False)], col("ref"), col("call_args"),
+                     col("aten"), doc.get("level", "module"), bool(doc.get("stats_only")),
+                     bool(doc.get("partial")), kind=col("kind"),
+                     parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
+                     checksum=col("checksum"),
+                     failed=str(doc["failed"]) if doc.get("failed") else None,
+                     storage=e.get("storage"), skipped=e.get("skipped"), raw=e.get("raw"))
+            if pi.raw is not None:
+                pi._zip = index
+            return pi
         loaded = load_pass(files.tensors, mmap=True)
         keys = list(loaded)
         tensors = [restore(t) for t in loaded.values()]  # shapes and dtypes as analysis reads them
         n = len(keys)
         aten = [parse_key(k).op if _parses(k) else None for k in keys]
-        return cls(rank, files.index, files, keys, [list(t.shape) for t in tensors],
-                   [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
-                   [False] * n, [None] * n, [None] * n, aten,
-                   "op" if any(a is not None for a in aten) else "module")
+        pi = cls(rank, files.index, files, keys, [list(t.shape) for t in tensors],
+                 [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
+                 [False] * n, [None] * n, [None] * n, aten,
+                 "op" if any(a is not None for a in aten) else "module")
+        _hold(pi, loaded)
+        return pi
 
     @property
     def path(self):
@@ -103,7 +131,10 @@ class PassIndex:
         if self.files.tensors is None:
             raise DumpFormatError(f"{self.files.sidecar}: statistics-only pass, no tensors were saved")
         expected = {k for k, s in zip(self.keys, self.stored) if s}
-        tensors = self._read_records() if self.raw is not None else None
+        with _HELD_LOCK:
+            tensors, self._held = self._held, None
+        if tensors is None and self.raw is not None:
+            tensors = self._read_records()
         if tensors is None:
             tensors = load_pass(self.files.tensors, mmap=True)
         if expected != tensors.keys():
@@ -117,8 +148,9 @@ class PassIndex:
         """The stored tensors read from the archive's records as the sidecar lays them out
         (no unpickling); ``None`` when the layout does not check out against the file."""
         rows = [i for i, s in enumerate(self.stored) if s]
+        index, self._zip = self._zip, None  # it describes the file as opened: used once
         return read_raw(self.files.tensors, [self.keys[i] for i in rows],
-                        [self.raw[i] for i in rows])
+                        [self.raw[i] for i in rows], index)
 
     def tensor(self, key: str, loaded: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One entry's tensor, references resolved; ``loaded`` reuses an open pass file."""
@@ -234,6 +266,24 @@ class PassIndex:
 
     def stat_dict(self, i: int) -> dict[str, float]:
         return dict(zip(STAT_NAMES, self.ensure_stats()[i].tolist()))
+
+
+HELD_PASSES = 64  # passes whose tensors, loaded at open, wait for their first read
+_HELD: deque = deque()
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(pi: PassIndex, tensors: dict[str, torch.Tensor]) -> None:
+    """Keep the tensors an open loaded for ``pi``'s first :meth:`~PassIndex.load` (a pass
+    without a sidecar is then unpickled once), forgetting the oldest beyond
+    :data:`HELD_PASSES` (they are memory-mapped: address space, not memory)."""
+    with _HELD_LOCK:
+        pi._held = tensors
+        _HELD.append(weakref.ref(pi))
+        while len(_HELD) > HELD_PASSES:
+            old = _HELD.popleft()()
+            if old is not None:
+                old._held = None
 
 
 def _parallel(value, files: PassFiles) -> dict[str, list[int]]:

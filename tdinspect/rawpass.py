@@ -10,7 +10,7 @@ So the writer also records the pickle's facts in the sidecar (column ``raw``:
 ``[record, storage_offset, shape, strides, dtype]`` per stored entry), as :func:`layout` derives them from the tensors handed to
 ``torch.save`` (storages are numbered in the order first met, as torch does).
 :func:`read_raw` then finds each record through the zip's central directory
-and local headers, memory-maps the file copy-on-write (writing to a tensor
+(:mod:`tdinspect.zipindex`, read once per pass) and local headers, memory-maps the file copy-on-write (writing to a tensor
 never reaches the file) and views the bytes, after checking every claim
 against the archive: the record exists, is stored uncompressed, holds enough
 bytes for the view, the dtype is one of torch's, the byte order is little.
@@ -38,9 +38,12 @@ import mmap
 import os
 import struct
 import zipfile
+import zlib
 from typing import Any
 
 import torch
+
+from .zipindex import ZipIndex, identity, index_of
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
@@ -73,22 +76,28 @@ def layout(tensors: dict[str, torch.Tensor]) -> list[list[Any]] | None:
     return out
 
 
-def _data_offsets(fileobj, infos: list[zipfile.ZipInfo]) -> dict[str, tuple[int, int]]:
-    """``{record name: (data start, size)}`` of the uncompressed records."""
-    out = {}
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            continue
-        fileobj.seek(info.header_offset)
-        head = fileobj.read(_LOCAL_HEADER.size)
-        if len(head) != _LOCAL_HEADER.size:
-            continue
-        fields = _LOCAL_HEADER.unpack(head)
-        if fields[0] != _LOCAL_SIGNATURE:
-            continue
-        start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        out[info.filename] = (start, info.file_size)
-    return out
+def _data_start(mapped: mmap.mmap, index: ZipIndex, name: str) -> tuple[int, int] | None:
+    """``(data start, size)`` of an uncompressed record, from its local header in the map."""
+    found = index.record(name)
+    if found is None or found[2] != zipfile.ZIP_STORED:
+        return None
+    offset, size = found[0], found[1]
+    if offset + _LOCAL_HEADER.size > len(mapped):
+        return None
+    fields = _LOCAL_HEADER.unpack_from(mapped, offset)
+    if fields[0] != _LOCAL_SIGNATURE:
+        return None
+    return offset + _LOCAL_HEADER.size + fields[9] + fields[10], size
+
+
+def _small_record(mapped: mmap.mmap, index: ZipIndex, name: str) -> bytes | None:
+    """The bytes of a small record (``data.pkl``, ``byteorder``), CRC-checked as ``zipfile``
+    checks what it reads."""
+    located = _data_start(mapped, index, name)
+    if located is None or located[0] + located[1] > len(mapped):
+        return None
+    data = mapped[located[0]:located[0] + located[1]]
+    return data if zlib.crc32(data) == index.record(name)[3] else None
 
 
 def _valid_view(shape: Any, strides: Any, offset: Any, numel: int) -> bool:
@@ -129,8 +138,8 @@ def _pickle_agrees(pickled: bytes, keys: list[str], raw: list[list[Any]]) -> boo
     return True
 
 
-def read_raw(path: str | os.PathLike, keys: list[str],
-             raw: list[Any]) -> dict[str, torch.Tensor] | None:
+def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
+             index: ZipIndex | None = None) -> dict[str, torch.Tensor] | None:
     """The tensors of a pass file from its records, or ``None`` when anything does not check out.
 
     Parameters
@@ -140,31 +149,36 @@ def read_raw(path: str | os.PathLike, keys: list[str],
     keys, raw : lists
         Per stored entry, in file order: the sidecar's key and ``raw`` layout
         (see :func:`layout`).
+    index : ZipIndex, optional
+        The file's zip index, when the caller read it already (it is read
+        again if the file is no longer the one it describes).
 
     Returns
     -------
     dict or None
         ``{key: tensor}`` viewing a private (copy-on-write) map of the file.
     """
-    try:
-        with open(path, "rb") as f:
-            with zipfile.ZipFile(f) as archive:
-                infos = archive.infolist()
-                prefix = infos[0].filename.split("/", 1)[0] + "/" if infos else ""
-                if any(i.filename == prefix + "byteorder" for i in infos) and \
-                        archive.read(prefix + "byteorder") != b"little":
-                    return None
-                pickled = archive.read(prefix + "data.pkl")
-            where = _data_offsets(f, infos)
-            if os.fstat(f.fileno()).st_size == 0:
-                return None
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error, KeyError):
-        return None
     if len(keys) != len(raw) or not all(isinstance(e, list) and e and isinstance(e[0], str)
                                         for e in raw):
         return None
-    if not _pickle_agrees(pickled, keys, raw):
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_size == 0:
+                return None
+            if index is None or index.identity != identity(st):
+                index = index_of(f)
+                if index is None:
+                    return None
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None
+    prefix = index.first.split("/", 1)[0] + "/" if index.first else ""
+    if prefix + "byteorder" in index.names and \
+            _small_record(mapped, index, prefix + "byteorder") != b"little":
+        return None
+    pickled = _small_record(mapped, index, prefix + "data.pkl")
+    if pickled is None or not _pickle_agrees(pickled, keys, raw):
         return None
     storages: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = {}
@@ -173,15 +187,14 @@ def read_raw(path: str | os.PathLike, keys: list[str],
                 and isinstance(entry[4], str) and entry[4] in _DTYPES):
             return None
         record, offset, shape, strides, dtype = entry[:4] + [_DTYPES[entry[4]]]
-        located = where.get(f"{prefix}data/{record}")
-        if located is None:
-            return None
-        start, size = located
-        itemsize = dtype.itemsize
-        if size % itemsize or start + size > len(mapped):
-            return None
         storage = storages.get((record, dtype))
         if storage is None:
+            located = _data_start(mapped, index, f"{prefix}data/{record}")
+            if located is None:
+                return None
+            start, size = located
+            if size % dtype.itemsize or start + size > len(mapped):
+                return None
             storage = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=start) \
                 .view(dtype) if size else torch.empty(0, dtype=dtype)
             storages[(record, dtype)] = storage
