@@ -77,3 +77,21 @@ def test_api_rejects_nan_threshold_and_bad_regex(runs):
         d.first_divergence(threshold=float("nan"))
     with pytest.raises(ValueError, match=r"\(\[=1"):
         d.first_divergence(threshold={"([=1": 1e-3})
+
+
+def test_a_cli_diff_of_small_dumps_stays_light():
+    """Small dumps diff without loading numba (pairs under its threshold), xarray (no cube) or
+    dask.distributed (which dask imports when a scheduler is given by name)."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    a, b = ROOT / "sample_dumps" / "float32", ROOT / "sample_dumps" / "wrong_layer"
+    code = ("import sys; from tdinspect.cli import main; "
+            f"codes = [main(['diff', {str(a)!r}, {str(b)!r}]), "
+            f"main(['first-divergence', {str(a)!r}, {str(b)!r}])]; "
+            "print(codes, [m for m in ('distributed', 'numba', 'xarray') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "[1, 1] []"
