@@ -101,12 +101,13 @@ def _small_record(mapped: mmap.mmap, index: ZipIndex, name: str) -> bytes | None
 
 
 def _valid_view(shape: Any, strides: Any, offset: Any, numel: int) -> bool:
-    ints = (isinstance(shape, list) and isinstance(strides, list) and len(shape) == len(strides)
-            and all(type(v) is int and v >= 0 for v in (*shape, *strides))
-            and type(offset) is int and offset >= 0)
-    if not ints:
+    if not (type(shape) is list and type(strides) is list and len(shape) == len(strides)
+            and type(offset) is int and offset >= 0):
         return False
-    if any(s == 0 for s in shape):
+    dims = shape + strides  # non-negative ints (bool is not one), checked a list at a time
+    if not set(map(type, dims)) <= {int} or (dims and min(dims) < 0):
+        return False
+    if 0 in shape:
         return offset <= numel
     return offset + sum((s - 1) * st for s, st in zip(shape, strides)) < numel
 
