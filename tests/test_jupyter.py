@@ -283,13 +283,17 @@ def test_tdi_diff_shows_one_summary_that_honours_its_flags(runs):
         f"%tdi_diff {runs['ref']} {runs['wrong']} --metric cosine --threshold 0.5",
         f"%tdi_diff {runs['ref']} {runs['bf16']} --threshold 1e-7 --as bf",
         "bf.first_divergence(1e-7).key",
+        f"%tdi_diff {runs['ref']} {runs['bf16']} --threshold auto",
     ]
     nb = _run(cells, allow_errors=False)
-    default, loose, bf = (nb.cells[i].outputs for i in (1, 2, 3))
+    default, loose, bf, auto = (nb.cells[i].outputs for i in (1, 2, 3, 5))
     assert len(default) == 1 and default[0]["output_type"] == "display_data"  # once, not twice
     html = default[0]["data"]["text/html"]
     assert html.count("model.layers.2.mlp.down") == 2  # named in the heading and in its table row
     assert "metric: rel_diff" in html and "first divergence" in html
+    assert "threshold: auto (rel_diff u/4" in html and "(auto: float32)" in html  # the default
+    html = auto[0]["data"]["text/html"]  # bf16 against float32: bfloat16's u/4 for every entry
+    assert "no divergence" in html and "bfloat16 0.00098" in html
     html = loose[0]["data"]["text/html"]
     assert len(loose) == 1 and "no divergence" in html and "metric: cosine" in html and "0.5" in html
     key = nb.cells[4].outputs[0]["data"]["text/plain"].strip("'")
