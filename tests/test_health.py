@@ -116,6 +116,32 @@ def test_warn_goes_on_and_dump_keeps_complete_passes(tmp_path):
         tdinspect.capture(model, on_nonfinite="stop")
 
 
+def test_with_a_dump_the_check_reads_the_statistics_not_the_tensor(tmp_path, monkeypatch):
+    """Module capture with a dump computes each output's statistics anyway: their NaN/Inf
+    counts answer the health check (no second read of the tensor), with the same report."""
+    from tdinspect.dumper import checks
+
+    reads = []
+    monkeypatch.setattr(checks, "_finite_cpu",
+                        lambda v, f=checks._finite_cpu: reads.append(1) or f(v))
+    model = make_model()
+    _inject_nan_at(model, SICK, at_pass=1)
+    with pytest.raises(tdinspect.NonFiniteError) as info:
+        with tdinspect.capture(model, tmp_path / "d", on_nonfinite="raise") as cap:
+            _run(model, cap, passes=3)
+    found = info.value.nonfinite
+    assert (found.key, found.pass_, found.nan, found.inf, found.numel) == (
+        SICK, 1, 3, 0, 2 * 16 * 256)
+    assert reads == []
+    # the same run checked without a dump reads each output itself, and names the same entry
+    model = make_model()
+    _inject_nan_at(model, SICK, at_pass=1)
+    with pytest.raises(tdinspect.NonFiniteError) as info:
+        with tdinspect.capture(model, on_nonfinite="raise") as cap:
+            _run(model, cap, passes=3)
+    assert reads and (info.value.nonfinite.key, info.value.nonfinite.order) == (SICK, found.order)
+
+
 class SqrtOfRelu(nn.Module):
     """``sqrt(relu(x))``: finite forward; at a negative x, sqrt's backward divides by sqrt(0)."""
 

@@ -12,7 +12,8 @@ Usage::
 
 Health check: each output gets one fused reduction on its own device
 (``aminmax``; on CPU a BLAS ``dot(x, x)``, confirmed exactly when it is not
-finite). On CPU the answer is read at once, so the error is raised inside the
+finite), unless module capture already computed its statistics on the CPU
+(a dump is written): their NaN/Inf counts answer, without another read. On CPU the answer is read at once, so the error is raised inside the
 forward (or backward) that made the value; on an accelerator the flags stay on
 the device and are read once per :meth:`step` (no synchronisation per entry),
 which then names the first offending entry. At op level the error also says
@@ -201,14 +202,20 @@ class HealthCheck:
         self._warned: set[int] = set()
 
     def check(self, key: str, tensor: torch.Tensor, *, pass_: int, order: int,
-              inputs: list | None = None, inputs_before: Any = None) -> None:
+              inputs: list | None = None, inputs_before: Any = None,
+              row: torch.Tensor | None = None) -> None:
         """Check one output. ``inputs`` (op level) tell inherited from created;
-        ``inputs_before`` is their flag taken before an in-place op ran."""
+        ``inputs_before`` is their flag taken before an in-place op ran; ``row``
+        is the entry's statistics when capture computed them on the CPU (their
+        NaN/Inf counts answer without another read of the tensor)."""
         v = _checkable(tensor)
         if v is None or (self.action == "warn" and pass_ in self._warned):
             return
         if v.device.type == "cpu":
-            if _finite_cpu(v):
+            if row is not None and row.device.type == "cpu":
+                if not row[6:8].any():  # no NaN, no Inf
+                    return
+            elif _finite_cpu(v):
                 return
             inherited = None
             if inputs is not None:

@@ -318,10 +318,12 @@ class ModuleCapture(StopsOnCheck):
             dropped: dict[str, str] = {}
             for sub, tensor in flatten_output(output, dropped=dropped):
                 key = name + sub + suffix
+                order = len(rec)
+                # recorded first: its statistics' NaN/Inf counts spare the check a read
+                row = rec.record(key, tensor, module_type=module_type, **extra) if outputs else None
                 if health is not None:
-                    self._checked(health.check, key, tensor, pass_=rec.pass_index, order=len(rec))
-                if outputs:
-                    rec.record(key, tensor, module_type=module_type, **extra)
+                    self._checked(health.check, key, tensor, pass_=rec.pass_index, order=order,
+                                  row=row)
             if dropped:
                 rec.note_dropped({name + sub + suffix: kind for sub, kind in dropped.items()})
             fired.add(name)

@@ -267,8 +267,13 @@ class Recorder:
             return n
 
     def record(self, key: str, tensor: torch.Tensor | None, *, module_type: str,
-               store: bool = True, same_stats_as: str | None = None, **extra: Any) -> None:
+               store: bool = True, same_stats_as: str | None = None,
+               **extra: Any) -> torch.Tensor | None:
         """Add one entry; ``tensor`` is copied (or reduced to statistics) now.
+
+        Returns the entry's statistics (on the tensor's device; ``None`` when
+        none were computed: no dump, an uninitialised or unmeasurable tensor),
+        whose NaN/Inf counts spare the health check a read of its own.
 
         ``store=False`` keeps only metadata (an uninitialised output, or a
         reference to a tensor already recorded). ``same_stats_as`` names an
@@ -282,7 +287,7 @@ class Recorder:
             thread = self._thread_number()
             if thread:
                 extra["thread"] = thread
-            self._record(key, tensor, module_type, store, same_stats_as, extra)
+            return self._record(key, tensor, module_type, store, same_stats_as, extra)
 
     def _record(self, key, tensor, module_type, store, same_stats_as, extra) -> None:
         p = self._pass
@@ -311,7 +316,8 @@ class Recorder:
         elif self.checksum and measured:
             digest = tensor_checksum(tensor)
         if shared is not None:
-            return self._append(key, tensor, None, shared, module_type, extra, digest)
+            self._append(key, tensor, None, shared, module_type, extra, digest)
+            return shared
         if measured and not plain:
             return self._record_kind(key, tensor, module_type, store, extra, digest)
         copy = None
@@ -320,6 +326,7 @@ class Recorder:
             self._in_flight |= in_flight
             p.nbytes += copy.numel() * copy.element_size()
         self._append(key, tensor, copy, stat, module_type, extra, digest)
+        return stat
 
     def _record_kind(self, key, tensor, module_type, store, extra, digest) -> None:
         """A sparse, quantized, nested, expanded, subclass, meta or fake tensor (see
@@ -344,6 +351,7 @@ class Recorder:
                                                         f"{prep.skipped} (the sidecar says so)")
         self._append(key, None, copy, prep.stats, module_type, extra, digest,
                      shape=prep.shape, dtype=prep.dtype)
+        return prep.stats
 
     def record_unchanged(self, key: str, tensor: torch.Tensor, facts: tuple, *,
                          of_pass: int, module_type: str, **extra: Any) -> None:
