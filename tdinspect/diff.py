@@ -34,12 +34,13 @@ import pandas as pd
 import torch
 
 from .align.args import arg_difference
-from .align.logical import AlignError, LogicalPass, describe, slices_of
+from .align.logical import AlignError, LogicalPass, describe, matching_slices, slices_of
 from .align.mapping import Mapping
 from .align.transforms import TransformError
 from .dumpset import DumpSet
 from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_tensors,
                       metric, stats_rel)
+from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
@@ -242,6 +243,7 @@ class Side:
     call_args: Any = None  # the recorded op call (op level with inputs)
     checksum: Any = None  # the sidecar's bitwise fingerprint
     dtype: Any = None
+    pieces: Any = None  # () -> a concatenation's parts (align.logical.pieces), or None
 
 
 def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, chunk: int) -> None:
@@ -272,16 +274,14 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
             row.update(structural=True, reason="NaN/Inf on one side")
     else:
         try:
-            ya, xb = a.tensor(), b.tensor()
+            found = _tensor_metrics(a, b, transform, chunk)
         except AlignError as exc:
             row.update(structural=True, reason=str(exc))
             return
-        if transform is not None:
-            xb, why = _apply(transform, xb, ya)
-            if why:
-                row.update(structural=True, reason=why)
-                return
-        row.update(compare_tensors(xb, ya, chunk=chunk))
+        if isinstance(found, str):
+            row.update(structural=True, reason=found)
+            return
+        row.update(found)
         bad = row.pop("nonfinite_mismatch", 0)
         if bad:
             row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
@@ -289,12 +289,41 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
         row.update(structural=True, reason=args_why)
 
 
+def _tensor_metrics(a: Side, b: Side, transform, chunk: int) -> dict[str, float] | str:
+    """The metrics of the pair's tensors (``a`` the reference), or why the transform failed.
+
+    A concatenated side (unshard, concat) is compared part by part against the
+    matching slices of the other, without assembling it, where
+    :func:`~tdinspect.metrics_split.compare_pieces` can be exact.
+    """
+    if transform is None and (a.pieces is not None or b.pieces is not None):
+        pa, pb = (s.pieces() if s.pieces is not None else None for s in (a, b))
+        if pa is not None or pb is not None:
+            if pa is None:
+                pa = (pb[0], [(0, a.tensor())])
+            if pb is None:
+                pb = (pa[0], [(0, b.tensor())])
+            slices = matching_slices(pa, pb)
+            found = None if slices is None else compare_pieces([(x, y) for y, x in slices],
+                                                                chunk=chunk)
+            if found is not None:
+                return found
+    ya, xb = a.tensor(), b.tensor()
+    if transform is not None:
+        xb, why = _apply(transform, xb, ya)
+        if why:
+            return why
+    return compare_tensors(xb, ya, chunk=chunk)
+
+
 def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
     """The :class:`Side` of entry ``i`` of a pass (``side``: "A" or "B", named in problems);
     ``loaded()`` gives its open pass file."""
+    pieces = (lambda: _read(pi, i, loaded(), side, pi.pieces)) \
+        if isinstance(pi, LogicalPass) else None
     return Side(pi.shape[i], pi.uninitialized[i], lambda: pi.stat_dict(i),
                 lambda: _read(pi, i, loaded(), side), _problem(pi, i, side), pi.call_args[i],
-                pi.checksum[i] if pi.checksum else None, pi.dtype[i])
+                pi.checksum[i] if pi.checksum else None, pi.dtype[i], pieces)
 
 
 def compare_pass(job: PassJob) -> list[dict[str, Any]]:
@@ -405,9 +434,9 @@ def _open(pi: PassIndex):
     return pi.load(scratch=True) if isinstance(pi, LogicalPass) else pi.load()
 
 
-def _read(pi: PassIndex, i: int, loaded, side: str):
+def _read(pi: PassIndex, i: int, loaded, side: str, how=None):
     try:
-        return pi.tensor(pi.keys[i], loaded)
+        return (how or pi.tensor)(pi.keys[i], loaded)
     except AlignError as exc:
         raise AlignError(f"{side}: {exc}") from None
 
@@ -735,8 +764,10 @@ class Diff:
         """The metric of one entry along ``dim``: where along the tokens two runs part.
 
         One value per position for each pass and call (and rank) where both
-        sides hold the entry, each from :func:`tdinspect.metrics.compare_tensors`
-        on the two slices (the one metric definition). A RoPE or KV-cache bug
+        sides hold the entry, each what :func:`tdinspect.metrics.compare_tensors`
+        gives for the two slices (the one metric definition), all positions
+        computed in one vectorised pass
+        (:func:`tdinspect.metrics_split.compare_positions`). A RoPE or KV-cache bug
         shows as error from the first decode position on; a layer bug as error
         everywhere.
 
@@ -791,8 +822,7 @@ class Diff:
                 d = dim_index(dim, pa.dims[i], ya.dim(), row["key"])
                 # positions first, once: each slice is then contiguous, in the same element order
                 ya, xb = ya.movedim(d, 0).contiguous(), xb.movedim(d, 0).contiguous()
-                values = [compare_tensors(xb[j], ya[j], chunk=self.chunk)[m.name]
-                          for j in range(ya.shape[0])]
+                values = compare_positions(xb, ya, m.name, chunk=self.chunk).tolist()
                 cells.append((rank, p, int(row["call"]), values, thr_fn.lookup(
                     base, row["dtype_a"], row["dtype_b"])))
         if not cells:

@@ -121,3 +121,44 @@ def test_explore_shows_the_per_position_panel(decode_runs):
     assert f"diverges from position {PROMPT} on" in ex.positions_fig.axes[0].get_title()
     ex.threshold.value = 1e2  # nothing is that far off: the panel follows the slider
     assert "no position past the threshold" in ex.positions_fig.axes[0].get_title()
+
+
+def test_concatenated_calls_are_compared_piece_by_piece_as_if_assembled(decode_runs, monkeypatch):
+    """The diff compares each decode call against the matching positions of the forward,
+    never assembling the concatenation, and gets the numbers of the assembled pair."""
+    from tdinspect.align.logical import LogicalPass
+    from tdinspect.metrics import TENSOR_METRICS, compare_tensors
+
+    diff = _diff(decode_runs, "buggy")
+    assembled = {k: diff.b.tensor(k) for k in diff.b.ops}
+    reference = {k: diff.a.tensor(k) for k in diff.a.ops}
+
+    def never(self, key, loaded=None):
+        raise AssertionError(f"{key} was assembled")
+
+    for pi in diff.b._passes.values():  # the concatenated side (A is a narrowed view)
+        assert isinstance(pi, LogicalPass)
+        monkeypatch.setattr(pi, "tensor", never.__get__(pi))
+    table = diff.table(progress=False)
+    assert not table["structural"].any() and (table["equal"] == 0).any()
+    for row in table.to_dict("records"):
+        want = compare_tensors(assembled[row["key_b"]], reference[row["key"]])
+        for k in TENSOR_METRICS:
+            if k in ("max_abs", "max_rel", "mismatch", "equal", "max_abs_cast"):
+                assert row[k] == want[k], (row["key"], k)
+            else:
+                assert row[k] == pytest.approx(want[k], rel=1e-9, abs=1e-300), (row["key"], k)
+
+
+def test_per_position_vectorised_equals_the_per_position_loop(decode_runs):
+    from tdinspect.metrics import compare_tensors
+
+    diff = _diff(decode_runs, "buggy")
+    for key in ("model.model.layers.0.self_attn.q_proj", "model.model.layers.1.mlp.up_proj",
+                "model.model.rotary_emb[0]"):
+        a, b = diff.a.tensor(key).movedim(1, 0), diff.b.tensor(key).movedim(1, 0)
+        for name in ("rel_diff", "cosine", "sqnr_db", "mean_abs", "max_rel", "equal"):
+            da = diff.per_position(key, dim=1, metric=name)
+            loop = [compare_tensors(b[j], a[j])[name] for j in range(FED)]
+            assert da[0, 0].values.tolist() == pytest.approx(loop, rel=1e-12, abs=1e-300), \
+                (key, name)

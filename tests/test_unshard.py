@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -140,6 +141,40 @@ def test_unsharded_entries_without_dims_must_agree(tmp_path):
     assert "B: no dims and not replicated: rank 0 and rank 1" in div.reason
 
 
+def test_replicas_are_compared_bit_for_bit(tmp_path):
+    """A replica holding NaN is still one (NaN meets the same NaN); -0.0 against 0.0 is not."""
+    nan = torch.tensor([1.0, math.nan, 3.0] * 3000)  # 36 KB: past the first compared block
+    late = torch.arange(9000.0)
+    for rank in range(2):
+        tail = late.clone()
+        tail[-1] += rank  # the copies differ in their last element only
+        _write_rank(tmp_path, rank, {"tp": (rank, 2)},
+                    {"x.nan": nan, "x.zero": torch.tensor([0.0, -0.0 if rank else 0.0]),
+                     "x.late": tail}, {})
+    u = tdinspect.DumpSet.open(tmp_path).unshard()
+    back = u.tensor("x.nan")
+    assert back.view(torch.int32).equal(nan.view(torch.int32))
+    with pytest.raises(ValueError, match=r"rank 0 and rank 1 differ \(max \|Δ\| 0\)"):
+        u.tensor("x.zero")
+    with pytest.raises(ValueError, match=r"rank 0 and rank 1 differ \(max \|Δ\| 1\)"):
+        u.tensor("x.late")
+
+
+def test_partial_sums_over_three_ranks_in_a_reused_buffer(tmp_path):
+    parts = [torch.randn(4, 6, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for rank in range(3):
+        _write_rank(tmp_path, rank, {"tp": (rank, 3)},
+                    {"x.p": parts[rank], "x.q": 2 * parts[rank]}, {r"\.[pq]$": "s h(tp,partial)"})
+    u = tdinspect.DumpSet.open(tmp_path).unshard()
+    pi = u.get_pass(0)
+    loaded = pi.load(scratch=True)  # what a diff reads through: one buffer per shape and dtype
+    p = pi.tensor("x.p", loaded).clone()
+    q = pi.tensor("x.q", loaded)
+    assert torch.equal(p, (parts[0] + parts[1]) + parts[2])  # the ranks' order, in float32
+    assert torch.equal(q, (2 * parts[0] + 2 * parts[1]) + 2 * parts[2])
+    assert torch.equal(u.tensor("x.p"), p)
+
+
 def test_replicas_with_checksums_are_settled_without_reading(tmp_path):
     for rank in range(2):
         _write_rank(tmp_path, rank, {"tp": (rank, 2)},
@@ -212,6 +247,13 @@ def test_tp2_unsharded_matches_tp1(tp_runs):
     assert (plan["status"] == "ok").all()
     table = diff.table(progress=False)
     assert len(table) == 20 and not table["structural"].any()
+    # shards compared against the matching slices of tp1's tensors: the assembled pair's numbers
+    from tdinspect.metrics import compare_tensors
+
+    for row in table[table["op"].str.endswith(".q")].to_dict("records"):
+        want = compare_tensors(diff.b.tensor(row["key"]), diff.a.tensor(row["key"]))
+        assert row["max_abs"] == want["max_abs"] and row["equal"] == want["equal"]
+        assert row["rel_diff"] == pytest.approx(want["rel_diff"], rel=1e-9, abs=1e-300)
     assert diff.first_divergence(threshold=1e-10) is None  # float32 noise is ~1e-14 in rel_diff
     assert table["max_abs"].max() < 1e-5
     # without unsharding, the same dumps do not line up

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..metrics import same_bits
 from ..passindex import PassIndex
 
 
@@ -77,30 +78,29 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
         raise AlignError(node["reason"])
     if op == "narrow":
         return evaluate(node["part"], fetch).narrow(node["dim"], node["start"], node["length"])
-    parts = [evaluate(p, fetch) for p in node["parts"]]
     if op == "cat":
         dim = node["dim"]
-        if node.get("zigzag"):  # rank r holds chunks r and 2C-1-r: put the halves in place
-            halves = [h for t in parts for h in t.chunk(2, dim)]
-            c = len(parts)
-            order = [None] * (2 * c)
-            for r in range(c):
-                order[r], order[2 * c - 1 - r] = halves[2 * r], halves[2 * r + 1]
-            parts = order
+        parts = [t for _, t in pieces(node, fetch)[1]]
         if out is None:
             return torch.cat(parts, dim)
         shape = list(parts[0].shape)
         shape[dim] = sum(t.shape[dim] for t in parts)
         return torch.cat(parts, dim, out=out(shape, parts[0].dtype))
-    if op == "sum":
-        total = parts[0].clone() if out is None else out(parts[0].shape, parts[0].dtype).copy_(parts[0])
-        for t in parts[1:]:
+    parts = [evaluate(p, fetch) for p in node["parts"]]
+    if op == "sum":  # one pass per part, into the (reused) buffer: never a copy first
+        first = parts[0]
+        if len(parts) == 1:
+            return first
+        total = torch.empty_like(first, memory_format=torch.contiguous_format) if out is None \
+            else out(first.shape, first.dtype)
+        torch.add(first, parts[1], out=total)
+        for t in parts[2:]:
             total += t
         return total
-    if op == "same":
+    if op == "same":  # bitwise: NaN meets the same NaN, -0.0 differs from 0.0
         first = parts[0]
         for label, t in zip(node["labels"][1:], parts[1:]):
-            if not torch.equal(first, t):
+            if not same_bits(first, t):
                 delta = (first.double() - t.double()).abs().max().item() if first.shape == t.shape \
                     else math.nan
                 raise AlignError(f"no dims and not replicated: {node['labels'][0]} and {label} "
@@ -108,6 +108,63 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
                                  f"dims={{regex: 'b s h(tp)'}}")
         return first
     raise AlignError(f"unknown plan step {op!r}")
+
+
+def pieces(node: dict, fetch) -> tuple[int, list[tuple[int, torch.Tensor]]]:
+    """A ``cat`` plan as ``(dim, [(start, part), ...])``, its parts in the logical order
+    along ``dim`` and not copied together (nested ``cat`` along the same dim flattened).
+
+    The parts' metrics combine into the whole's
+    (:func:`tdinspect.metrics_split.compare_pieces`) without the copy that assembling costs.
+    """
+    dim = node["dim"]
+    parts: list[torch.Tensor] = []
+    for p in node["parts"]:
+        if p["op"] == "cat" and p["dim"] == dim and not (p.get("zigzag") or node.get("zigzag")):
+            parts.extend(t for _, t in pieces(p, fetch)[1])
+        else:
+            parts.append(evaluate(p, fetch))
+    if node.get("zigzag"):  # rank r holds chunks r and 2C-1-r: put the halves in place
+        halves = [h for t in parts for h in t.chunk(2, dim)]
+        c = len(parts)
+        order = [None] * (2 * c)
+        for r in range(c):
+            order[r], order[2 * c - 1 - r] = halves[2 * r], halves[2 * r + 1]
+        parts = order
+    out, start = [], 0
+    for t in parts:
+        out.append((start, t))
+        start += t.shape[dim]
+    return dim, out
+
+
+def matching_slices(a: tuple[int, list[tuple[int, torch.Tensor]]],
+                    b: tuple[int, list[tuple[int, torch.Tensor]]]) \
+        -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Views of two sides' pieces cut at every boundary of either side, pair by pair.
+
+    ``a`` and ``b`` as :func:`pieces` gives them (a whole tensor is ``(dim, [(0, t)])``);
+    ``None`` when they are cut along different dims or do not cover one length.
+    """
+    (da, pa), (db, pb) = a, b
+    ndim = pa[0][1].dim()
+    if ndim == 0 or da % ndim != db % ndim:
+        return None
+    dim = da % ndim
+    length = pa[-1][0] + pa[-1][1].shape[dim]
+    if length != pb[-1][0] + pb[-1][1].shape[dim]:
+        return None
+    cuts = sorted({s for s, _ in pa} | {s for s, _ in pb} | {length})
+    out, i, j = [], 0, 0
+    for start, stop in zip(cuts, cuts[1:]):
+        while i + 1 < len(pa) and pa[i + 1][0] <= start:
+            i += 1
+        while j + 1 < len(pb) and pb[j + 1][0] <= start:
+            j += 1
+        (sa, ta), (sb, tb) = pa[i], pb[j]
+        n = stop - start
+        out.append((ta.narrow(dim, start - sa, n), tb.narrow(dim, start - sb, n)))
+    return out
 
 
 def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]:
@@ -230,6 +287,15 @@ class LogicalPass(PassIndex):
             loaded = self.load()
         return evaluate(self.plans[key], loaded.fetch,
                         loaded.buffer if loaded._buffers is not None else None)
+
+    def pieces(self, key: str, loaded=None) -> tuple[int, list[tuple[int, torch.Tensor]]] | None:
+        """Entry ``key`` as :func:`pieces` when it is a concatenation, else ``None``."""
+        node = self.plans.get(key)
+        if node is None or node["op"] != "cat":
+            return None
+        if not isinstance(loaded, _Loaded):
+            loaded = self.load()
+        return pieces(node, loaded.fetch)
 
     def problem(self, i: int) -> str:
         """Why entry ``i`` cannot be assembled (known before reading), or ``""``."""
