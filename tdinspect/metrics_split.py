@@ -35,8 +35,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .kernels import EPS, NUMBA_MIN_ELEMENTS, PairSums
-from .metrics import (_IDENTICAL, TENSOR_METRICS, _compute_dtype, _from_sums, _sums,
+from .kernels import EPS, NUMBA_MIN_ELEMENTS, PairSums, decode_table
+from .metrics import (_CODED, _IDENTICAL, TENSOR_METRICS, _compute_dtype, _from_sums, _sums,
                       compare_tensors, metric, needs_rescaling, same_bits, sxy_derived, tolerances)
 
 
@@ -96,9 +96,6 @@ def compare_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
     return out
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *,
                       chunk: int = 1 << 18) -> np.ndarray:
     """``compare_tensors(x[j], y[j])[name]`` for every position ``j`` of dim 0, in one pass.
@@ -110,7 +107,7 @@ def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *,
     name : str
         A tensor metric (:data:`tdinspect.metrics.TENSOR_METRICS`).
     chunk : int
-        About how many elements are converted to float64 at a time.
+        About how many elements are taken to float64 at a time.
 
     Returns
     -------
@@ -131,13 +128,14 @@ def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *,
     width = math.prod(x.shape[1:])
     slow = np.ones(npos, bool)
     if x.dtype == y.dtype and _plain_float(x.dtype) and 0 < width <= chunk:
-        xs, ys = x.detach().reshape(npos, width), y.detach().reshape(npos, width)
+        (xs, lut), (ys, _) = (_as_numpy(t.detach().reshape(npos, width)) for t in (x, y))
         rtol, atol = tolerances(x.dtype, y.dtype)
-        step = max(1, chunk // width)
+        step = min(npos, max(1, chunk // width))
+        work = _Work(step, width)  # reused by every block: no page faults after the first
         for start in range(0, npos, step):
             stop = min(npos, start + step)
-            _block(xs[start:stop], ys[start:stop], name, rtol, atol,
-                   values[start:stop], slow[start:stop])
+            work.block(xs[start:stop], ys[start:stop], lut, name, rtol, atol, x.dtype,
+                       values[start:stop], slow[start:stop])
     elif width == 0:
         slow[:] = False  # empty slices are bitwise equal
         values[:] = _IDENTICAL[name]
@@ -146,42 +144,68 @@ def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *,
     return values
 
 
-def _block(x: torch.Tensor, y: torch.Tensor, name: str, rtol: float, atol: float,
-           values: np.ndarray, slow: np.ndarray) -> None:
-    """Fill ``values`` for the rows of one block that the vectorised sums settle exactly,
-    clearing their ``slow`` flag."""
-    bits = _INT_OF_SIZE[x.element_size()]
-    same = torch.eq(x.contiguous().view(bits), y.contiguous().view(bits)).all(1).numpy()
-    xf = x.to(torch.float64).numpy()
-    yf = y.to(torch.float64).numpy()
-    finite = np.isfinite(xf).all(1) & np.isfinite(yf).all(1)
-    with np.errstate(all="ignore"):
-        d = xf - yf
-        ad = np.abs(d)
-        ay = np.abs(yf)
-        sxx = np.square(xf).sum(1)
-        syy = np.square(yf).sum(1)
-        sdd = np.square(d).sum(1)
-        sabs = ad.sum(1)
-        max_abs = ad.max(1)
-        max_rel = (ad / np.maximum(ay, EPS)).max(1)
-        mismatch = np.count_nonzero(ad > atol + rtol * ay, axis=1)
-    wide = x.dtype == torch.float64
-    n = x.shape[1]
-    for j in range(x.shape[0]):
-        if same[j]:
-            values[j], slow[j] = _IDENTICAL[name], False
-            continue
-        if not finite[j]:
-            continue
-        s = PairSums(n, float(sxx[j]), float(syy[j]), float(sdd[j]), float(sabs[j]),
-                     float(max_abs[j]), float(max_rel[j]), int(mismatch[j]))
-        if wide and needs_rescaling(s):
-            continue
-        sxy = sxy_derived(s)
-        if sxy is None:
-            continue
-        row = _from_sums(s, sxy)
-        row["equal"] = 0.0
-        row["rel_diff_cast"], row["max_abs_cast"] = row["rel_diff"], row["max_abs"]
-        values[j], slow[j] = row[name], False
+def _as_numpy(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(array, decode table)``: float32/float64 as they are, narrow floats as their raw bits
+    with the table of their float64 values (torch's conversions run on its thread pool)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return t.contiguous().numpy(), None
+    return t.contiguous().view(_CODED[t.dtype]).numpy(), decode_table(t.dtype)
+
+
+class _Work:
+    """float64 buffers for one block of positions."""
+
+    def __init__(self, rows: int, width: int):
+        self.xf, self.yf, self.d, self.ay, self.tmp = (np.empty((rows, width)) for _ in range(5))
+        self.flag = np.empty((rows, width), bool)
+
+    def block(self, xa, ya, lut, name, rtol, atol, dtype, values, slow) -> None:
+        """Fill ``values`` for the rows of one block (values, or raw bits decoded by ``lut``)
+        that the vectorised sums settle exactly, clearing their ``slow`` flag."""
+        k = xa.shape[0]
+        xf, yf, d, ay, tmp, flag = (b[:k] for b in (self.xf, self.yf, self.d, self.ay, self.tmp,
+                                                     self.flag))
+        same = (xa.view(_UINT_OF[xa.itemsize]) == ya.view(_UINT_OF[ya.itemsize])).all(1)
+        if lut is None:
+            np.copyto(xf, xa)
+            np.copyto(yf, ya)
+        else:
+            np.take(lut, xa, out=xf)
+            np.take(lut, ya, out=yf)
+        finite = np.isfinite(xf).all(1) & np.isfinite(yf).all(1)
+        with np.errstate(all="ignore"):
+            sxx = np.square(xf, out=tmp).sum(1)
+            syy = np.square(yf, out=tmp).sum(1)
+            np.subtract(xf, yf, out=d)
+            sdd = np.square(d, out=tmp).sum(1)
+            np.abs(d, out=d)
+            sabs = d.sum(1)
+            max_abs = d.max(1)
+            np.abs(yf, out=ay)
+            np.maximum(ay, EPS, out=tmp)
+            max_rel = np.divide(d, tmp, out=tmp).max(1)
+            np.multiply(ay, rtol, out=tmp)
+            tmp += atol
+            mismatch = np.count_nonzero(np.greater(d, tmp, out=flag), axis=1)
+        wide = dtype == torch.float64
+        n = xa.shape[1]
+        for j in range(k):
+            if same[j]:
+                values[j], slow[j] = _IDENTICAL[name], False
+                continue
+            if not finite[j]:
+                continue
+            s = PairSums(n, float(sxx[j]), float(syy[j]), float(sdd[j]), float(sabs[j]),
+                         float(max_abs[j]), float(max_rel[j]), int(mismatch[j]))
+            if wide and needs_rescaling(s):
+                continue
+            sxy = sxy_derived(s)
+            if sxy is None:
+                continue
+            row = _from_sums(s, sxy)
+            row["equal"] = 0.0
+            row["rel_diff_cast"], row["max_abs_cast"] = row["rel_diff"], row["max_abs"]
+            values[j], slow[j] = row[name], False
+
+
+_UINT_OF = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
