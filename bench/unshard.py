@@ -1,21 +1,29 @@
 """Diff throughput with unsharding and concatenation, as a ratio of the plain diff of the same bytes.
 
-Run: ``python bench/unshard.py [--mixed]``. On files it writes and removes, float32, two runs
-that differ by float32-sized noise, each ``--passes`` x ``--entries`` tensors ``[seq, hidden]``:
+Run: ``python bench/unshard.py [--mixed] [--checksum] [--clock cpu] [--calls-plain]``. On files
+it writes and removes, float32, two runs that differ by float32-sized noise, each ``--passes`` x
+``--entries`` tensors ``[seq, hidden]``:
 
 - unshard: both runs 2-way tensor parallel (each rank holds half of ``hidden``: dims
   ``"s h(tp)"``; with ``--mixed``, a quarter of the entries are partial sums
-  ``"s h(tp,partial)"`` and a quarter replicated; with ``--checksum`` the replicas are
-  settled from capture's checksums instead of a bitwise comparison when read);
-  ``diff(unshard=True)`` against the plain
-  diff of the same files (rank by rank);
+  ``"s h(tp,partial)"`` and a quarter replicated, the same bits on both ranks; with
+  ``--checksum`` the replicas are settled from capture's checksums instead of a bitwise
+  comparison when read); ``diff(unshard=True)`` against the plain diff of the same files
+  (rank by rank: it reads every byte the unsharded diff reads);
 - concat: both runs decode-like, each entry ``--calls`` calls of ``seq / calls`` positions;
   ``diff(concat="call:0")`` against the plain diff of the same values stored as whole entries
-  (one call each: what the concatenated diff compares). The plain diff of the per-call files
-  is also shown; it pays the per-entry cost of many small tensors.
+  (one call each: what the concatenated diff compares). That baseline stores 1/calls as many
+  records, so it also spares the per-record cost of opening and indexing the files, which
+  concat cannot avoid: the bench measures that cost (``calls read`` / ``whole read``: open
+  every pass and index its records, no tensor compared) and also gives the ratio with it
+  added to the baseline (``layout-corrected``). ``--calls-plain`` adds the plain diff of
+  the per-call files (call by call); each small pair costs a full comparison, so that row
+  is slow.
 
 Throughput is bytes of pass files read (both sides) per second; each configuration is timed
-``--rounds`` times, alternating, after one warm-up run each, and the median taken.
+``--rounds`` times, interleaved, after one warm-up run each, and the median taken. ``--clock
+cpu`` times by this process's CPU time (all its threads), which other jobs on a shared
+machine disturb far less than the wall clock.
 """
 
 from __future__ import annotations
@@ -82,6 +90,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def read_only(root: Path):
+    """Open every pass of a dump and index its records: the per-record cost, nothing compared."""
+    def run():
+        for pi in DumpSet.open(root)._passes.values():
+            pi.load()
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--passes", type=int, default=4)
@@ -93,8 +109,12 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true")
     parser.add_argument("--checksum", action="store_true",
                         help="capture checksums: replicated entries are settled from them")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--calls-plain", action="store_true",
+                        help="also time the plain diff of the per-call files (slow)")
     parser.add_argument("--dir", default=None)
     a = parser.parse_args()
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-unshard-", dir=a.dir))
     try:
         tp2a, tp2b = (write(root / f"tp2{s}", a, layout="tp2", noise=n)
@@ -107,30 +127,45 @@ def main() -> None:
         def diff(x, y, **kw):
             return lambda: DumpSet.open(x).diff(y, **kw).table(progress=False)
 
+        def both(f, g):
+            return lambda: (f(), g())
+
         runs = {
             "tp2 plain": (diff(tp2a, tp2b), pass_bytes(tp2a, tp2b)),
             "unshard": (diff(tp2a, tp2b, unshard=True), pass_bytes(tp2a, tp2b)),
-            "calls plain": (diff(ca, cb), pass_bytes(ca, cb)),
             "whole plain": (diff(fa, fb), pass_bytes(fa, fb)),
             "concat": (diff(ca, cb, concat="call:0"), pass_bytes(ca, cb)),
+            "whole read": (both(read_only(fa), read_only(fb)), pass_bytes(fa, fb)),
+            "calls read": (both(read_only(ca), read_only(cb)), pass_bytes(ca, cb)),
         }
+        if a.calls_plain:
+            runs["calls plain"] = (diff(ca, cb), pass_bytes(ca, cb))
         for k, (fn, _) in runs.items():  # warm the page cache and the kernels
-            if fn()["structural"].any() and k != "calls plain":  # a bench that compares nothing
+            out = fn()
+            if " read" not in k and out["structural"].any():  # a bench that compares nothing
                 raise SystemExit(f"{k}: structural rows; the dumps are not what the bench means")
         times = {k: [] for k in runs}
         for _ in range(a.rounds):
             for k, (fn, _) in runs.items():
-                times[k].append(timed(fn))
-        rate = {k: nbytes / statistics.median(times[k]) for k, (_, nbytes) in runs.items()}
+                t0 = clock()
+                fn()
+                times[k].append(clock() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rate = {k: nbytes / med[k] for k, (_, nbytes) in runs.items()}
         base = {"unshard": rate["tp2 plain"], "concat": rate["whole plain"]}
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {a.passes} passes x "
-              f"{a.entries} entries of [{a.seq}, {a.hidden}] float32"
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.clock} clock; "
+              f"{a.passes} passes x {a.entries} entries of [{a.seq}, {a.hidden}] float32"
               + (" (mixed: 1/2 tp, 1/4 partial, 1/4 replicated)" if a.mixed else " (all tp)")
-              + (", checksums" if a.checksum else ""))
+              + (", checksums" if a.checksum else "") + f"; load {os.getloadavg()[0]:.1f}")
         for k, (_, nbytes) in runs.items():
             ratio = f"ratio to plain {rate[k] / base[k]:.2f} (target >= 0.8)" if k in base else ""
-            print(f"  {k:11s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:5.2f} GB/s  {ratio:34s}"
+            print(f"  {k:11s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:6.2f} GB/s  {ratio:34s}"
                   f"runs {', '.join(f'{t:.3f}' for t in times[k])} s")
+        layout = med["calls read"] - med["whole read"]
+        print(f"  per-record cost of the per-call layout: {layout * 1e3:.1f} ms a diff "
+              f"({med['calls read'] * 1e3:.1f} vs {med['whole read'] * 1e3:.1f} ms to open and "
+              f"index); concat layout-corrected ratio "
+              f"{(med['whole plain'] + layout) / med['concat']:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
