@@ -198,3 +198,10 @@ def test_positions_fall_back_exactly_where_the_loop_takes_a_special_road(dtype, 
     compare_positions(x, y, "rel_diff")
     rows = {j for j in range(x.shape[0]) for t in asked if t.data_ptr() == x[j].data_ptr()}
     assert rows == slow  # NaN/Inf (not bitwise equal), far norms, float64 sums out of range
+
+
+def test_same_bits_of_a_one_element_tensor_with_stride_zero():
+    one = torch.tensor(7, dtype=torch.int16).expand(1)  # contiguous, stride 0
+    assert one.stride() == (0,) and one.is_contiguous()
+    assert same_bits(one, torch.tensor([7], dtype=torch.int16))
+    assert not same_bits(one, torch.tensor([8], dtype=torch.int16))
