@@ -24,7 +24,7 @@ from .format import (DumpFormatError, PassFiles, decode_arg, load_call_spec, loa
                      pass_filename, read_sidecar, sidecar_filename)
 from .naming import parse_key
 from .dumper.kinds import restore
-from .rawpass import read_raw
+from .rawpass import read_plain, read_raw
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
 from .zipindex import ZipIndex, read_index
@@ -81,9 +81,12 @@ class PassIndex:
 
         Each pass file is read once here: with a sidecar, its zip index (the
         binding check) is kept for the first read of its tensors; without
-        one, the tensors loaded (memory-mapped) for their keys, shapes and
-        dtypes are kept for the first :meth:`load` (at most
-        :data:`HELD_PASSES` passes at a time in a process).
+        one, a plain ``torch.save`` file's layout is read from its pickle's
+        opcodes (:mod:`tdinspect.picklelayout`: nothing unpickled, later reads
+        go to its records), other files are loaded with ``torch.load``, and
+        the tensors read for their keys, shapes and dtypes are kept for the
+        first :meth:`load` (at most :data:`HELD_PASSES` passes at a time in
+        a process).
         """
         index = read_index(files.tensors) if files.sidecar is not None \
             and files.tensors is not None else None
@@ -109,15 +112,20 @@ class PassIndex:
             if pi.raw is not None:
                 pi._zip = index
             return pi
-        loaded = load_pass(files.tensors, mmap=True)
-        keys = list(loaded)
+        plain = read_plain(files.tensors)  # a plain torch.save: its layout, nothing unpickled
+        raw = None
+        if plain is not None:
+            keys, raw, loaded = plain
+        else:
+            loaded = load_pass(files.tensors, mmap=True)
+            keys = list(loaded)
         tensors = [restore(t) for t in loaded.values()]  # shapes and dtypes as analysis reads them
         n = len(keys)
         aten = [parse_key(k).op if _parses(k) else None for k in keys]
         pi = cls(rank, files.index, files, keys, [list(t.shape) for t in tensors],
                  [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
                  [False] * n, [None] * n, [None] * n, aten,
-                 "op" if any(a is not None for a in aten) else "module")
+                 "op" if any(a is not None for a in aten) else "module", raw=raw)
         _hold(pi, loaded)
         return pi
 

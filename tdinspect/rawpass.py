@@ -203,3 +203,40 @@ def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
             return None
         out[key] = storage.as_strided(shape, strides, offset)
     return out
+
+
+def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],
+                                                  dict[str, torch.Tensor]] | None:
+    """``(keys, raw layout, tensors)`` of a pass file without a sidecar, its layout read from
+    its pickle's opcodes (:func:`tdinspect.picklelayout.layout_of_pickle`, nothing unpickled)
+    and checked against the archive as a sidecar's is; ``None`` for anything but a plain
+    ``torch.save`` of ``{name: tensor}`` (the caller then uses ``torch.load``).
+    """
+    from .picklelayout import layout_of_pickle
+
+    try:
+        with open(path, "rb") as f:
+            index = index_of(f)
+            if index is None or not index.first:
+                return None
+            name = index.first.split("/", 1)[0] + "/data.pkl"
+            found = index.record(name)
+            if found is None or found[2] != zipfile.ZIP_STORED:
+                return None
+            f.seek(found[0])
+            head = f.read(_LOCAL_HEADER.size)
+            fields = _LOCAL_HEADER.unpack(head)
+            if fields[0] != _LOCAL_SIGNATURE:
+                return None
+            f.seek(found[0] + _LOCAL_HEADER.size + fields[9] + fields[10])
+            pickled = f.read(found[1])
+    except (OSError, ValueError, struct.error):
+        return None
+    if len(pickled) != found[1] or zlib.crc32(pickled) != found[3]:
+        return None
+    parsed = layout_of_pickle(pickled)
+    if parsed is None:
+        return None
+    keys, raw = parsed
+    tensors = read_raw(path, keys, raw, index)
+    return None if tensors is None else (keys, raw, tensors)

@@ -105,7 +105,7 @@ def test_a_stale_index_is_read_again(tmp_path):
     assert back is not None and all(same_bits(back[k], tensors[k]) for k in tensors)
 
 
-def test_without_a_sidecar_each_pass_is_unpickled_once(tmp_path, monkeypatch):
+def test_without_a_sidecar_a_plain_file_is_never_unpickled(tmp_path, monkeypatch):
     a = _run(tmp_path / "a", sidecars=False)
     b = _run(tmp_path / "b", scale=1.1, sidecars=False)
     loads = _spy(monkeypatch, torch, "load")
@@ -114,14 +114,32 @@ def test_without_a_sidecar_each_pass_is_unpickled_once(tmp_path, monkeypatch):
     rows = diff.table(progress=False)
     assert len(rows) == 12 and rows["max_abs"].gt(0).all()
     diff.to_xarray()
-    assert len(loads) == 6 and set(loads.values()) == {1}, loads
+    assert not loads  # each file's layout read from its pickle's opcodes, then its records
+    ds = DumpSet.open(a)
+    assert all(pi.raw is not None and pi._held is not None for pi in ds.pass_indexes())
+    monkeypatch.undo()
+    for pi in ds.pass_indexes():
+        truth = torch.load(pi.files.tensors, weights_only=True)
+        got = pi.load()
+        assert list(got) == list(truth) and all(same_bits(got[k], truth[k]) for k in truth)
+
+
+def test_without_a_sidecar_other_files_are_unpickled_once(tmp_path, monkeypatch):
+    passes = [{"model.a": (torch.ones(3) * p).to(torch.float8_e4m3fn),  # saved another way
+               "model.b": torch.arange(4.0) + p} for p in range(3)]
+    a, b = write_dump(tmp_path / "a", passes), write_dump(tmp_path / "b", passes)
+    loads = _spy(monkeypatch, torch, "load")
+    diff = DumpSet.open(a).diff(b)
+    assert diff.first_divergence() is None
+    assert len(loads) == 6 and set(loads.values()) == {1}, loads  # the open's load, handed on
     DumpSet.open(a).ensure_stats(progress=False)  # another open reads again, once
     assert sorted(loads.values()) == [1, 1, 1, 2, 2, 2]
 
 
 def test_tensors_held_from_open_are_bounded_and_never_travel(tmp_path, monkeypatch):
     monkeypatch.setattr(passindex, "HELD_PASSES", 2)
-    a = _run(tmp_path / "a", passes=4, sidecars=False)
+    a = write_dump(tmp_path / "a", [{"model.x": (torch.ones(2) * p).to(torch.float8_e5m2)}
+                                    for p in range(4)])  # read with torch.load
     ds = DumpSet.open(a)
     assert [pi._held is not None for pi in ds.pass_indexes()] == [False, False, True, True]
     copy = pickle.loads(pickle.dumps(ds.get_pass(3)))  # what a dask worker receives
