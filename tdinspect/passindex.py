@@ -121,7 +121,7 @@ class PassIndex:
             keys = list(loaded)
         tensors = [restore(t) for t in loaded.values()]  # shapes and dtypes as analysis reads them
         n = len(keys)
-        aten = [parse_key(k).op if _parses(k) else None for k in keys]
+        aten = [_op_of(k) for k in keys]
         pi = cls(rank, files.index, files, keys, [list(t.shape) for t in tensors],
                  [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
                  [False] * n, [None] * n, [None] * n, aten,
@@ -307,9 +307,9 @@ def _parallel(value, files: PassFiles) -> dict[str, list[int]]:
     return {str(k): list(v) for k, v in value.items()}
 
 
-def _parses(key: str) -> bool:
+def _op_of(key: str) -> str | None:
+    """The aten op a key names (op level), else ``None``."""
     try:
-        parse_key(key)
-        return True
+        return parse_key(key).op
     except ValueError:
-        return False
+        return None

@@ -8,9 +8,11 @@ writes one simple program: a dict whose values are
 ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` with
 ``storage`` a persistent id ``('storage', torch.<Type>Storage, record, 'cpu', n)``.
 
-:func:`layout_of_pickle` reads that program with :func:`pickletools.genops`
-(a disassembler: nothing is imported, called or built but strings, numbers,
-tuples and this module's own markers) and returns the keys and their
+:func:`layout_of_pickle` reads that program opcode by opcode (the subset of
+pickle protocol 2 such a file uses, decoded here as ``pickletools`` documents
+it; ``pickletools.genops`` took 3.5 us an opcode, most of an open): nothing is
+imported, called or built but strings, numbers, tuples and this module's own
+markers, and it returns the keys and their
 ``[record, offset, shape, strides, dtype]`` layout, the same as a sidecar's
 ``raw`` column (:mod:`tdinspect.rawpass`), whose reader then checks every claim
 against the archive. Any opcode, global or structure outside that program
@@ -30,7 +32,7 @@ Examples
 
 from __future__ import annotations
 
-import pickletools
+import struct
 from typing import Any
 
 import torch
@@ -87,15 +89,62 @@ def _tensor(args: Any) -> list[Any]:
     return [record, offset, list(size), list(stride), dtype]
 
 
+_FIXED = {  # opcode: (name, argument bytes, struct format or None)
+    b"\x80": ("PROTO", 1, "<B"), b"K": ("BININT1", 1, "<B"), b"M": ("BININT2", 2, "<H"),
+    b"J": ("BININT", 4, "<i"), b"q": ("BINPUT", 1, "<B"), b"r": ("LONG_BINPUT", 4, "<I"),
+    b"h": ("BINGET", 1, "<B"), b"j": ("LONG_BINGET", 4, "<I"), b"}": ("EMPTY_DICT", 0, None),
+    b"(": ("MARK", 0, None), b")": ("EMPTY_TUPLE", 0, None), b"t": ("TUPLE", 0, None),
+    b"\x85": ("TUPLE1", 0, None), b"\x86": ("TUPLE2", 0, None), b"\x87": ("TUPLE3", 0, None),
+    b"\x88": ("NEWTRUE", 0, None), b"\x89": ("NEWFALSE", 0, None), b"Q": ("BINPERSID", 0, None),
+    b"R": ("REDUCE", 0, None), b"s": ("SETITEM", 0, None), b"u": ("SETITEMS", 0, None),
+    b".": ("STOP", 0, None), b"\x94": ("MEMOIZE", 0, None)}
+
+
+def _opcodes(data: bytes):
+    """``(name, argument)`` of each opcode of the subset above (``_Refused`` for any other)."""
+    i, n = 0, len(data)
+    while i < n:
+        code = data[i:i + 1]
+        i += 1
+        if code == b"X" or code == b"\x8c":  # BINUNICODE, SHORT_BINUNICODE
+            width = 4 if code == b"X" else 1
+            size = int.from_bytes(data[i:i + width], "little")
+            i += width
+            if i + size > n:
+                raise _Refused
+            yield "BINUNICODE", data[i:i + size].decode("utf-8", "surrogatepass")
+            i += size
+        elif code == b"\x8a":  # LONG1
+            size = data[i] if i < n else 0
+            yield "LONG1", int.from_bytes(data[i + 1:i + 1 + size], "little", signed=True)
+            i += 1 + size
+        elif code == b"c":  # GLOBAL: "module\nname\n"
+            first = data.find(b"\n", i)
+            second = data.find(b"\n", first + 1) if first >= 0 else -1
+            if second < 0:
+                raise _Refused
+            yield "GLOBAL", (data[i:first] + b" " + data[first + 1:second]).decode("ascii")
+            i = second + 1
+        else:
+            known = _FIXED.get(code)
+            if known is None:
+                raise _Refused
+            name, width, fmt = known
+            if i + width > n:
+                raise _Refused
+            yield name, struct.unpack_from(fmt, data, i)[0] if fmt else None
+            i += width
+    raise _Refused  # no STOP
+
+
 def layout_of_pickle(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None:
     """``(keys, raw layout)`` of a ``torch.save`` of a dict of plain tensors, or ``None``."""
     stack: list[Any] = []
     memo: dict[int, Any] = {}
     top = None
     try:
-        for op, arg, _ in pickletools.genops(pickled):
-            name = op.name
-            if name in ("PROTO", "FRAME"):
+        for name, arg in _opcodes(pickled):
+            if name == "PROTO":
                 continue
             if name == "EMPTY_DICT":
                 if top is not None or stack:
@@ -104,8 +153,7 @@ def layout_of_pickle(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None
                 stack.append(top)
             elif name == "MARK":
                 stack.append(_MARK)
-            elif name in ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "BININT", "BININT1",
-                          "BININT2", "LONG1"):
+            elif name in ("BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1"):
                 stack.append(arg)
             elif name in ("NEWFALSE", "NEWTRUE"):
                 stack.append(name == "NEWTRUE")
@@ -158,7 +206,7 @@ def layout_of_pickle(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None
                 break
             else:
                 raise _Refused
-    except (_Refused, ValueError, IndexError, KeyError, TypeError):
+    except (_Refused, ValueError, IndexError, KeyError, TypeError, UnicodeError, struct.error):
         return None
     if top is None or stack != [top]:
         return None
