@@ -16,6 +16,14 @@ and removes:
    of the two loads (``torch.load`` mapped, or the records read as the sidecar
    lays them out) + ``(a - b).abs().max()`` per pair.
 
+3. **the compiled kernel on dask workers**: a ``LocalCluster`` of 2 worker
+   processes, each asked for its first comparison of a pair big enough for the
+   numba kernel; the time (numba's import included) and whether the kernel came
+   from numba's on-disk cache or was compiled;
+4. **the CLI on the sample dumps**: ``tdinspect diff`` and
+   ``tdinspect first-divergence`` (``sample_dumps/float32`` against
+   ``wrong_layer``) against ``python -c "import torch"``, fresh processes.
+
 Rounds alternate floor and ours (drifts of a shared machine hit both alike);
 medians and minima are reported, with the load average.
 """
@@ -26,6 +34,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,6 +130,48 @@ def line(name: str, ours: list[float], floor: list[float]) -> str:
             f"(min {min(floor):.3f})  ratio {mf / mo:.2f} (of minima {min(floor) / min(ours):.2f})")
 
 
+def first_big_pair() -> tuple[float, int, int]:
+    """(seconds, kernels loaded from numba's cache, kernels compiled) of this process's first
+    comparison of a pair of 2^17 float32 (run on a worker)."""
+    t0 = time.perf_counter()
+    from tdinspect import kernels
+    from tdinspect.metrics import compare_tensors
+
+    x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(0))
+    compare_tensors(x * 1.001, x)
+    seconds = time.perf_counter() - t0
+    stats = kernels._NUMBA_KERNEL.stats if kernels._NUMBA_KERNEL is not None else None
+    return (seconds, sum(stats.cache_hits.values()) if stats else 0,
+            sum(stats.cache_misses.values()) if stats else 0)
+
+
+def workers_first_diff() -> list[tuple[float, int, int]]:
+    from dask.distributed import Client, LocalCluster
+
+    first_big_pair()  # the client first: the kernel is then in numba's on-disk cache
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        workers = list(client.scheduler_info()["workers"])
+        futures = [client.submit(first_big_pair, pure=False, workers=[w]) for w in workers]
+        return client.gather(futures)
+
+
+def cli_rounds(rounds: int) -> dict[str, list[float]]:
+    root = Path(__file__).resolve().parent.parent / "sample_dumps"
+    a, b = str(root / "float32"), str(root / "wrong_layer")
+    py = sys.executable
+    cases = {"import torch": [py, "-c", "import torch"],
+             "tdinspect diff": [py, "-m", "tdinspect", "diff", a, b],
+             "tdinspect first-divergence": [py, "-m", "tdinspect", "first-divergence", a, b]}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):
+        for name, cmd in cases.items():
+            t0 = time.perf_counter()
+            subprocess.run(cmd, capture_output=True, check=False)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--passes", type=int, default=8)
@@ -130,7 +181,7 @@ def main() -> None:
     ap.add_argument("--small-numel", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--skip", default="", help="comma-separated: e2e, small")
+    ap.add_argument("--skip", default="", help="comma-separated: e2e, small, cluster, cli")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-e2e-", dir=args.dir))
@@ -194,6 +245,17 @@ def main() -> None:
             per = statistics.median(times["ours"]) / n * 1e6
             print(f"  ours {per:.1f} us an entry, floor "
                   f"{statistics.median(floor) / n * 1e6:.1f} us an entry")
+        if "cluster" not in skip:
+            for i, (t, hits, compiled) in enumerate(workers_first_diff()):
+                print(f"LocalCluster worker {i}: first big pair {t:.2f} s (numba import included), "
+                      f"kernels from the on-disk cache {hits}, compiled {compiled}")
+        if "cli" not in skip:
+            times = cli_rounds(args.rounds)
+            base = statistics.median(times["import torch"])
+            print(f"CLI on the sample dumps, medians of {args.rounds} rounds:")
+            for name, v in times.items():
+                print(f"  {name:28s} {statistics.median(v):.2f} s (min {min(v):.2f}), "
+                      f"{statistics.median(v) / base:.2f}x import torch")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
