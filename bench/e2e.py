@@ -140,9 +140,10 @@ def first_big_pair() -> tuple[float, int, int]:
     x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(0))
     compare_tensors(x * 1.001, x)
     seconds = time.perf_counter() - t0
-    stats = kernels._NUMBA_KERNEL.stats if kernels._NUMBA_KERNEL is not None else None
-    return (seconds, sum(stats.cache_hits.values()) if stats else 0,
-            sum(stats.cache_misses.values()) if stats else 0)
+    # the compiled loops (one per codec) that this process made: numba dispatchers
+    loops = [d for d in (kernels._NUMBA_KERNELS or {}).values() if hasattr(d, "stats")]
+    return (seconds, sum(sum(d.stats.cache_hits.values()) for d in loops),
+            sum(sum(d.stats.cache_misses.values()) for d in loops))
 
 
 def workers_first_diff() -> list[tuple[float, int, int]]:
