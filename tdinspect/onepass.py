@@ -51,6 +51,7 @@ import importlib.util
 import os
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,31 +78,36 @@ class Float32Sums:
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Whether ``t`` goes through the compiled loop (CPU, contiguous, big, numba present)."""
+    """Whether ``t`` goes through the compiled loops (CPU, contiguous, big, numba loads)."""
     return (t.device.type == "cpu" and t.layout == torch.strided
             and t.numel() >= max(MIN_ELEMENTS, 1) and t.is_contiguous()
-            and os.environ.get("TDINSPECT_ONEPASS", "1") != "0" and _numba_present())
-
-
-def _numba_present() -> bool:
-    global _PRESENT
-    if _PRESENT is None:
-        _PRESENT = importlib.util.find_spec("numba") is not None
-    return _PRESENT
-
-
-_PRESENT: bool | None = None
+            and os.environ.get("TDINSPECT_ONEPASS", "1") != "0" and _kernels() is not None)
 
 
 def _kernels():
-    """The compiled loops (numba is imported and the loops loaded on first use)."""
-    global _KERNELS
+    """The compiled loops, or ``None`` where numba is missing or fails to load (then torch's
+    reductions serve, and a numba that fails says so once). Loaded on first use."""
+    global _KERNELS, _UNAVAILABLE
+    if _KERNELS is not None or _UNAVAILABLE:
+        return _KERNELS
     with _COMPILE_LOCK:
-        if _KERNELS is None:
-            from . import onepass_loops
-
+        if _KERNELS is None and not _UNAVAILABLE:
+            if importlib.util.find_spec("numba") is None:
+                _UNAVAILABLE = True
+                return None
+            try:
+                from . import onepass_loops
+            except Exception as exc:  # noqa: BLE001 - e.g. a numba built for another numpy
+                _UNAVAILABLE = True
+                warnings.warn(f"tdinspect: numba failed to load ({type(exc).__name__}: {exc}); "
+                              "statistics and checksums use torch's reductions (slower)",
+                              RuntimeWarning, stacklevel=2)
+                return None
             _KERNELS = onepass_loops.sweep, onepass_loops.centred
     return _KERNELS
+
+
+_UNAVAILABLE = False
 
 
 def _float_of_key(key: int) -> float:

@@ -178,3 +178,24 @@ def test_compiled_loop_gives_the_torch_value(numel, dtype, monkeypatch):
     torch.testing.assert_close(row, plain_stats, rtol=1e-14, atol=0)
     if dtype == torch.float32:  # one read for both: the words loop alone was not called again
         assert len(calls) == 1
+
+
+def test_a_numba_that_fails_to_load_leaves_torch_serving(monkeypatch):
+    """Where numba is present but does not load, capture goes on with torch's reductions
+    (the same values) and says so once."""
+    import sys
+
+    from tdinspect import onepass
+    from tdinspect.stats import stats_and_checksum, tensor_stats
+
+    x = torch.randn(2 * BLOCK + 5, generator=torch.Generator().manual_seed(5))
+    fast = int(tensor_checksum(x))
+    monkeypatch.setattr(onepass, "_KERNELS", None)
+    monkeypatch.setattr(onepass, "_UNAVAILABLE", False)
+    monkeypatch.delattr(tdinspect, "onepass_loops", raising=False)
+    monkeypatch.setitem(sys.modules, "tdinspect.onepass_loops", None)  # importing it fails
+    with pytest.warns(RuntimeWarning, match="numba failed to load.*torch's reductions"):
+        assert int(tensor_checksum(x)) == fast
+    assert not onepass.enabled(x)
+    row, digest = stats_and_checksum(x)
+    assert int(digest) == fast and row.tolist() == tensor_stats(x).tolist()
