@@ -2,7 +2,9 @@
 
 Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
 (one line on stderr naming the file or argument; ``--debug`` adds the
-traceback), so ``tdinspect first-divergence ref/ new/`` can gate a CI pipeline. Every command
+traceback), so ``tdinspect first-divergence ref/ new/`` can gate a CI pipeline;
+141, silently, when the reader of the output left (``| head``), as for any
+command ended by SIGPIPE. Every command
 maps onto the Python API (DumpSet.open, Diff.first_divergence, ...); ``--json``
 prints machine-readable output.
 
@@ -14,12 +16,12 @@ Examples
     tdinspect stats dumps/run_a --op 'layers\\.0\\.'
     tdinspect diff dumps/run_a dumps/run_b --metric rel_diff --threshold 1e-3
     tdinspect first-divergence dumps/run_a dumps/run_b --threshold 'attn=1e-2' --json
+    tdinspect first-nonfinite dumps/run_a
 
 ``--threshold auto`` (the default) derives each entry's threshold from its
 two dtypes (``rel_diff``: ``u/4``, ``u`` the unit roundoff of the coarser:
 float32 1.5e-8, bfloat16 9.8e-4; see :mod:`tdinspect.metrics`); a number
 keeps one threshold for every entry.
-    tdinspect first-nonfinite dumps/run_a
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import traceback
@@ -239,10 +242,22 @@ def cmd_diff(args) -> int:
         return 0
     cols = ["pass", "rank", "key", metric, "why"]
     print(f"{len(df)} divergent entries ({metric}); first {min(len(df), args.limit)}:")
-    print(text_table(cols, df[cols].head(args.limit).values.tolist()))
+    rows = df[cols].head(args.limit).values.tolist()
+    for row, thr in zip(rows, df["threshold"]):  # a divergent cosine of 0.99999773 is not "1"
+        row[3] = _value_text(row[3], thr)
+    print(text_table(cols, rows))
     div = summary["first_divergence"]
     print(f"first divergence: {div['key']} (pass {div['pass']}): {div['reason']}")
     return 1
+
+
+def _value_text(value, thr):
+    """A divergent metric value with the digits its reason shows (0.99999773, not 1)."""
+    from .diff import digits_apart
+
+    if not isinstance(value, float) or not math.isfinite(value) or not math.isfinite(thr):
+        return value
+    return f"{value:.{digits_apart(value, thr)}g}"
 
 
 def cmd_first_nonfinite(args) -> int:
@@ -378,11 +393,35 @@ COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
             "dashboard": cmd_dashboard, "demo": cmd_demo}
 
 
+_SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader left
+
+
+def _reader_gone() -> bool:
+    """Whether stdout's reader closed the pipe (``tdinspect diff a b | head``). If so,
+    stdout is pointed at /dev/null so that the exit does not fail on the unwritten rest."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        events = select.poll()
+        events.register(fd, select.POLLOUT)
+        gone = any(ev & (select.POLLERR | select.POLLHUP) for _, ev in events.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or no poll()
+        return False
+    if gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return gone
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tdinspect`` command; returns the exit status.
 
     Any failure is exit status 2 with one line on stderr (1 means "divergence
-    found"); ``--debug`` prints the traceback as well.
+    found"); ``--debug`` prints the traceback as well. When the reader of
+    stdout leaves (``| head``), the command stops quietly with 141, as a
+    command ended by SIGPIPE does.
     """
     from .config import ConfigError
     from .format import DumpFormatError
@@ -394,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tdinspect {args.command}: interrupted", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - the CLI's contract: exit 2, one clear line
+        if isinstance(exc, BrokenPipeError) and _reader_gone():
+            return _SIGPIPE_STATUS
         if args.debug:
             traceback.print_exc()
         if isinstance(exc, (_Fail, DumpFormatError, ConfigError, OSError)):

@@ -1160,11 +1160,18 @@ def reason_of(row, m, thr_fn) -> str:
     if not source:  # a number given: as it was written
         digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)
         return f"{m.name} {value:.{digits}g} {op} {thr:g}"
-    for p in range(3, 18):  # as many digits on both sides as it takes to tell them apart
+    q = digits_apart(value, thr)
+    return f"{m.name} {value:.{q}g} {op} {thr:.{q}g} ({source})"
+
+
+def digits_apart(value: float, thr: float) -> int:
+    """Significant digits (at least 3) that show ``value`` and ``thr`` apart, and neither
+    as 1 unless it is: ``cosine 0.99999773 < 0.99999999``."""
+    for p in range(3, 18):
         q = _thr_digits(thr, p)
         if f"{value:.{q}g}" != f"{thr:.{q}g}":
-            break
-    return f"{m.name} {value:.{q}g} {op} {thr:.{q}g} ({source})"
+            return q
+    return q
 
 
 def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str = "") -> Divergence:

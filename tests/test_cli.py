@@ -95,3 +95,32 @@ def test_a_cli_diff_of_small_dumps_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "[1, 1] []"
+
+
+def test_diff_table_tells_a_divergent_cosine_from_1(runs, capsys):
+    assert main(["diff", str(runs["ref"]), str(runs["wrong"]), "--metric", "cosine"]) == 1
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("0 ")]
+    assert rows and all(float(r[3]) < 1 for r in rows)  # each shown value is the diverging one
+    assert all(r[3] in " ".join(r[4:]) for r in rows)  # the same digits as its reason
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(runs):
+    """``tdinspect diff a b | head``: no "error: Broken pipe", the status of a command ended
+    by SIGPIPE."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    for command in (["diff", "--json"], ["first-divergence"], ["ls"]):
+        args = [command[0], str(runs["ref"]), *([str(runs["wrong"])] if command[0] != "ls" else []),
+                *command[1:]]
+        proc = subprocess.run([sys.executable, "-m", "tdinspect", *args], stdout=write,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+        assert (proc.returncode, proc.stderr) == (141, ""), command
+    os.close(write)
