@@ -459,7 +459,8 @@ class Diff:
         a copy (bounds memory for huge tensors).
     mode : {"auto", "tensor", "stats"}
         ``"stats"`` compares statistics only (the only choice when a side is
-        statistics-only): relative difference of min, max, mean and l2.
+        statistics-only): relative difference of min, max, mean (on the
+        reference's absmax) and l2 (:func:`tdinspect.metrics.stats_rel`).
     mapping : dict, path or Mapping, optional
         Pair differently named entries: ``{a_regex: b_template}`` or
         ``{a_regex: [b_template, transform]}`` rules, or a YAML/JSON file of

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import tdinspect
 from tdinspect import DumpFormatError, DumpSet
 from tdinspect.diff import threshold_fn
 from tdinspect.metrics import compare_tensors
@@ -305,3 +306,39 @@ def test_compare_never_modifies_its_inputs():
     before = (x.clone(), y.clone())
     compare_tensors(x, y)
     assert torch.equal(x, before[0]) and torch.equal(y, before[1])
+
+
+def _gpt2_stats_run(path, attn="sdpa", ln_scale=None):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.set_attn_implementation(attn)
+    if ln_scale is not None:
+        with torch.no_grad():
+            model.transformer.h[1].ln_1.weight.mul_(ln_scale)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), tdinspect.capture(model, path, environ={}, stats_only=True,
+                                            warn_unfired=False) as dump:  # attn_dropout: eager only
+        model(ids)
+        dump.step()
+    return path
+
+
+def test_stats_rel_is_scaled_by_the_tensor_not_by_a_mean_near_zero(tmp_path):
+    """A LayerNorm's output has a mean of ~1e-9: eager against sdpa attention read as
+    stats_rel 33 (the mean's own rounding over itself), a false divergence in
+    statistics-only diffs; min, max and mean now compare against the reference's absmax."""
+    ref = DumpSet.open(_gpt2_stats_run(tmp_path / "sdpa"))
+    eager = ref.diff(_gpt2_stats_run(tmp_path / "eager", attn="eager"))
+    assert eager.mode == "stats" and eager.first_divergence() is None
+    table = eager.table(progress=False)
+    assert table["stats_rel"].max() < 1e-5  # float32 noise, 4 orders under the 1e-3 threshold
+    ln = table.set_index("key").loc["model.transformer.h.0.ln_2"]
+    stats = ref.entries(progress=False).set_index("key").loc["model.transformer.h.0.ln_2"]
+    assert abs(stats["mean"]) < 1e-6 * stats["absmax"]  # the mean the old ratio divided by
+    assert ln["stats_rel"] < 1e-5
+    # a real bug is still named at its entry: one LayerNorm weight 1% off
+    bug = ref.diff(_gpt2_stats_run(tmp_path / "bug", ln_scale=1.01)).first_divergence()
+    assert bug.key == "model.transformer.h.1.ln_1" and bug.value == pytest.approx(0.01, rel=0.05)
