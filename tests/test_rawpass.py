@@ -121,14 +121,24 @@ def test_a_layout_that_does_not_check_out_is_refused(tmp_path, bad):
     assert read_raw(path, ["a"], [bad]) is None
 
 
-def test_a_refused_layout_falls_back_to_torch_load(tmp_path, model, tokens):
+def test_a_refused_layout_falls_back_to_torch_load(tmp_path, model, tokens, monkeypatch):
     with tdinspect.capture(model, tmp_path, filter="lm_head") as dump:
         model(tokens)
         dump.step()
     (pi,) = _pass_indexes(tmp_path)
     truth = load_pass(pi.files.tensors)
+    unpickled = []
+
+    def spy(path, **kwargs):
+        unpickled.append(path)
+        return load_pass(path, **kwargs)
+
+    monkeypatch.setattr(tdinspect.passindex, "load_pass", spy)
+    assert pi.load().keys() == truth.keys() and unpickled == []  # the records, as laid out
     pi.raw = [["0", 10**12, [1], [1], "torch.float32"] for _ in pi.raw]
+    assert pi._read_records() is None  # refused: the offset lies beyond the record
     loaded = pi.load()
+    assert unpickled == [pi.files.tensors]  # so torch.load read it
     assert all(same_bits(loaded[k], truth[k]) for k in truth)
 
 
