@@ -23,6 +23,7 @@ import sys
 import json
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,22 @@ def _stop(proc, log) -> None:
     log.close()
 
 
+def _wait_for_server(url: str, proc, log: Path, what: str) -> None:
+    """Return once ``url`` answers (any HTTP status); fail with ``log`` if ``proc`` exits or
+    90 s pass first."""
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # the server answers
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{what} did not start:\n" + log.read_text())
+            time.sleep(0.5)
+
+
 @pytest.fixture
 def jupyterlab(tmp_path):
     if not os.path.exists(CHROMIUM):
@@ -75,15 +92,7 @@ def jupyterlab(tmp_path):
         cwd=served, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (tmp_path / "jupyter.log").read_text())
-                time.sleep(0.5)
+        _wait_for_server(f"{base}/api/status?token={token}", proc, tmp_path / "jupyter.log", "JupyterLab")
         yield base, token
     finally:
         _stop(proc, log)
@@ -262,17 +271,7 @@ def voila_dashboard(tmp_path):
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status", timeout=2)
-                break
-            except urllib.error.HTTPError:
-                break  # the server answers
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("Voila did not start:\n" + (tmp_path / "voila.log").read_text())
-                time.sleep(0.5)
+        _wait_for_server(f"{base}/api/status", proc, tmp_path / "voila.log", "Voila")
         yield base
     finally:
         _stop(proc, log)
