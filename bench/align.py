@@ -15,16 +15,15 @@ Run: ``python bench/align.py``. In one run, on files it writes and removes:
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import scratch_dir  # noqa: E402
 
 from tdinspect import DumpSet, suggest_mapping  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
@@ -78,8 +77,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-align-", dir=args.dir))
-    try:
+    with scratch_dir("align", args.dir) as root:
         # 1. suggest_mapping, 1,500 small entries
         a, b, _ = write_pair(root / "small", args.layers, (4, 64))
         A, B = DumpSet.open(a), DumpSet.open(b)
@@ -117,8 +115,6 @@ def main() -> None:
               f"(rename + chunk of fused qkv/gate_up) {m / 1e9:.2f} GB/s: ratio {m / p:.2f} "
               f"(target >= 0.8); rounds plain {[round(x / 1e9, 2) for x in plain]}, "
               f"mapped {[round(x / 1e9, 2) for x in mapped]}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
 import common  # noqa: E402
-from common import bench_model, compare_modes, median_step, report_line, threads_note  # noqa: E402
+from common import (bench_model, compare_modes, median_step, report_line, scratch_dir,  # noqa: E402
+                    threads_note)
 
 
 MODES = {"full": {}, "stats_only": {"stats_only": True},
@@ -98,16 +98,13 @@ def main() -> None:
         MODES.update({m: {**kw, "background_write": False} for m, kw in MODES.items()})
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(tempfile.mkdtemp(prefix="tdinspect-bench-", dir=args.dir))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.rounds:
         cases = {m: (MODES[m], "1") for m in modes}
         if args.torch_too:
             cases.update({f"{m} (torch)": (MODES[m], "0") for m in modes})
-        try:
+        with scratch_dir("capture", args.dir) as out:
             ratios = rounds(args.steps, args.rounds, out, cases)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
         print(f"module capture, {args.rounds} rounds x {args.steps} steps per case, "
               f"{threads_note()}, {args.clock} clock; ratio to the round's eager step")
         for name, rs in ratios.items():
@@ -115,10 +112,8 @@ def main() -> None:
             print(f"  {name:20s} median {statistics.median(rs):.2f}x  (range {min(rs):.2f}-"
                   f"{max(rs):.2f}, target <= {target}x)")
         return
-    try:
+    with scratch_dir("capture", args.dir) as out:
         res = run(args.steps, out, modes)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
     from tdinspect.dumper.writer import default_threaded
 
     inline = args.clock == "cpu" or not default_threaded()

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
-from common import bench_model, compare_modes, report_line, threads_note  # noqa: E402
+from common import bench_model, compare_modes, report_line, scratch_dir, threads_note  # noqa: E402
 
 
 def run(steps: int, out: Path) -> dict:
@@ -40,11 +39,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="tdinspect-bench-ops-", dir=args.dir))
-    try:
+    with scratch_dir("ops", args.dir) as out:
         res = run(args.steps, out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
     print(f"op capture, {args.steps} steps, {threads_note()}, writing to {out.parent}")
     for mode, r in res.items():
         target = 2.0 if mode == "stats_only" else 4.0

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,6 +22,15 @@ BATCH, SEQ = 8, 128
 # machine shared with other jobs disturbs far less (the writer must then run inline)
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCK["wall"]
+
+
+@contextmanager
+def scratch_dir(name: str, under: str | None) -> Iterator[Path]:
+    """A fresh folder for one benchmark's files, in ``under`` (its ``--dir``; default: the
+    system's temporary folder), removed afterwards whatever happens."""
+    with tempfile.TemporaryDirectory(prefix=f"tdinspect-bench-{name}-", dir=under,
+                                     ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
 
 
 def bench_model():

@@ -27,14 +27,13 @@ import math
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import synthetic_run as write_run  # noqa: E402
+from common import scratch_dir, synthetic_run as write_run  # noqa: E402
 
 from tdinspect import DumpSet, kernels  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
@@ -165,8 +164,7 @@ def main() -> None:
     parser.add_argument("--small-numel", type=int, default=256)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-diff-", dir=args.dir))
-    try:
+    with scratch_dir("diff", args.dir) as root:
         if args.dtypes_only:
             narrow_floats(root, args)
             return
@@ -227,8 +225,6 @@ def main() -> None:
         ours, floor, t = ratio(DumpSet.open(x), DumpSet.open(y), args.rounds)
         print(f"{args.small_entries} entries of {args.small_numel} float32: diff {t:.2f} s "
               f"({t / args.small_entries * 1e6:.0f} us an entry), ratio to the floor {ours / floor:.0%}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

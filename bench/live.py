@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import shutil
 import statistics
 import time
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
-from common import bench_model, threads_note  # noqa: E402
+from common import bench_model, scratch_dir, threads_note  # noqa: E402
 
 TARGETS = {"full": 1.6, "compare_to": 1.5, "on_nonfinite": 1.1}
 
@@ -73,11 +71,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the reference goes (default: temporary)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    out = Path(tempfile.mkdtemp(prefix="tdinspect-bench-live-", dir=args.dir))
-    try:
+    with scratch_dir("live", args.dir) as out:
         res = run(args.steps, out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
     print(f"live checks, module level, {args.steps} rounds, {threads_note()}")
     for mode, (median, ratio, lo, hi) in res.items():
         target = f"(target <= {TARGETS[mode]}x)" if mode in TARGETS else ""

@@ -24,14 +24,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import synthetic_run  # noqa: E402
+from common import scratch_dir, synthetic_run  # noqa: E402
 
 from tdinspect import DumpSet  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
@@ -89,8 +88,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     entries = max(1, int(args.gb * 1e9 / (args.passes * ENTRY * 4)))
-    root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-scale-", dir=args.dir))
-    try:
+    with scratch_dir("scale", args.dir) as root:
         t0 = time.perf_counter()
         a = synthetic_run(root / "a", args.passes, entries, ENTRY, seed=1)
         b = synthetic_run(root / "b", args.passes, entries, ENTRY, seed=2, noise=1e-4)
@@ -132,8 +130,6 @@ def main() -> None:
                   f"full diff ({t_full:.2f} s); found pass {div.pass_}, "
                   f"{len(diff.passes_read)} passes read")
             shutil.rmtree(v)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from tdinspect import DumpSet
-from tdinspect.dumper.recorder import Recorder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import scratch_dir  # noqa: E402
+
+from tdinspect import DumpSet  # noqa: E402
+from tdinspect.dumper.recorder import Recorder  # noqa: E402
 
 
 def _values(p: int, e: int, seq: int, hidden: int, noise: float) -> torch.Tensor:
@@ -115,8 +116,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     a = parser.parse_args()
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-unshard-", dir=a.dir))
-    try:
+    with scratch_dir("unshard", a.dir) as root:
         tp2a, tp2b = (write(root / f"tp2{s}", a, layout="tp2", noise=n)
                       for s, n in (("a", 0.0), ("b", 1e-6)))
         ca, cb = (write(root / f"calls{s}", a, layout="calls", noise=n)
@@ -166,8 +166,6 @@ def main() -> None:
               f"({med['calls read'] * 1e3:.1f} vs {med['whole read'] * 1e3:.1f} ms to open and "
               f"index); concat layout-corrected ratio "
               f"{(med['whole plain'] + layout) / med['concat']:.2f}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
