@@ -65,7 +65,8 @@ def variant(ref: Path, out: Path, perturb_pass: int) -> Path:
         os.symlink(f, dst / f.name)
     tensors = torch.load(src / f"pass{perturb_pass:05d}.pt", weights_only=True)
     rec = Recorder(out, level="module")
-    rec.folder.rmdir() if rec.folder != dst else None
+    if rec.folder != dst:
+        shutil.rmtree(rec.folder)  # the recorder's own new run folder (its run.json): unused
     rec.folder, rec.pass_index = dst, perturb_pass
     rec._pass.folder, rec._pass.index = dst, perturb_pass
     for i, (k, t) in enumerate(tensors.items()):
