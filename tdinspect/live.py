@@ -41,10 +41,12 @@ from typing import Any
 
 import torch
 
-from .diff import (BEFORE, COLUMNS, PassJob, Side, _mapped_key, _missing, compare_pair,
-                   divergence_of, divergent, new_row, same_ref_pass, side_of, threshold_fn)
+from .diff import (_NOT_STORED, BEFORE, COLUMNS, PassJob, Side, _mapped_key, _missing,
+                   compare_pair, divergence_of, divergent, new_row, same_ref_pass, side_of,
+                   threshold_fn)
 from .align.mapping import Mapping
 from .dumper.checks import DivergenceError
+from .dumper.kinds import is_plain, prepare, restore
 from .dumper.writer import PendingPass
 from .dumpset import DumpSet
 from .format import _stats_row, atomic_write, rank_dirname
@@ -54,12 +56,25 @@ from .stats import STAT_NAMES, tensor_stats
 ACTIONS = ("raise", "warn", "record")
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the dump would hold it: detached, dense, contiguous, on the host."""
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    return t.to("cpu").contiguous()
+def _as_read(t: torch.Tensor | None, uninitialized: bool):
+    """``t`` as an offline diff reads it back from the dump: ``(tensor on the host or None,
+    why it is not stored or "", shape, dtype, statistics or None)``. A tensor that is not
+    plain goes through :func:`~tdinspect.dumper.kinds.prepare`, as the recorder's does:
+    dense, dequantized, nested parts joined, an expand as a view of its distinct elements."""
+    if t is None:
+        return None, "", None, None, None
+    if uninitialized or is_plain(t):
+        host = None if uninitialized else t.detach().to("cpu").contiguous()
+        return host, "", list(t.shape), str(t.dtype), None
+    prep = prepare(t)
+    if prep.skipped or prep.data is None:
+        return None, prep.skipped or "no data", prep.shape, prep.dtype, prep.stats
+    data = prep.data.to("cpu")
+    if "expand" in (prep.storage or {}):
+        host = data.clone().expand(prep.shape)  # never the 4 TB a 10^6 x 10^6 expand would be
+    else:
+        host = restore(data).contiguous()
+    return host, "", prep.shape, prep.dtype, prep.stats
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,9 +85,9 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
 
 
-def _stats_as_dumped(t: torch.Tensor) -> dict[str, float]:
+def _stats_as_dumped(stats: torch.Tensor) -> dict[str, float]:
     """The statistics a sidecar would give a reader (rounded as the writer rounds them)."""
-    row = _stats_row(tensor_stats(t).tolist())
+    row = _stats_row(stats.tolist())
     return dict(zip(STAT_NAMES, (math.nan if v is None else float(v) for v in row)))
 
 
@@ -154,11 +169,12 @@ class LiveCompare:
         if pass_ != self._pass:
             self._open_pass(pass_)
         pi = self._pi
-        host = None if tensor is None or uninitialized else _host(tensor)
-        shape = list(tensor.shape) if tensor is not None else None
-        b_side = Side(shape, bool(uninitialized), lambda: _stats_as_dumped(host), lambda: host,
-                      call_args=call_args, dtype=str(tensor.dtype) if tensor is not None else None)
-        dtype_b = str(tensor.dtype) if tensor is not None else ""
+        host, skipped, shape, dtype, stats = _as_read(tensor, uninitialized)
+        b_side = Side(shape, bool(uninitialized),
+                      lambda: _stats_as_dumped(tensor_stats(host) if stats is None else stats),
+                      lambda: host, f"B: {_NOT_STORED}{skipped}" if skipped else "",
+                      call_args=call_args, dtype=dtype)
+        dtype_b = dtype or ""
         partners = self._partners.get(key, [])
         if not partners:
             row = new_row(self.rank, pass_, key, key, self._last + 0.5, "", dtype_b, shape)

@@ -251,3 +251,30 @@ def test_statistics_without_a_sidecar_are_those_of_the_tensors_as_read(tmp_path)
         for stat in ("min", "max", "mean", "std", "numel"):
             assert without.loc[f"model.{k}", stat] == pytest.approx(
                 with_sidecar.loc[f"model.{k}", stat], rel=1e-6), (k, stat)
+
+
+def test_live_comparison_reads_every_kind_as_the_offline_diff_does(tmp_path):
+    """compare_to sees each kind as a diff of the dumps would: dense, dequantized, joined, an
+    expand by its distinct elements (never 4 TB), meta and storage-less wrappers as not stored."""
+    kinds = {**_kinds(), "wrapper": lambda x: _NoData(x * 2)}
+    model = torch.nn.ModuleDict({k: _Emit(f) for k, f in kinds.items()})
+
+    def run(x, *args, **kw):
+        with tdinspect.capture(model, *args, **kw) as cap:
+            for m in model.values():
+                m(torch.tensor(x))
+            cap.step()
+        return cap
+
+    run(1.5, tmp_path / "ref")
+    assert run(1.5, compare_to=tmp_path / "ref").live.first is None  # the same run: no divergence
+    run(1.6, tmp_path / "other")
+    live = run(1.6, tmp_path / "live", compare_to=tmp_path / "ref", on_divergence="record")
+    live = live.live.table()
+    offline = DumpSet.open(tmp_path / "ref").diff(tmp_path / "other").table(progress=False)
+    assert live["key"].tolist() == offline["key"].tolist()
+    assert live["reason"].tolist() == offline["reason"].tolist()
+    assert live["structural"].tolist() == offline["structural"].tolist()
+    assert live["rel_diff"].tolist() == pytest.approx(offline["rel_diff"].tolist(), rel=1e-12,
+                                                      nan_ok=True)
+    assert (offline["rel_diff"] > 1e-3).sum() == 7  # every kind with data differs

@@ -82,13 +82,14 @@ def prepare(t: torch.Tensor) -> Prepared:
     try:
         return _prepare(t.detach())
     except Exception as exc:  # noqa: BLE001 - the model's forward must go on
-        shape = _shape(t)
+        shape = shape_of(t)
         return Prepared(None, None, shape, str(t.dtype),
                         skipped=f"{type(t).__name__} could not be stored ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
 
 
-def _shape(t: torch.Tensor) -> list[int] | None:
+def shape_of(t: torch.Tensor) -> list[int] | None:
+    """``t``'s shape as a list, or ``None`` (a nested tensor has no single shape)."""
     try:
         return list(t.shape)
     except Exception:  # noqa: BLE001 - nested tensors have no single shape
@@ -99,10 +100,10 @@ def _prepare(t: torch.Tensor) -> Prepared:
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(t):
-        return Prepared(None, None, _shape(t), str(t.dtype),
+        return Prepared(None, None, shape_of(t), str(t.dtype),
                         skipped="FakeTensor (traced under FakeTensorMode): no data")
     if t.device.type == "meta":
-        return Prepared(None, None, _shape(t), str(t.dtype), skipped="meta tensor: no data")
+        return Prepared(None, None, shape_of(t), str(t.dtype), skipped="meta tensor: no data")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return _subclass(t)
     if t.layout in _SPARSE:
@@ -144,7 +145,7 @@ def _subclass(t: torch.Tensor) -> Prepared:
             "global_shape": list(t.shape)}}
         return inner
     if hasattr(type(t), "__tensor_flatten__"):
-        return Prepared(None, None, _shape(t), str(t.dtype),
+        return Prepared(None, None, shape_of(t), str(t.dtype),
                         skipped=f"tensor subclass {name}: a wrapper without storage of its own")
     with torch._C.DisableTorchFunctionSubclass():
         plain = t.as_subclass(torch.Tensor)

@@ -20,7 +20,7 @@ from ..format import pass_filename, sidecar_filename
 from ..naming import make_key, split_call
 from ..runs import new_run_folder
 from ..stats import stats_and_checksum, tensor_stats
-from .kinds import is_plain, prepare
+from .kinds import is_plain, prepare, shape_of
 from .writer import AsyncWriter, PendingPass
 
 _LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
@@ -387,7 +387,7 @@ class Recorder:
                                   f"the second is stored as {key!r}")
         p.checksums.append(digest)
         if tensor is not None:
-            shape, dtype = list(tensor.shape), str(tensor.dtype)
+            shape, dtype = shape_of(tensor), str(tensor.dtype)
         n = len(p.keys)
         self._index[key] = n
         p.keys.append(key)
