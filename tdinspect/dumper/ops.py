@@ -336,9 +336,9 @@ class OpCapture(StopsOnCheck):
         """Drop what an in-place op is about to change (every view of the written storage)."""
         for i, name in self._written_args(func):
             t = args[i] if i < len(args) else kwargs.get(name)
-            ident = self._identity(t) if isinstance(t, torch.Tensor) else None
-            if ident is not None:
-                for ident in self._by_storage.pop(ident[0], ()):
+            written = self._identity(t) if isinstance(t, torch.Tensor) else None
+            if written is not None:
+                for ident in self._by_storage.pop(written[0], ()):
                     self._seen.pop(ident, None)
 
     def _dispatch(self, func, args, kwargs):
