@@ -103,10 +103,18 @@ _FIXED = {  # opcode: (name, argument bytes, struct format or None)
 def _opcodes(data: bytes):
     """``(name, argument)`` of each opcode of the subset above (``_Refused`` for any other)."""
     i, n = 0, len(data)
+    fixed = _FIXED
     while i < n:
         code = data[i:i + 1]
         i += 1
-        if code == b"X" or code == b"\x8c":  # BINUNICODE, SHORT_BINUNICODE
+        known = fixed.get(code)
+        if known is not None:  # the common case first: most opcodes are fixed-size
+            name, width, fmt = known
+            if i + width > n:
+                raise _Refused
+            yield name, struct.unpack_from(fmt, data, i)[0] if fmt else None
+            i += width
+        elif code == b"X" or code == b"\x8c":  # BINUNICODE, SHORT_BINUNICODE
             width = 4 if code == b"X" else 1
             size = int.from_bytes(data[i:i + width], "little")
             i += width
@@ -126,15 +134,11 @@ def _opcodes(data: bytes):
             yield "GLOBAL", (data[i:first] + b" " + data[first + 1:second]).decode("ascii")
             i = second + 1
         else:
-            known = _FIXED.get(code)
-            if known is None:
-                raise _Refused
-            name, width, fmt = known
-            if i + width > n:
-                raise _Refused
-            yield name, struct.unpack_from(fmt, data, i)[0] if fmt else None
-            i += width
+            raise _Refused
     raise _Refused  # no STOP
+
+
+_PUSHED = frozenset(("BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1"))
 
 
 def layout_of_pickle(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None:
@@ -143,18 +147,22 @@ def layout_of_pickle(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None
     memo: dict[int, Any] = {}
     top = None
     try:
-        for name, arg in _opcodes(pickled):
-            if name == "PROTO":
+        for name, arg in _opcodes(pickled):  # the frequent opcodes tested first
+            if name == "BINPUT" or name == "LONG_BINPUT":
+                memo[arg] = stack[-1]
+            elif name in _PUSHED:
+                stack.append(arg)
+            elif name == "BINGET" or name == "LONG_BINGET":
+                stack.append(memo[arg])
+            elif name == "PROTO":
                 continue
-            if name == "EMPTY_DICT":
+            elif name == "EMPTY_DICT":
                 if top is not None or stack:
                     raise _Refused  # one dict, the outermost object
                 top = {}
                 stack.append(top)
             elif name == "MARK":
                 stack.append(_MARK)
-            elif name in ("BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1"):
-                stack.append(arg)
             elif name in ("NEWFALSE", "NEWTRUE"):
                 stack.append(name == "NEWTRUE")
             elif name == "EMPTY_TUPLE":
@@ -172,12 +180,8 @@ def layout_of_pickle(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None
                 if arg != _REBUILD and arg != _ORDERED_DICT and arg not in _STORAGES:
                     raise _Refused
                 stack.append(_Global(arg))
-            elif name in ("BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
             elif name == "MEMOIZE":
                 memo[len(memo)] = stack[-1]
-            elif name in ("BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
             elif name == "BINPERSID":
                 pid = stack.pop()
                 if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
