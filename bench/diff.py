@@ -13,9 +13,10 @@ Run: ``python bench/diff.py``. In one run, on files it writes and removes:
    float8_e5m2 dumps, tensors of ``--dtype-sizes`` bytes each (1 KB to 1 GB;
    2 passes, as many entries as make ~16 MB a pass, at most 1,000). The floor
    for each dtype is the cheapest torch compare of the same bytes: the
-   faster, measured on the pair, of ``(a - b).abs().max()`` in the stored
-   dtype (torch has no float8 subtraction) and of
-   ``(a.float() - b.float()).abs().max()`` a million elements at a time;
+   fastest, measured on the pair, of ``(a - b).abs().max()`` in the stored
+   dtype (torch has no float8 subtraction), the same a million elements at
+   a time into a reused buffer, and ``(a.float() - b.float()).abs().max()``
+   a million elements at a time into reused buffers;
 5. the same ratio for one pass of ``--small-entries`` small tensors
    (``--small-numel`` elements): the per-entry overhead.
 """
@@ -39,18 +40,43 @@ from tdinspect import DumpSet, kernels  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
 
 
-WIDEN_CHUNK = 1 << 20
+CHUNK = 1 << 20
+_BUFFERS: dict = {}
+
+
+def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A scratch tensor reused across calls (no fresh pages for every compare)."""
+    buf = _BUFFERS.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = _BUFFERS[name] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 def native_abs_max(x: torch.Tensor, y: torch.Tensor) -> None:
-    """The floor's compare in the stored dtype."""
+    """The floor's compare in the stored dtype, whole tensors."""
     (x - y).abs().max()
 
 
-def widened_abs_max(x: torch.Tensor, y: torch.Tensor) -> None:
-    """The floor's compare widened to float32 a chunk at a time (all torch can do for float8)."""
-    for i in range(0, x.numel(), WIDEN_CHUNK):
-        (x[i:i + WIDEN_CHUNK].float() - y[i:i + WIDEN_CHUNK].float()).abs().max()
+def native_chunked(x: torch.Tensor, y: torch.Tensor) -> None:
+    """The same a million elements at a time into one reused buffer."""
+    for i in range(0, x.numel(), CHUNK):
+        d = _buffer("d", min(CHUNK, x.numel() - i), x.dtype)
+        torch.sub(x[i:i + CHUNK], y[i:i + CHUNK], out=d)
+        d.abs_().max()
+
+
+def widened_chunked(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Widened to float32 a million elements at a time into reused buffers (all torch can
+    do for float8, which has no subtraction)."""
+    for i in range(0, x.numel(), CHUNK):
+        k = min(CHUNK, x.numel() - i)
+        a, b = _buffer("a", k, torch.float32), _buffer("b", k, torch.float32)
+        a.copy_(x[i:i + k])
+        b.copy_(y[i:i + k])
+        a.sub_(b).abs_().max()
+
+
+COMPARES = (native_abs_max, native_chunked, widened_chunked)
 
 
 def _abs_max_diff(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -60,10 +86,10 @@ def _abs_max_diff(x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def cheapest_compare(a: DumpSet, b: DumpSet):
-    """The faster of :func:`native_abs_max` and :func:`widened_abs_max` on these dumps (best
-    of two runs each): the floor of a narrow dtype is the least torch does to compare it."""
+    """The fastest of :data:`COMPARES` on these dumps (best of two runs each): the floor of a
+    narrow dtype is the least torch does to compare its bytes."""
     best = None
-    for compare in (native_abs_max, widened_abs_max):
+    for compare in COMPARES:
         try:
             speed = max(floor_throughput(a, b, compare) for _ in range(2))
         except (RuntimeError, NotImplementedError):  # float8 has no subtraction
@@ -75,6 +101,14 @@ def cheapest_compare(a: DumpSet, b: DumpSet):
 
 def ratio(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[float, float, float]:
     """``(ours, floor, seconds of one diff)`` in bytes/s, medians of alternating rounds."""
+    floors, times, total = alternate(a, b, rounds, compare)
+    t = statistics.median(times)
+    return total / t, statistics.median(floors), t
+
+
+def alternate(a: DumpSet, b: DumpSet, rounds: int, compare) -> tuple[list, list, int]:
+    """Floor throughputs and diff times of ``rounds`` alternating rounds after one warm-up
+    of each, and the bytes a diff compares."""
     floor_throughput(a, b, compare)
     a.diff(b).table(progress=False)
     floors, times = [], []
@@ -85,8 +119,7 @@ def ratio(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[f
         times.append(time.perf_counter() - t0)
     total = sum(2 * math.prod(s) * getattr(torch, str(d).removeprefix("torch.")).itemsize
                 for pa in a.pass_indexes() for s, d in zip(pa.shape, pa.dtype))
-    t = statistics.median(times)
-    return total / t, statistics.median(floors), t
+    return floors, times, total
 
 
 def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff) -> float:
@@ -107,7 +140,7 @@ def narrow_run(root: Path, passes: int, entries: int, numel: int, dtype: torch.d
     """A dump of ``passes`` x ``entries`` tensors of ``numel`` elements of ``dtype``, filled a
     million elements at a time from one random block (scaled per block, plus ``noise``), so
     that 1 GB tensors need no 4 GB float32 source."""
-    block = min(numel, WIDEN_CHUNK)
+    block = min(numel, CHUNK)
     base = torch.randn(block, generator=torch.Generator().manual_seed(0))
     jitter = noise * torch.randn(block, generator=torch.Generator().manual_seed(1))
     rec = Recorder(root, level="module", max_pending_bytes=64 << 20)
@@ -142,10 +175,13 @@ def narrow_floats(root: Path, args) -> None:
             y = narrow_run(root / f"{name}_b", 2, entries, numel, dt, noise=1e-2)
             a, b = DumpSet.open(x), DumpSet.open(y)
             compare = cheapest_compare(a, b)
-            ours, floor, _ = ratio(a, b, args.rounds, compare)
+            floors, times, total = alternate(a, b, args.rounds, compare)
+            ours, floor = total / statistics.median(times), statistics.median(floors)
+            best, best_floor = total / min(times), max(floors)
             print(f"{name:14s} {size:>13,} B a tensor x {entries:4d} x 2 passes: {ours / 1e9:6.2f} "
                   f"GB/s, floor {floor / 1e9:6.2f} GB/s ({compare.__name__}), ratio "
-                  f"{ours / floor:.0%}", flush=True)
+                  f"{ours / floor:4.0%} (medians); best rounds {best / 1e9:6.2f} vs "
+                  f"{best_floor / 1e9:6.2f} GB/s, {best / best_floor:4.0%}", flush=True)
             shutil.rmtree(x)
             shutil.rmtree(y)
 
