@@ -72,7 +72,7 @@ def test_kernel_choice_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.float16, torch.float16)])
 def test_compare_tensors_same_metrics_on_either_backend(monkeypatch, dtypes):
-    big = kernels.NUMBA_MIN_ELEMENTS * 3 + 5  # past the numba threshold, with a tail
+    big = kernels.NUMBA_MIN_BYTES * 3 + 5  # past the numba threshold, with a tail
     g = torch.Generator().manual_seed(0)
     y = torch.randn(big, generator=g).to(dtypes[1])
     x = (y.float() + 1e-2 * torch.randn(big, generator=g)).to(dtypes[0])
@@ -90,7 +90,7 @@ def test_compare_tensors_same_metrics_on_either_backend(monkeypatch, dtypes):
 def test_diff_of_big_tensors_on_dask_threads_matches_the_numpy_backend(tmp_path, monkeypatch):
     """Pass pairs compared on several threads at once through the GIL-free kernel."""
     g = torch.Generator().manual_seed(1)
-    n = kernels.NUMBA_MIN_ELEMENTS * 2
+    n = kernels.NUMBA_MIN_BYTES * 2
     passes = [{f"model.layers.{i}.out": torch.randn(n, generator=g) for i in range(3)} for _ in range(4)]
     write_dump(tmp_path / "a", passes)
     other = [{k: v + (1e-3 * torch.randn(n, generator=g) if p == 2 and k.endswith("1.out") else 0)
@@ -142,7 +142,7 @@ def test_kernel_compiles_without_a_writable_cache(monkeypatch):
 def test_nan_and_inf_are_found_and_masked_in_big_tensors(monkeypatch, backend):
     """One read for finite tensors; a NaN/Inf shows in the sums and sends the pair to masking."""
     monkeypatch.setattr(kernels, "_BACKEND", backend)
-    n = kernels.NUMBA_MIN_ELEMENTS * 2 + 3
+    n = kernels.NUMBA_MIN_BYTES * 2 + 3
     g = torch.Generator().manual_seed(2)
     y = torch.randn(n, generator=g)
     x = y + 1e-3 * torch.randn(n, generator=g)
@@ -299,7 +299,7 @@ def test_float16_by_the_cpu_only_for_the_host_cpu(monkeypatch):
 def test_compare_tensors_decodes_narrow_floats_without_a_float32_copy(monkeypatch, dtype):
     """The same metrics as through a float32 conversion, and the pair reaches the kernel as
     its raw bits (the table path), NaN masking included."""
-    n = kernels.NUMBA_MIN_ELEMENTS + 7
+    n = kernels.NUMBA_MIN_BYTES + 7
     g = torch.Generator().manual_seed(4)
     y = torch.randn(n, generator=g).to(dtype)
     x = (y.float() + 1e-2 * torch.randn(n, generator=g)).to(dtype)
