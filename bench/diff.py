@@ -87,16 +87,15 @@ def _abs_max_diff(x: torch.Tensor, y: torch.Tensor) -> None:
 
 def cheapest_compare(a: DumpSet, b: DumpSet):
     """The fastest of :data:`COMPARES` on these dumps (best of two runs each): the floor of a
-    narrow dtype is the least torch does to compare its bytes."""
-    best = None
+    narrow dtype is the least torch does to compare its bytes. Returns it and each one's
+    throughput (bytes/s)."""
+    speeds = {}
     for compare in COMPARES:
         try:
-            speed = max(floor_throughput(a, b, compare) for _ in range(2))
+            speeds[compare] = max(floor_throughput(a, b, compare) for _ in range(2))
         except (RuntimeError, NotImplementedError):  # float8 has no subtraction
             continue
-        if best is None or speed > best[0]:
-            best = (speed, compare)
-    return best[1]
+    return max(speeds, key=speeds.get), speeds
 
 
 def ratio(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[float, float, float]:
@@ -174,14 +173,15 @@ def narrow_floats(root: Path, args) -> None:
             x = narrow_run(root / f"{name}_a", 2, entries, numel, dt)
             y = narrow_run(root / f"{name}_b", 2, entries, numel, dt, noise=1e-2)
             a, b = DumpSet.open(x), DumpSet.open(y)
-            compare = cheapest_compare(a, b)
+            compare, speeds = cheapest_compare(a, b)
             floors, times, total = alternate(a, b, args.rounds, compare)
             ours, floor = total / statistics.median(times), statistics.median(floors)
             best, best_floor = total / min(times), max(floors)
             print(f"{name:14s} {size:>13,} B a tensor x {entries:4d} x 2 passes: {ours / 1e9:6.2f} "
                   f"GB/s, floor {floor / 1e9:6.2f} GB/s ({compare.__name__}), ratio "
                   f"{ours / floor:4.0%} (medians); best rounds {best / 1e9:6.2f} vs "
-                  f"{best_floor / 1e9:6.2f} GB/s, {best / best_floor:4.0%}", flush=True)
+                  f"{best_floor / 1e9:6.2f} GB/s, {best / best_floor:4.0%}; the floor's compares "
+                  + ", ".join(f"{c.__name__} {v / 1e9:.2f}" for c, v in speeds.items()), flush=True)
             shutil.rmtree(x)
             shutil.rmtree(y)
 

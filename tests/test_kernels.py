@@ -253,9 +253,9 @@ def _decoded_one_by_one(kernel, codes: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", NARROW)
 def test_every_bit_pattern_decodes_as_torch_reads_it(dtype):
-    """Exhaustive: every code of every narrow float, through the compiled bit arithmetic (both
-    float16 decoders: the CPU's conversion where it has one, and the portable one) and through
-    the numpy fallback's chunk decoder, against torch's own conversion to float64."""
+    """Exhaustive: every code of every narrow float, through the compiled bit arithmetic (float16
+    and e5m2 both ways: by the CPU's conversion where it has one, and portably) and through the
+    numpy fallback's chunk decoder, against torch's own conversion to float64."""
     from tdinspect import fused_loop
 
     bits = BITS[dtype.itemsize]
@@ -264,7 +264,7 @@ def test_every_bit_pattern_decodes_as_torch_reads_it(dtype):
     codes = codes.numpy()
     name = str(dtype).removeprefix("torch.")
     decoders = {False: fused_loop.compile_kernels(cache=False, f16c=False)[name]}
-    if dtype == torch.float16 and fused_loop.has_f16c():
+    if dtype in (torch.float16, torch.float8_e5m2) and fused_loop.has_f16c():
         decoders[True] = fused_loop.compile_kernels(cache=False, f16c=True)[name]
     for f16c, kernel in decoders.items():
         got = _decoded_one_by_one(kernel, codes)
