@@ -85,47 +85,31 @@ def _minifloat(exp_bits: int, man_bits: int, ieee: bool):
     return decode
 
 
-@intrinsic
-def _bfloat16(typingctx, code):
-    """bfloat16 bits to float64: the top half of a float32."""
-    if not isinstance(code, types.Integer) or code.bitwidth != 16:
-        return None
+def _shifted(code_bits: int, width: int, shift: int, float_type):
+    """An intrinsic reading ``code_bits``-bit codes as the top bits of a ``width``-bit float
+    (``float_type``), widened to float64: bfloat16 is a float32's top half, float8_e5m2 a
+    float16's top byte."""
+    @intrinsic
+    def decode(typingctx, code):
+        if not isinstance(code, types.Integer) or code.bitwidth != code_bits:
+            return None
 
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-        return builder.fpext(builder.bitcast(bits, ir.FloatType()), ir.DoubleType())
+        def codegen(context, builder, signature, args):
+            iw = ir.IntType(width)
+            bits = builder.shl(builder.zext(args[0], iw), ir.Constant(iw, shift)) if shift \
+                else args[0]
+            return builder.fpext(builder.bitcast(bits, float_type), ir.DoubleType())
 
-    return types.float64(code), codegen
+        return types.float64(code), codegen
 
-
-@intrinsic
-def _half(typingctx, code):
-    """float16 bits to float64 by the CPU's own conversion (F16C's vcvtph2ps): only where
-    :func:`has_f16c` (without it LLVM calls a runtime helper the JIT does not link)."""
-    if not isinstance(code, types.Integer) or code.bitwidth != 16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.DoubleType())
-
-    return types.float64(code), codegen
+    return decode
 
 
-@intrinsic
-def _e5m2_half(typingctx, code):
-    """float8_e5m2 bits to float64 as the top byte of a float16, by F16C (see :func:`_half`)."""
-    if not isinstance(code, types.Integer) or code.bitwidth != 8:
-        return None
-
-    def codegen(context, builder, signature, args):
-        i16 = ir.IntType(16)
-        bits = builder.shl(builder.zext(args[0], i16), ir.Constant(i16, 8))
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.DoubleType())
-
-    return types.float64(code), codegen
-
-
+_bfloat16 = _shifted(16, 32, 16, ir.FloatType())
+# float16 and e5m2 by the CPU's own conversion (F16C's vcvtph2ps): only where has_f16c()
+# (without it LLVM calls a runtime helper the JIT does not link)
+_half = _shifted(16, 16, 0, ir.HalfType())
+_e5m2_half = _shifted(8, 16, 8, ir.HalfType())
 _float16 = _minifloat(5, 10, ieee=True)
 _e4m3fn = _minifloat(4, 3, ieee=False)
 _e5m2 = _minifloat(5, 2, ieee=True)
