@@ -101,7 +101,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels import EPS, NUMBA_MIN_ELEMENTS, PairSums, pair_sums
+from .kernels import EPS, NUMBA_MIN_BYTES, PairSums, pair_sums
 from .stats import broadcast_dims, first_slice
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
@@ -343,7 +343,7 @@ _CODED = {dt: torch.uint8 if torch.empty((), dtype=dt).element_size() == 1 else 
 
 
 def _sums(xr: torch.Tensor, yr: torch.Tensor, dt: torch.dtype, rtol: float, atol: float,
-          chunk: int, scale: float = 1.0, min_numba: int = NUMBA_MIN_ELEMENTS) -> PairSums:
+          chunk: int, scale: float = 1.0, min_numba: int = NUMBA_MIN_BYTES) -> PairSums:
     """The kernel's sums of two flat tensors (times ``scale``), converted to ``dt`` a chunk
     at a time if needed (``min_numba``: see :func:`~tdinspect.kernels.pair_sums`)."""
     if scale == 1.0 and xr.is_contiguous() and yr.is_contiguous():

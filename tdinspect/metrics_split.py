@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .kernels import EPS, NUMBA_MIN_ELEMENTS, PairSums, decode_table
+from .kernels import EPS, NUMBA_MIN_BYTES, PairSums, decode_table
 from .metrics import (_CODED, _IDENTICAL, TENSOR_METRICS, _compute_dtype, _from_sums, _sums,
                       compare_tensors, metric, needs_rescaling, same_bits, sxy_derived, tolerances)
 
@@ -77,8 +77,8 @@ def compare_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
     dt = _compute_dtype(pieces[0][0], pieces[0][1])
     # numba or numpy as the whole pair's size decides (never by piece: a pair's sums must not
     # depend on how it was stored)
-    total = sum(x.numel() for x, _ in pieces)
-    min_numba = 0 if total >= NUMBA_MIN_ELEMENTS else total + 1
+    total = sum(x.numel() * x.element_size() for x, _ in pieces)  # bytes a side
+    min_numba = 0 if total >= NUMBA_MIN_BYTES else 1 << 62  # every piece, or none
     s = PairSums()
     for x, y in pieces:
         s += _sums(x.detach().reshape(-1), y.detach().reshape(-1), dt, rtol, atol, chunk,
