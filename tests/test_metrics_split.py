@@ -205,3 +205,14 @@ def test_same_bits_of_a_one_element_tensor_with_stride_zero():
     assert one.stride() == (0,) and one.is_contiguous()
     assert same_bits(one, torch.tensor([7], dtype=torch.int16))
     assert not same_bits(one, torch.tensor([8], dtype=torch.int16))
+
+
+def test_sides_cut_alike_are_compared_part_by_part_as_they_are():
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(10, 33, generator=gen)
+    x = y + 1e-3 * torch.randn(10, 33, generator=gen)
+    a, b = _cut(y, [4, 1, 5], 0), _cut(x, [4, 1, 5], 0)
+    slices = matching_slices(a, b)
+    assert [(p.data_ptr(), q.data_ptr()) for p, q in slices] == \
+        [(p.data_ptr(), q.data_ptr()) for (_, p), (_, q) in zip(a[1], b[1])]
+    _agree(compare_pieces([(q, p) for p, q in slices]), compare_tensors(x, y))
