@@ -1,5 +1,7 @@
 """Judging a diff table with per-entry thresholds: a number, ``"auto"`` (from each entry's
-dtypes) and a ``{regex: number}`` dict with ``"auto"`` for the rest, side by side in one run.
+dtypes) and a ``{regex: number}`` dict with ``"auto"`` for the rest, side by side in one run;
+``"auto"`` with and without the rows' ``upstream`` column, and the cost of computing that column
+(:func:`tdinspect.diff.upstream_of`, once per pass frame).
 
     python bench/thresholds.py [--rows 100000] [--names 500] [--rounds 7]
 """
@@ -13,7 +15,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from tdinspect.diff import Diff, threshold_fn
+from tdinspect.diff import Diff, threshold_fn, upstream_of
 from tdinspect.metrics import metric
 
 
@@ -30,15 +32,21 @@ def main() -> None:
         "dtype_b": ["torch.bfloat16" if i % 3 else "torch.float32" for i in range(n)],
         "rel_diff": np.random.default_rng(0).random(n) * 1e-3, "structural": False, "reason": ""})
     m = metric("rel_diff")
-    cases = {"number": 1e-3, "auto": "auto", "dict + auto": {r"layers\.1\.": 1e-3}}
-    times: dict[str, list[float]] = {k: [] for k in cases}
+    plain = rows.copy()
+    rows["upstream"] = upstream_of(rows["dtype_a"], rows["dtype_b"])
+    cases = {"number": (1e-3, rows), "auto, no upstream": ("auto", plain),
+             "auto": ("auto", rows), "dict + auto": ({r"layers\.1\.": 1e-3}, rows)}
+    times: dict[str, list[float]] = {k: [] for k in (*cases, "upstream_of")}
     for _ in range(args.rounds):  # interleaved: the machine's load hits every case alike
-        for name, spec in cases.items():
+        for name, (spec, frame) in cases.items():
             t0 = time.perf_counter()
-            Diff._hits(rows, m, threshold_fn(spec, m.name))
+            Diff._hits(frame, m, threshold_fn(spec, m.name))
             times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        upstream_of(rows["dtype_a"], rows["dtype_b"])
+        times["upstream_of"].append(time.perf_counter() - t0)
     for name, t in times.items():
-        print(f"{name:12s} median {statistics.median(t) * 1e3:7.1f} ms   min {min(t) * 1e3:7.1f} ms"
+        print(f"{name:18s} median {statistics.median(t) * 1e3:7.1f} ms   min {min(t) * 1e3:7.1f} ms"
               f"   ({statistics.median(t) / n * 1e6:.2f} us a row)")
 
 

@@ -39,7 +39,7 @@ from .align.mapping import Mapping
 from .align.transforms import TransformError
 from .dumpset import DumpSet
 from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_tensors,
-                      metric, stats_rel)
+                      dtype_named, metric, stats_rel, unit_roundoff)
 from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
@@ -544,7 +544,9 @@ class Diff:
         for job in jobs:
             k = (job.rank, job.pass_)
             if k not in self._results:
-                self._results[k] = pd.DataFrame(next(computed), columns=COLUMNS)
+                frame = pd.DataFrame(next(computed), columns=COLUMNS)
+                frame["upstream"] = upstream_of(frame["dtype_a"], frame["dtype_b"])
+                self._results[k] = frame
                 self.passes_read.append(k)
             if self._want_stats_rel and self.mode == "tensor":
                 self._fill_stats_rel(k, self._results[k])
@@ -825,7 +827,7 @@ class Diff:
                 ya, xb = ya.movedim(d, 0).contiguous(), xb.movedim(d, 0).contiguous()
                 values = compare_positions(xb, ya, m.name, chunk=self.chunk).tolist()
                 cells.append((rank, p, int(row["call"]), values, thr_fn.lookup(
-                    base, row["dtype_a"], row["dtype_b"])))
+                    base, row["dtype_a"], row["dtype_b"], row.get("upstream", "") or "")))
         if not cells:
             raise KeyError(f"{key!r}: no pass where both sides hold it with one shape"
                            + (f" ({'; '.join(skipped[:3])})" if skipped else ""))
@@ -1011,8 +1013,13 @@ class Diff:
         return out
 
     def __repr__(self) -> str:
+        return self.headline()
+
+    def headline(self, metric: str | None = None) -> str:
+        """The repr, with the ``"auto"`` rule of ``metric`` (default: the diff's own)."""
         return (f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, mode={self.mode}, "
-                f"align={self.align}, threshold: auto by default ({auto_rule(self.default_metric)}))")
+                f"align={self.align}, threshold: auto by default "
+                f"({auto_rule(metric or self.default_metric)}))")
 
     def _repr_html_(self) -> str:
         from .report import diff_html
@@ -1061,31 +1068,47 @@ class Thresholds:
             self.fixed = _valid_threshold(threshold)
         self._cache: dict[tuple, tuple[float, str]] = {}
 
-    def lookup(self, op: str, dtype_a, dtype_b) -> tuple[float, str]:
+    def lookup(self, op: str, dtype_a, dtype_b, upstream="") -> tuple[float, str]:
         """``(threshold, source)`` of one entry: source ``""`` for a number given,
-        ``"auto: <dtype>"`` or ``"default"`` for ``"auto"``."""
+        ``"auto: <dtype>"``, ``"auto: <dtype> upstream"`` or ``"default"`` for ``"auto"``.
+        ``upstream``: the coarsest floating dtype the pair's data has been through
+        (:func:`upstream_of`), used when it is coarser than the entry's own."""
         if self.fixed is not None:
             return self.fixed, ""
-        key = (op, dtype_a, dtype_b) if self.rules else (dtype_a, dtype_b)
+        key = (op, dtype_a, dtype_b, upstream) if self.rules else (dtype_a, dtype_b, upstream)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._resolve(op, dtype_a, dtype_b)
+            hit = self._cache[key] = self._resolve(op, dtype_a, dtype_b, upstream)
         return hit
 
-    def _resolve(self, op, dtype_a, dtype_b) -> tuple[float, str]:
+    def _resolve(self, op, dtype_a, dtype_b, upstream) -> tuple[float, str]:
         for pattern, value in self.rules:
             if pattern.search(op):
                 if value is not None:
                     return value, ""
                 break
-        return auto_threshold(self.metric.name, dtype_a or "", dtype_b or "")
+        value, source = auto_threshold(self.metric.name, dtype_a or "", dtype_b or "")
+        if not source.startswith("auto: ") or not upstream:
+            return value, source
+        own = max(unit_roundoff(dtype_a), unit_roundoff(dtype_b))
+        # an integer result is exact whatever it was computed from; a float one carries
+        # the error of the coarsest rounding its inputs went through
+        if own and (unit_roundoff(upstream) or 0.0) > own:
+            return auto_threshold(self.metric.name, upstream, upstream)[0], \
+                f"auto: {upstream} upstream"
+        return value, source
+
+    @staticmethod
+    def _args(row) -> tuple:
+        return (row["op"], row.get("dtype_a", ""), row.get("dtype_b", ""),
+                row.get("upstream", "") or "")
 
     def __call__(self, row) -> float:
-        return self.lookup(row["op"], row.get("dtype_a", ""), row.get("dtype_b", ""))[0]
+        return self.lookup(*self._args(row))[0]
 
     def source(self, row) -> str:
         """Where ``row``'s threshold came from (``""``: a number given)."""
-        return self.lookup(row["op"], row.get("dtype_a", ""), row.get("dtype_b", ""))[1]
+        return self.lookup(*self._args(row))[1]
 
     def of_rows(self, rows: pd.DataFrame) -> np.ndarray:
         """The thresholds of a frame's rows (vectorised over distinct names and dtypes)."""
@@ -1093,10 +1116,10 @@ class Thresholds:
         if self.fixed is not None:
             return np.full(n, self.fixed)
         da, db = rows["dtype_a"].to_numpy(object), rows["dtype_b"].to_numpy(object)
-        if self.rules:
-            ops = rows["op"].to_numpy(object)
-            return np.fromiter((self.lookup(o, a, b)[0] for o, a, b in zip(ops, da, db)), float, n)
-        return np.fromiter((self.lookup("", a, b)[0] for a, b in zip(da, db)), float, n)
+        up = rows["upstream"].to_numpy(object) if "upstream" in rows else np.full(n, "", object)
+        ops = rows["op"].to_numpy(object) if self.rules else np.full(n, "", object)
+        return np.fromiter((self.lookup(o, a, b, u)[0] for o, a, b, u in zip(ops, da, db, up)),
+                           float, n)
 
     def describe(self, rows: pd.DataFrame | None = None) -> str:
         """The threshold in words: the number, or ``auto (rule; dtype value, ...)`` with the
@@ -1106,8 +1129,10 @@ class Thresholds:
         rule = auto_rule(self.metric.name)
         values = {}
         if rows is not None and len(rows):
-            for a, b in dict.fromkeys(zip(rows["dtype_a"], rows["dtype_b"])):
-                value, source = auto_threshold(self.metric.name, a or "", b or "")
+            up = rows["upstream"] if "upstream" in rows else [""] * len(rows)
+            auto = Thresholds(AUTO, self.metric.name)
+            for a, b, u in dict.fromkeys(zip(rows["dtype_a"], rows["dtype_b"], up)):
+                value, source = auto.lookup("", a, b, u or "")
                 if source.startswith("auto: "):
                     values.setdefault(source[6:], value)
         shown = "; ".join(f"{d} {_thr_text(v)}" for d, v in values.items())
@@ -1115,6 +1140,39 @@ class Thresholds:
             ", ".join(f"{p.pattern}={'auto' if v is None else f'{v:g}'}" for p, v in self.rules)
             + ", else auto")
         return f"{head} ({rule}" + (f": {shown}" if shown else "") + ")"
+
+
+def upstream_of(dtype_a, dtype_b) -> np.ndarray:
+    """The coarsest floating dtype each row's data has been through (names, ``""``: none).
+
+    ``dtype_a`` and ``dtype_b`` are the two sides' dtypes of one (rank, pass),
+    in execution order: for each side, the coarsest floating dtype among its
+    entries up to and including the row (a cumulative maximum of the unit
+    roundoff), and of the two sides the coarser. Integer, bool and unknown
+    dtypes do not count. A float32 op on a bfloat16 model's values (an
+    upcast RMSNorm, a rotary buffer) gets ``"bfloat16"``.
+
+    Examples
+    --------
+    >>> upstream_of(["torch.bfloat16", "torch.float32"], ["torch.float32", "torch.float32"]).tolist()
+    ['bfloat16', 'bfloat16']
+    """
+    da, db = np.asarray(dtype_a, object), np.asarray(dtype_b, object)
+    n = len(da)
+    if not n:
+        return np.array([], object)
+    codes, distinct = pd.factorize(np.concatenate([da, db]))
+    u = np.array([(unit_roundoff(d) or 0.0) if isinstance(d, str) and d else 0.0
+                  for d in distinct] + [0.0])  # code -1 (missing): 0
+    name_of = {0.0: ""}
+    for d, ud in zip(distinct, u.tolist()):
+        if ud:
+            dt = dtype_named(d)
+            name_of.setdefault(ud, str(dt.to_real() if dt.is_complex else dt).removeprefix("torch."))
+    per_row = u[codes]
+    up = np.maximum(np.maximum.accumulate(per_row[:n]), np.maximum.accumulate(per_row[n:]))
+    us = np.array(sorted(name_of))
+    return np.array([name_of[x] for x in us.tolist()], object)[np.searchsorted(us, up)]
 
 
 def threshold_fn(threshold, metric_name: str) -> Thresholds:
@@ -1129,8 +1187,15 @@ def _thr_digits(value: float, digits: int) -> int:
     return digits
 
 
-def _thr_text(value: float, digits: int = 2) -> str:
-    return f"{value:.{_thr_digits(value, digits)}g}"
+def _thr_text(value: float) -> str:
+    """A threshold with the digits that make it the number used: 3 significant digits
+    (``1.49e-08``, ``75.3``, as the reasons show), and 3 of ``1 - value`` near 1
+    (cosine's ``0.999878``, not ``0.9999``)."""
+    if 0.9 < value < 1:
+        return f"{value:.{min(17, 3 + math.floor(-math.log10(1 - value)))}g}"
+    if 1 < abs(value) < 1e15 and value != int(value):  # sqnr_db: one decimal, 162.6 dB
+        return f"{value:.{max(3, len(str(int(abs(value)))) + 1)}g}"
+    return f"{value:.{_thr_digits(value, 3)}g}"
 
 
 def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
@@ -1155,8 +1220,8 @@ def reason_of(row, m, thr_fn) -> str:
     value = row[m.name]
     if value is None or math.isnan(value):
         return f"{m.name} could not be computed"
-    thr, source = threshold_fn(thr_fn, m.name).lookup(row["op"], row.get("dtype_a", ""),
-                                                       row.get("dtype_b", ""))
+    thr_fn = threshold_fn(thr_fn, m.name)
+    thr, source = thr_fn.lookup(*thr_fn._args(row))
     op = ">" if m.higher_is_worse else "<"
     if not source:  # a number given: as it was written
         digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)

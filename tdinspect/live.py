@@ -43,14 +43,14 @@ import torch
 
 from .diff import (_NOT_STORED, BEFORE, COLUMNS, PassJob, Side, _mapped_key, _missing,
                    compare_pair, divergence_of, divergent, new_row, same_ref_pass, side_of,
-                   threshold_fn)
+                   threshold_fn, upstream_of)
 from .align.mapping import Mapping
 from .dumper.checks import DivergenceError
 from .dumper.kinds import is_plain, prepare, restore
 from .dumper.writer import PendingPass
 from .dumpset import DumpSet
 from .format import _stats_row, atomic_write, rank_dirname
-from .metrics import metric as metric_named
+from .metrics import metric as metric_named, unit_roundoff
 from .stats import STAT_NAMES, tensor_stats
 
 ACTIONS = ("raise", "warn", "record")
@@ -149,6 +149,7 @@ class LiveCompare:
         self._matched: set[int] = set()
         self._last = -0.5
         self._pass_rows: list[dict[str, Any]] = []
+        self._coarsest = {"dtype_a": (0.0, ""), "dtype_b": (0.0, "")}  # running, per side
         self._ring: deque = deque(maxlen=self.before + 1)  # (B key, host copy or None, A indices)
         self._partners: dict[str, list[int]] = {}
         if pi is not None:
@@ -223,6 +224,7 @@ class LiveCompare:
     # -- verdicts -----------------------------------------------------------------------
     def _judge(self, row: dict[str, Any]) -> None:
         earlier = self._pass_rows[-self.before:] if self.before else []
+        row["upstream"] = self._upstream(row)
         self._pass_rows.append(row)
         if self.action == "record":
             self.rows.append(row)
@@ -243,6 +245,15 @@ class LiveCompare:
             warnings.warn(f"tdinspect: live comparison, first divergence of pass {div.pass_}: "
                           f"{div.key} (call {div.call}): {div.reason}", RuntimeWarning,
                           stacklevel=5)
+
+    def _upstream(self, row: dict[str, Any]) -> str:
+        """The coarsest floating dtype either side went through so far in this pass
+        (:func:`tdinspect.diff.upstream_of`, kept as a running maximum)."""
+        for side in ("dtype_a", "dtype_b"):
+            u = unit_roundoff(row[side]) if row[side] else None
+            if u and u > self._coarsest[side][0]:
+                self._coarsest[side] = (u, upstream_of([row[side]], [""])[0])
+        return max(self._coarsest.values())[1]
 
     def table(self):
         """The rows compared so far as a ``pandas.DataFrame`` (:data:`~tdinspect.diff.COLUMNS`);

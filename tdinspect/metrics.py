@@ -66,6 +66,21 @@ scale and keep their fixed defaults under ``"auto"``; ``mismatch`` already
 uses ``assert_close``'s per-dtype tolerances. A row whose dtypes are
 unknown (an entry on one side only) uses the fixed default.
 
+The precision the data has been through, not only the entry's own dtypes:
+where rows are judged (:class:`tdinspect.diff.Thresholds`, live comparison
+included), a floating entry's ``u`` is the largest of its own and its
+*upstream* one: for each side, the coarsest floating dtype among that side's
+entries of the same (rank, pass) up to and including this one in execution
+order, and of the two sides the coarser (:func:`tdinspect.diff.upstream_of`;
+integer, bool and unknown dtypes do not count). Why: a float32 op on
+bfloat16-rounded values carries bfloat16 error. A bfloat16 model's RMSNorm
+upcasts to float32 (``aten.pow`` 3e-5 against float32's 1.5e-8) and its
+rotary ``inv_freq`` is rounded to bfloat16 before a float32 ``aten.sin``;
+judged by their own float32 dtypes they fired on rounding alone. The
+reason then names the source: ``rel_diff 3e-05 > 0.000977 (auto: bfloat16
+upstream)``. An integer result stays exact (its own dtypes decide). This
+function stays the rule of one dtype pair.
+
 Exact in meaning at every magnitude:
 
 - float64 sums of squares that would overflow (``1e200``) or underflow

@@ -293,7 +293,7 @@ def test_tdi_diff_shows_one_summary_that_honours_its_flags(runs):
     assert "metric: rel_diff" in html and "first divergence" in html
     assert "threshold: auto (rel_diff u/4" in html and "(auto: float32)" in html  # the default
     html = auto[0]["data"]["text/html"]  # bf16 against float32: bfloat16's u/4 for every entry
-    assert "no divergence" in html and "bfloat16 0.00098" in html
+    assert "no divergence" in html and "bfloat16 0.000977" in html
     html = loose[0]["data"]["text/html"]
     assert len(loose) == 1 and "no divergence" in html and "metric: cosine" in html and "0.5" in html
     key = nb.cells[4].outputs[0]["data"]["text/plain"].strip("'")
