@@ -219,20 +219,12 @@ def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],
             index = index_of(f)
             if index is None or not index.first:
                 return None
-            name = index.first.split("/", 1)[0] + "/data.pkl"
-            found = index.record(name)
-            if found is None or found[2] != zipfile.ZIP_STORED:
-                return None
-            f.seek(found[0])
-            head = f.read(_LOCAL_HEADER.size)
-            fields = _LOCAL_HEADER.unpack(head)
-            if fields[0] != _LOCAL_SIGNATURE:
-                return None
-            f.seek(found[0] + _LOCAL_HEADER.size + fields[9] + fields[10])
-            pickled = f.read(found[1])
-    except (OSError, ValueError, struct.error):
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
         return None
-    if len(pickled) != found[1] or zlib.crc32(pickled) != found[3]:
+    with mapped:
+        pickled = _small_record(mapped, index, index.first.split("/", 1)[0] + "/data.pkl")
+    if pickled is None:
         return None
     parsed = layout_of_pickle(pickled)
     if parsed is None:
