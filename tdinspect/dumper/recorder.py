@@ -289,7 +289,7 @@ class Recorder:
                 extra["thread"] = thread
             return self._record(key, tensor, module_type, store, same_stats_as, extra)
 
-    def _record(self, key, tensor, module_type, store, same_stats_as, extra) -> None:
+    def _record(self, key, tensor, module_type, store, same_stats_as, extra) -> torch.Tensor | None:
         p = self._pass
         if self.dims is not None:
             extra["dims"] = self.dims.lookup(split_call(key)[0])
@@ -328,7 +328,7 @@ class Recorder:
         self._append(key, tensor, copy, stat, module_type, extra, digest)
         return stat
 
-    def _record_kind(self, key, tensor, module_type, store, extra, digest) -> None:
+    def _record_kind(self, key, tensor, module_type, store, extra, digest) -> torch.Tensor | None:
         """A sparse, quantized, nested, expanded, subclass, meta or fake tensor (see
         :mod:`tdinspect.dumper.kinds`): stored in its own form, or skipped with the reason."""
         prep = prepare(tensor)
