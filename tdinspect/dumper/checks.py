@@ -13,8 +13,9 @@ Usage::
 Health check: each output gets one fused reduction on its own device
 (``aminmax``; on CPU a BLAS ``dot(x, x)``, confirmed exactly when it is not
 finite), unless module capture already computed its statistics on the CPU
-(a dump is written): their NaN/Inf counts answer, without another read. On CPU the answer is read at once, so the error is raised inside the
-forward (or backward) that made the value; on an accelerator the flags stay on
+(a dump is written): their NaN/Inf counts answer, without another read. On
+CPU the answer is read at once, so the error is raised inside the forward (or
+backward) that made the value; on an accelerator the flags stay on
 the device and are read once per :meth:`step` (no synchronisation per entry),
 which then names the first offending entry. At op level the error also says
 whether the op's inputs already held NaN/Inf (it inherited them) or were
