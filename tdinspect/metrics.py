@@ -471,6 +471,8 @@ def _from_sums(s: PairSums, sxy: float) -> dict[str, float]:
     out["sqnr_db"] = math.inf if s.sdd == 0 else (
         10 * math.log10(s.syy / s.sdd) if s.syy > 0 else -math.inf)
     out["mismatch"] = s.mismatch / m if m else 0.0
+    out["equal"] = 0.0  # called for pairs that are not bitwise equal
+    out["rel_diff_cast"], out["max_abs_cast"] = out["rel_diff"], out["max_abs"]  # one dtype
     return out
 
 
@@ -531,8 +533,6 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
             s, scale = _rescaled(s, xr, yr, dt, rtol, atol, chunk)
         sxy = _sxy(s, xr, yr, dt, chunk, scale)
     out.update(_from_sums(s, sxy))
-    out["equal"] = 0.0
-    out["rel_diff_cast"], out["max_abs_cast"] = out["rel_diff"], out["max_abs"]
     if x.dtype != y.dtype and x.is_floating_point() and y.is_floating_point():
         narrow = min((x.dtype, y.dtype), key=lambda d: torch.finfo(d).bits)
         cast = compare_tensors(x.to(narrow), y.to(narrow), chunk=chunk)

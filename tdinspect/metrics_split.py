@@ -83,17 +83,23 @@ def compare_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
     for x, y in pieces:
         s += _sums(x.detach().reshape(-1), y.detach().reshape(-1), dt, rtol, atol, chunk,
                    min_numba=min_numba)
+    row = _settled(s, dt == torch.float64)
+    if row is None:
+        return None
+    out.update(row)
+    return out
+
+
+def _settled(s: PairSums, wide: bool) -> dict[str, float] | None:
+    """``compare_tensors``' metrics from the sums of a pair of one float dtype that is not
+    bitwise equal (``wide``: float64), or ``None`` where it takes a special road: a NaN or
+    Inf (masked), float64 sums out of range (rescaled), ``Σxy`` summed directly."""
     if not (math.isfinite(s.sxx) and math.isfinite(s.syy)):
-        return None  # NaN/Inf: compare_tensors masks them
-    if dt == torch.float64 and needs_rescaling(s):
+        return None
+    if wide and needs_rescaling(s):
         return None
     sxy = sxy_derived(s)
-    if sxy is None:
-        return None
-    out.update(_from_sums(s, sxy))
-    out["equal"] = 0.0
-    out["rel_diff_cast"], out["max_abs_cast"] = out["rel_diff"], out["max_abs"]
-    return out
+    return None if sxy is None else _from_sums(s, sxy)
 
 
 def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *,
@@ -172,7 +178,6 @@ class _Work:
         else:
             np.take(lut, xa, out=xf)
             np.take(lut, ya, out=yf)
-        finite = np.isfinite(xf).all(1) & np.isfinite(yf).all(1)
         with np.errstate(all="ignore"):
             sxx = np.square(xf, out=tmp).sum(1)
             syy = np.square(yf, out=tmp).sum(1)
@@ -193,19 +198,11 @@ class _Work:
             if same[j]:
                 values[j], slow[j] = _IDENTICAL[name], False
                 continue
-            if not finite[j]:
-                continue
-            s = PairSums(n, float(sxx[j]), float(syy[j]), float(sdd[j]), float(sabs[j]),
-                         float(max_abs[j]), float(max_rel[j]), int(mismatch[j]))
-            if wide and needs_rescaling(s):
-                continue
-            sxy = sxy_derived(s)
-            if sxy is None:
-                continue
-            row = _from_sums(s, sxy)
-            row["equal"] = 0.0
-            row["rel_diff_cast"], row["max_abs_cast"] = row["rel_diff"], row["max_abs"]
-            values[j], slow[j] = row[name], False
+            row = _settled(PairSums(n, float(sxx[j]), float(syy[j]), float(sdd[j]),
+                                    float(sabs[j]), float(max_abs[j]), float(max_rel[j]),
+                                    int(mismatch[j])), wide)
+            if row is not None:
+                values[j], slow[j] = row[name], False
 
 
 _UINT_OF = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
