@@ -998,11 +998,8 @@ class Diff:
     def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
         div = self.first_divergence(threshold, metric, structural)
         name = div.metric if div else (metric or self.default_metric)
-        read = [f for f in self._results.values() if len(f)]
         out = {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
-                "metric": name,
-                "threshold": threshold_fn(threshold, name).describe(
-                    pd.concat(read) if read else None),
+                "metric": name, "threshold": self.threshold_text(threshold, name),
                 "first_divergence": None if div is None else {
                     "op": div.op, "call": div.call, "pass": div.pass_, "rank": div.rank,
                     "key": div.key, "value": _num(div.value), "threshold": div.threshold,
@@ -1011,6 +1008,13 @@ class Diff:
             se = div.structural_entries if div is not None else self.structural_entries(False)
             out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
         return out
+
+    def threshold_text(self, threshold=None, metric: str | None = None) -> str:
+        """``threshold`` in words (:meth:`Thresholds.describe`), with the ``"auto"`` values of
+        the dtypes compared so far."""
+        read = [f for f in self._results.values() if len(f)]
+        return threshold_fn(threshold, metric or self.default_metric).describe(
+            pd.concat(read) if read else None)
 
     def __repr__(self) -> str:
         return self.headline()

@@ -214,13 +214,7 @@ class DiffSummary:
     def threshold_text(self) -> str:
         """``auto (rel_diff u/4, ...: float32 1.5e-08)`` (the values of the dtypes compared so
         far) or the number given."""
-        import pandas as pd
-
-        from .diff import threshold_fn
-
-        read = [f for f in self.diff._results.values() if len(f)]
-        rows = pd.concat(read) if read else None
-        return threshold_fn(self.threshold, self.metric).describe(rows)
+        return self.diff.threshold_text(self.threshold, self.metric)
 
     def _thr_text(self) -> str:
         return html.escape(self.threshold_text())
