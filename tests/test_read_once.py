@@ -57,6 +57,9 @@ def test_the_fast_index_reads_what_zipfile_reads(tmp_path):
         with open(path, "rb") as f:  # the binding's digest, as zipfile's reading gives it
             assert index.digest == zipindex._slow(f)[2], path
         assert index.size == path.stat().st_size
+    for path, fast in ((tmp_path / "t.pt", True), (plain, True), (prefixed, False)):
+        with open(path, "rb") as f:  # the comparison above holds because _fast itself read it
+            assert (zipindex._fast(f, path.stat().st_size) is not None) == fast, path
     assert zipindex.read_index(tmp_path / "missing.pt") is None
     (tmp_path / "not.zip").write_bytes(b"not an archive" * 10)
     assert zipindex.read_index(tmp_path / "not.zip") is None
