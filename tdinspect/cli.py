@@ -235,7 +235,7 @@ def cmd_diff(args) -> int:
         summary["n_divergences"] = int(len(df))
         print(_dump(summary))
         return 0 if df.empty else 1
-    print(diff.headline(metric))  # the rule of the metric asked for
+    print(diff.headline(metric, thr))  # the rule of the metric asked for, when it is auto
     print(f"threshold: {summary['threshold']}")
     if df.empty:
         print(f"no divergence ({metric})")

@@ -1019,11 +1019,14 @@ class Diff:
     def __repr__(self) -> str:
         return self.headline()
 
-    def headline(self, metric: str | None = None) -> str:
-        """The repr, with the ``"auto"`` rule of ``metric`` (default: the diff's own)."""
-        return (f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, mode={self.mode}, "
-                f"align={self.align}, threshold: auto by default "
-                f"({auto_rule(metric or self.default_metric)}))")
+    def headline(self, metric: str | None = None, threshold="auto") -> str:
+        """The repr, with the ``"auto"`` rule of ``metric`` (default: the diff's own) when
+        ``threshold`` is ``"auto"`` (an explicit one is described by the caller)."""
+        head = (f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, "
+                f"mode={self.mode}, align={self.align}")
+        if threshold is not None and not (isinstance(threshold, str) and threshold == AUTO):
+            return head + ")"
+        return f"{head}, threshold: auto by default ({auto_rule(metric or self.default_metric)}))"
 
     def _repr_html_(self) -> str:
         from .report import diff_html

@@ -356,3 +356,13 @@ def test_cli_threshold_line_shows_the_numbers_used_for_the_metric_asked(float32_
     frame = pd.DataFrame({"op": ["x"], "dtype_a": ["torch.float16"], "dtype_b": ["torch.float16"]})
     assert Thresholds("auto", "cosine").describe(frame).endswith("float16 0.999878)")
     assert Thresholds("auto", "rel_diff").describe(frame).endswith("float16 0.000122)")
+
+
+def test_cli_header_names_auto_only_when_auto_is_used(float32_runs, capsys):
+    """An explicit --threshold is not contradicted by an "auto by default" header."""
+    ref, norm = str(float32_runs["ref"]), str(float32_runs["norm"])
+    assert main(["diff", ref, norm, "--threshold", "1e-3"]) == 0  # 4.95e-5 < 1e-3
+    out = capsys.readouterr().out
+    assert "auto by default" not in out and "threshold: 0.001\n" in out
+    assert main(["diff", ref, norm]) == 1
+    assert "threshold: auto by default (rel_diff u/4" in capsys.readouterr().out
