@@ -31,6 +31,7 @@ missing entry comes before it in the reference's order.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import math
 import os
@@ -57,24 +58,31 @@ ACTIONS = ("raise", "warn", "record")
 
 
 def _as_read(t: torch.Tensor | None, uninitialized: bool):
-    """``t`` as an offline diff reads it back from the dump: ``(tensor on the host or None,
-    why it is not stored or "", shape, dtype, statistics or None)``. A tensor that is not
-    plain goes through :func:`~tdinspect.dumper.kinds.prepare`, as the recorder's does:
-    dense, dequantized, nested parts joined, an expand as a view of its distinct elements."""
-    if t is None:
-        return None, "", None, None, None
-    if uninitialized or is_plain(t):
-        host = None if uninitialized else t.detach().to("cpu").contiguous()
-        return host, "", list(t.shape), str(t.dtype), None
+    """``t`` as an offline diff reads it back from the dump: ``(tensor or None, () -> that
+    tensor on the host, why it is not stored or "", shape, dtype, statistics or None)``.
+
+    A plain tensor stays where it is: its statistics are computed there, as the recorder
+    computes them, and it is copied to the host once, only when values are needed. A tensor
+    that is not plain goes through :func:`~tdinspect.dumper.kinds.prepare`, as the recorder's
+    does: dense, dequantized, nested parts joined, an expand as a view of its distinct
+    elements, on the host."""
+    if t is None or uninitialized:
+        shape, dtype = (None, None) if t is None else (list(t.shape), str(t.dtype))
+        return None, lambda: None, "", shape, dtype, None
+    if is_plain(t):
+        t = t.detach()
+        # one host copy (to("cpu").contiguous() copies a transposed device tensor twice)
+        return t, functools.cache(lambda: t.contiguous().to("cpu")), "", list(t.shape), \
+            str(t.dtype), None
     prep = prepare(t)
     if prep.skipped or prep.data is None:
-        return None, prep.skipped or "no data", prep.shape, prep.dtype, prep.stats
+        return None, lambda: None, prep.skipped or "no data", prep.shape, prep.dtype, prep.stats
     data = prep.data.to("cpu")
     if "expand" in (prep.storage or {}):
         host = data.clone().expand(prep.shape)  # never the 4 TB a 10^6 x 10^6 expand would be
     else:
         host = restore(data).contiguous()
-    return host, "", prep.shape, prep.dtype, prep.stats
+    return host, lambda: host, "", prep.shape, prep.dtype, prep.stats
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -170,10 +178,12 @@ class LiveCompare:
         if pass_ != self._pass:
             self._open_pass(pass_)
         pi = self._pi
-        host, skipped, shape, dtype, stats = _as_read(tensor, uninitialized)
+        data, host, skipped, shape, dtype, stats = _as_read(tensor, uninitialized)
+        # statistics at most once, whatever the number of reference partners
         b_side = Side(shape, bool(uninitialized),
-                      lambda: _stats_as_dumped(tensor_stats(host) if stats is None else stats),
-                      lambda: host, f"B: {_NOT_STORED}{skipped}" if skipped else "",
+                      functools.cache(lambda: _stats_as_dumped(
+                          tensor_stats(data) if stats is None else stats)),
+                      host, f"B: {_NOT_STORED}{skipped}" if skipped else "",
                       call_args=call_args, dtype=dtype)
         dtype_b = dtype or ""
         partners = self._partners.get(key, [])
@@ -197,7 +207,7 @@ class LiveCompare:
                 transform = None if self.mapping is None else self._job.transform(a_key)
                 compare_pair(row, side_of(pi, ia, self._ref_files, "A"), b_side, transform,
                              self.mode, self.chunk)
-        keep = host if self.evidence_dir is not None and host is not None else None
+        keep = host() if self.evidence_dir is not None and data is not None else None
         if keep is not None and _shares_memory(keep, tensor):
             keep = keep.clone()  # the model may change its output in place later
         self._ring.append((key, keep, module_type, partners))

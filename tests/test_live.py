@@ -366,3 +366,36 @@ def test_evidence_holds_values_as_recorded_when_the_model_changes_them_later(tmp
     assert torch.equal(run_ev[first], ref[first])
     assert DumpSet.open(tmp_path / "ev/evidence/ref").diff(tmp_path / "ev/evidence/run") \
         .first_divergence().key == div.key
+
+
+def test_statistics_of_an_entry_computed_once_whatever_its_partners(runs, monkeypatch):
+    """Statistics mode: an entry met by two reference entries (a mapping) is measured once,
+    and an entry's values are never copied when only statistics are compared."""
+    import tdinspect.live as live_mod
+
+    measured, copied = [], []
+    real_stats = live_mod.tensor_stats
+    monkeypatch.setattr(live_mod, "tensor_stats", lambda t: measured.append(1) or real_stats(t))
+    real_contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda t, *a, **k: copied.append(1) or real_contiguous(t, *a, **k))
+    rules = {r"model\.layers\.1\.(.*)": r"model.layers.0.\1"}  # layers 0 and 1 meet layer 0
+    model = make_model()
+    with tdinspect.capture(model, compare_to=runs["stats"], mapping=rules,
+                           on_divergence="record") as cap:
+        _steps(model, cap, n=1)
+        table = cap.live.table()
+    monkeypatch.undo()
+    paired = table[~table["structural"].astype(bool)]
+    assert (paired["key_b"] == "model.layers.0.mlp.down").sum() == 2  # two partners
+    assert len(measured) == paired["key_b"].nunique() > 0
+    assert copied == []
+    # the numbers are still those of the offline diff of the same dumps
+    offline = DumpSet.open(runs["stats"]).diff(runs["ref"], mapping=rules)
+    rows = offline.table()
+    rows = rows[rows["pass"] == 0]
+    rows = rows[~rows["structural"].astype(bool)]
+    def by_pair(t):
+        return dict(zip(zip(t["key"], t["key_b"]), t["stats_rel"]))
+
+    assert by_pair(paired) == by_pair(rows)
