@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import torch
@@ -81,3 +83,36 @@ def test_compiled_submodule_names_line_up_with_the_eager_run(tmp_path):
     assert not [op for op in compiled.ops if "_orig_mod" in op]
     assert compiled.ops == eager.ops
     assert eager.diff(compiled).first_divergence(metric="equal") is None
+
+
+_FRESH = """
+import sys, tempfile, warnings
+import torch, tdinspect
+from tdinspect.examples import make_model, make_tokens
+model, tokens, out = make_model(seed=0), make_tokens(), tempfile.mkdtemp()
+with torch.no_grad(), tdinspect.capture(model, out + '/eager', environ={}) as dump:
+    expected = model(tokens); dump.step()
+print('dynamo after a plain capture:', 'torch._dynamo' in sys.modules)
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    with torch.no_grad(), tdinspect.capture(model, out + '/compiled', environ={}) as dump:
+        got = torch.compile(model, backend='eager')(tokens); dump.step()
+from torch._dynamo.utils import counters
+print('traced into:', sorted({why.splitlines()[0] for why in counters['unimplemented']
+                              if 'torch.compiler.disable' not in why
+                              and 'function `disable` in file' not in why}))
+a, b = tdinspect.DumpSet.open(out + '/eager'), tdinspect.DumpSet.open(out + '/compiled')
+print('same output, entries, values:', torch.equal(got, expected), a.ops == b.ops,
+      len(a.ops) > 10 and a.diff(b).first_divergence(metric='equal') is None)
+"""
+
+
+def test_a_plain_capture_never_loads_dynamo_and_a_later_compile_still_runs_eagerly():
+    """torch.compiler.disable imports dynamo (~1 s): the hooks are disabled only once dynamo is
+    loaded. In a fresh process, a plain capture leaves it unloaded; compiling the model while
+    a capture runs (dynamo loaded after the hooks were made) still keeps dynamo out of the
+    recorder, and records the eager entries."""
+    out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert out.stdout.splitlines() == ["dynamo after a plain capture: False", "traced into: []",
+                                       "same output, entries, values: True True True"], out.stdout

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -50,8 +51,25 @@ from .recorder import Recorder, current_rank
 def _eager(fn):
     """``fn`` run eagerly even inside a ``torch.compile``d forward: dynamo does not trace it
     (tracing the recorder's statistics hit recompile limits and crashed the user's forward);
-    the graph breaks at the hook instead."""
-    return torch.compiler.disable(fn, recursive=True)
+    the graph breaks at the hook instead.
+
+    ``torch.compiler.disable`` imports dynamo (about a second), so it is applied only once
+    dynamo is loaded: a process that never compiles never pays for it. A model compiled
+    after the capture started (``torch.compile`` loads dynamo) meets a hook not yet
+    disabled at its first trace: dynamo breaks the graph at the ``disable`` call, which
+    then runs eagerly, as does the hook."""
+    disabled = torch.compiler.disable(fn, recursive=True) if "torch._dynamo" in sys.modules \
+        else None
+
+    def hook(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    return hook
 
 
 def path_label(path) -> str:
