@@ -44,6 +44,7 @@ from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
+from .smallpairs import compare_batch, small_plain
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
 STRUCTURAL_COLUMNS = ["rank", "pass", "order", "key", "key_b", "reason"]
@@ -340,7 +341,10 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         loaded_a()
         return files["b"]
 
-    rows = []
+    rows, batch = [], []
+    # small plain pairs wait to be compared together (tdinspect.smallpairs): same numbers
+    small_a, small_b = (small_plain(p) if job.mode == "tensor" and p is not None
+                        else None for p in (pa, pb))
     for ia, ib, order in _pairs(pa, pb, job.keep, job.align, job.mapping):
         ref, idx = (pa, ia) if ia is not None else (pb, ib)
         key = ref.keys[idx]
@@ -356,8 +360,16 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
             if same is not None:
                 row["reason"] = f"unchanged since pass {same} (compared there)"
                 continue
+        if small_a is not None and small_a[ia] is not None and small_a[ia] == small_b[ib] \
+                and pa.shape[ia] == pb.shape[ib] and job.transform(key) is None:
+            batch.append((row, ia, ib))
+            continue
         compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
                      job.transform(key), job.mode, job.chunk)
+    if batch:
+        for row, ia, ib in compare_batch(batch, pa, pb, loaded_a(), loaded_b()):
+            compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
+                         None, job.mode, job.chunk)
     return rows
 
 

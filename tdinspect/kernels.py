@@ -16,6 +16,12 @@ element by element). Two backends compute them:
     threads use every core. Measured 9.6 GB/s on one core of the development
     machine. bfloat16, float16 and float8 arrive as their raw bits and are
     decoded inside the loop by bit arithmetic, never converted as a whole.
+``segment_sums``
+    Every pair under :func:`segment_limit` bytes a side (64 KB): numpy
+    elementwise kernels and ``reduceat`` over pairs laid end to end, whether
+    the pair comes alone or with a pass's worth of others
+    (:mod:`tdinspect.smallpairs`): one order of additions, so the same bits
+    either way.
 ``numpy``
     A loop over cache-sized chunks of numpy kernels (sixteen passes per chunk,
     1-2.5 GB/s), used where numba is not installed, for pairs too small to be
@@ -72,6 +78,83 @@ class PairSums:
                         self.sdd + other.sdd, self.sabs + other.sabs,
                         max(self.max_abs, other.max_abs), max(self.max_rel, other.max_rel),
                         self.mismatch + other.mismatch)
+
+
+# Pairs of fewer bytes a side than this are summed by :func:`segment_sums`, whether they
+# come alone (compare_tensors, live comparison) or a pass's worth at a time (Diff): one
+# order of additions for both, so a pair's numbers never depend on how it was reached.
+SEGMENT_MAX_BYTES = 1 << 16
+SEGMENT_SUMS = ("sxx", "syy", "sdd", "sabs", "max_abs", "max_rel", "mismatch")
+
+
+def segment_sums(x: np.ndarray, y: np.ndarray, starts: np.ndarray, rtol, atol) -> np.ndarray:
+    """The seven sums of many pairs at once: ``x`` and ``y`` (float64, one length) hold the
+    pairs one after another, pair ``j`` starting at ``starts[j]`` (increasing, from 0, none
+    empty).
+
+    Returns a ``(7, len(starts))`` float64 array, rows in :data:`SEGMENT_SUMS` order
+    (the mismatch count as a float, exact). ``rtol`` and ``atol`` are numbers or one per
+    element (a batch of several dtypes).
+
+    The order of additions is numpy's ``add.reduceat``: a segment's first element plus
+    the pairwise sum of the rest (eight accumulators up to 128 elements, halves above).
+    It depends only on the segment's own values and length, never on its neighbours
+    or on where it lies in memory (every elementwise step is one IEEE operation), so a
+    pair summed alone (``starts=[0]``) or among thousands gives the same bits. Error:
+    pairwise summation's ``O(log2 n)`` roundings at most (``n/8 + log2 n`` for a
+    segment up to 128 elements), within the ``n/16·eps`` the numba loop allows itself.
+
+    Examples
+    --------
+    >>> x, y = np.array([1.0, 2.5, 3.0]), np.array([1.0, 2.0, 1.0])
+    >>> segment_sums(x, y, np.array([0, 2]), rtol=0.0, atol=0.1)[[2, 6]].tolist()
+    [[0.25, 4.0], [1.0, 1.0]]
+    """
+    with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
+        d = x - y
+        ad = np.abs(d)
+        ay = np.abs(y)
+        sums = np.empty((7, len(starts)))
+        np.add.reduceat(x * x, starts, out=sums[0])
+        np.add.reduceat(y * y, starts, out=sums[1])
+        np.add.reduceat(np.multiply(d, d, out=d), starts, out=sums[2])
+        np.add.reduceat(ad, starts, out=sums[3])
+        np.maximum.reduceat(ad, starts, out=sums[4])
+        np.maximum.reduceat(ad / np.maximum(ay, EPS), starts, out=sums[5])
+        ay *= rtol
+        ay += atol
+        np.add.reduceat(ad > ay, starts, out=sums[6], dtype=np.float64)
+    return sums
+
+
+def decoded(v: np.ndarray, codes: str | None = None) -> np.ndarray:
+    """The float64 values of a 1-D array of float32/float64 values, or of a narrow float's
+    raw bits (``codes``: its torch dtype name), as a new array (exact)."""
+    if codes is None:
+        return v.astype(np.float64)
+    if codes == "bfloat16":
+        return (v.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if codes == "float16":
+        return v.view(np.float16).astype(np.float64)
+    return decode_table(codes)[v]
+
+
+def _one_segment(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
+                 codes: str | None) -> PairSums:
+    """A small pair's sums: :func:`segment_sums` with one segment (a batch's order)."""
+    if x.shape[0] == 0:
+        return PairSums()
+    s = segment_sums(decoded(x, codes), decoded(y, codes), _FIRST, rtol, atol)[:, 0].tolist()
+    return PairSums(x.shape[0], *s[:6], int(s[6]))
+
+
+_FIRST = np.zeros(1, np.intp)
+
+
+def segment_limit(min_numba: int = NUMBA_MIN_BYTES) -> int:
+    """Pairs of fewer bytes a side than this go through :func:`segment_sums` (alone or in
+    a batch); ``min_numba=0`` sends every pair to the compiled loop."""
+    return min(SEGMENT_MAX_BYTES, min_numba)
 
 
 # Under OpenBLAS's 10,000 elements, from which it splits a dot over its threads: next to
@@ -238,7 +321,9 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
     backend : {"numba", "numpy"}, optional
         Default: :func:`default_backend`, decided once per process.
     min_numba : int
-        Pairs of fewer bytes a side use numpy whatever the backend.
+        Pairs of fewer bytes a side use numpy whatever the backend (those under
+        :func:`segment_limit` by :func:`segment_sums`, with one segment: the
+        order of additions a batch of small pairs uses too).
     codes : str, optional
         The torch float dtype (its name: ``"bfloat16"``, ``"float16"``,
         ``"float8_e4m3fn"``...) whose bits ``x`` and ``y`` hold. They are decoded
@@ -272,7 +357,10 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
             raise ValueError(f"codes={codes!r} needs {np.dtype(_CODE_DTYPES[size])} arrays of "
                              f"its bits, got {x.dtype}")
     # by size only, never by what this process loaded before: a pair's sums must not depend
-    # on the process that compares it (dask workers, the CLI)
+    # on the process that compares it (dask workers, the CLI), nor on its company (Diff
+    # batches a pass's small pairs through segment_sums)
+    if x.nbytes < segment_limit(min_numba):
+        return _one_segment(x, y, rtol, atol, codes)
     if backend == "numpy" or x.nbytes < min_numba:
         return _numpy_sums(x, y, rtol, atol, codes=codes)
     codec = "value" if codes is None else codes if codes in _ARITHMETIC else "table"

@@ -1,0 +1,105 @@
+"""A pass's small plain pairs compared in one batch (:func:`tdinspect.diff.compare_pass`).
+
+A pair qualifies when nothing about it needs the per-pair rule of
+:func:`tdinspect.diff.compare_pair`: both sides stored as plain tensors of one
+float dtype of :data:`~tdinspect.metrics_batch.BATCHED` and one shape, under
+:func:`~tdinspect.kernels.segment_limit` bytes a side (the size below which a
+pair alone is summed the same way), not empty, initialised, no mapping
+transform, pieces or unsharding (a :class:`~tdinspect.align.logical.LogicalPass`
+never qualifies). Their elements are gathered end to end and compared by
+:func:`~tdinspect.metrics_batch.compare_segments`; a pair it leaves unsettled
+(NaN/Inf, float64 sums out of range, ``Σxy`` to sum directly) or whose stored
+tensor is not contiguous goes back to ``compare_pair``. The rows are the ones
+``compare_pair`` fills, bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import torch
+
+from . import kernels
+from .align.args import arg_difference
+from .align.logical import LogicalPass
+from .metrics_batch import BATCHED, compare_segments
+
+GROUP_ELEMENTS = 1 << 16  # elements per side compared in one call (float64 temporaries in cache)
+_NAMES = {str(dt): dt for dt in BATCHED}
+
+
+def small_plain(pi) -> list[torch.dtype | None]:
+    """Per entry of a pass: its dtype where it can join a batch, else ``None``."""
+    if isinstance(pi, LogicalPass) or pi.files.tensors is None:
+        return [None] * len(pi.keys)
+    limit = kernels.segment_limit()
+    storage, skipped = pi.storage, pi.skipped
+    out = []
+    for i, dt in enumerate(pi.dtype):
+        dtype = _NAMES.get(dt)
+        ok = dtype is not None and pi.stored[i] and not pi.uninitialized[i] \
+            and (storage is None or storage[i] is None) \
+            and (skipped is None or not isinstance(skipped[i], str))
+        if ok:
+            shape = pi.shape[i]
+            numel = math.prod(shape) if isinstance(shape, list) else 0
+            ok = 0 < numel * dtype.itemsize < limit
+        out.append(dtype if ok else None)
+    return out
+
+
+def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, tensors_a, tensors_b) -> list:
+    """Fill the rows of ``pairs`` (``(row, i_a, i_b)``, each pair checked by the caller to
+    qualify) from the passes' loaded tensors; returns the pairs left for ``compare_pair``."""
+    left = []
+    groups: dict[torch.dtype, list] = {}
+    for row, ia, ib in pairs:
+        dtype = _NAMES[pa.dtype[ia]]
+        xa, xb = _flat(tensors_a[pa.keys[ia]], dtype), _flat(tensors_b[pb.keys[ib]], dtype)
+        if xa is None or xb is None or xa.shape != xb.shape:  # the file is not as the sidecar says
+            left.append((row, ia, ib))
+            continue
+        groups.setdefault(dtype, []).append((row, ia, ib, xb, xa))
+    for dtype, members in groups.items():
+        start = 0
+        while start < len(members):
+            stop, size = start, 0
+            while stop < len(members) and size < GROUP_ELEMENTS:
+                size += members[stop][3].shape[0]
+                stop += 1
+            left += _settle(members[start:stop], dtype, pa, pb)
+            start = stop
+    return left
+
+
+def _flat(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
+    """A stored tensor's elements as a 1-D numpy view (narrow floats as their bits), or
+    ``None`` unless it is a dense contiguous tensor of ``dtype``."""
+    if type(t) is not torch.Tensor or t.dtype != dtype or t.layout != torch.strided \
+            or not t.is_contiguous():
+        return None
+    if dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.uint16)
+    return t.numpy().reshape(-1)
+
+
+def _settle(members: list, dtype: torch.dtype, pa, pb) -> list:
+    """One group's rows filled as ``compare_pair`` fills them; the unsettled pairs returned."""
+    lengths = np.fromiter((m[3].shape[0] for m in members), np.intp, len(members))
+    starts = np.zeros(len(members), np.intp)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    x = np.concatenate([m[3] for m in members])  # B: the compared side
+    y = np.concatenate([m[4] for m in members])  # A: the reference
+    values, settled = compare_segments(x, y, starts, dtype)
+    columns = list(values)
+    table = zip(*(values[k].tolist() for k in columns))
+    left = []
+    for (row, ia, ib, _, _), ok, found in zip(members, settled.tolist(), table):
+        if not ok:
+            left.append((row, ia, ib))
+            continue
+        row.update(zip(columns, found))
+        why = arg_difference(pa.call_args[ia], pb.call_args[ib])  # "" unless both recorded
+        if why:  # the metrics stay in the row, as compare_pair leaves them
+            row.update(structural=True, reason=why)
+    return left

@@ -1,0 +1,217 @@
+"""A pass's small pairs compared in one batch: the same bits as each pair compared alone."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tdinspect
+from tdinspect import DumpSet, kernels, metrics_batch, smallpairs
+from tdinspect.dumper.recorder import Recorder
+from tdinspect.metrics import TENSOR_METRICS, compare_tensors
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def bits(v: float) -> bytes:
+    return struct.pack("<d", v)
+
+
+def same_numbers(got: dict, want: dict) -> None:
+    for k in TENSOR_METRICS:
+        assert bits(got[k]) == bits(want[k]), (k, got[k], want[k])
+
+
+def values_of(rng, n: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """``n`` values of ``dtype``: normal at several magnitudes, with zeros, NaN, Inf, huge
+    or tiny magnitudes (float64 squares beyond its range: rescaled), far norms."""
+    v = rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)
+    if kind == "zeros":
+        v[rng.random(n) < 0.4] = 0.0
+    elif kind == "nonfinite":
+        v[rng.integers(0, n)] = rng.choice([math.nan, math.inf, -math.inf])
+    elif kind == "huge" and dtype == torch.float64:
+        v *= 1e200
+    elif kind == "tiny" and dtype == torch.float64:
+        v *= 1e-200
+    elif kind == "allzero":
+        v[:] = 0.0
+    return torch.from_numpy(v).to(dtype)
+
+
+def partner(rng, y: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "same":
+        return y.clone()
+    if how == "lastbits":
+        return (y.double() * torch.from_numpy(1 + 1e-7 * rng.standard_normal(y.numel()))).to(y.dtype)
+    if how == "far":  # norms orders of magnitude apart: Σxy summed directly
+        return (y.double() * 1e-4 + torch.from_numpy(rng.standard_normal(y.numel()))).to(y.dtype)
+    if how == "negzero":
+        x = y.clone()
+        x[y == 0] = -0.0
+        return x
+    return (y.double() + 1e-2 * torch.from_numpy(rng.standard_normal(y.numel()))).to(y.dtype)
+
+
+PAIR = st.tuples(st.integers(1, 600), st.sampled_from(["normal", "zeros", "nonfinite", "huge",
+                                                       "tiny", "allzero"]),
+                 st.sampled_from(["same", "lastbits", "far", "negzero", "noise"]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), pairs=st.lists(PAIR, min_size=1, max_size=12),
+       seed=st.integers(0, 2**16))
+def test_a_batch_gives_each_pair_the_bits_it_gets_alone(dtype, pairs, seed):
+    rng = np.random.default_rng(seed)
+    ys = [values_of(rng, n, dtype, kind) for n, kind, _ in pairs]
+    xs = [partner(rng, y, how) for y, (_, _, how) in zip(ys, pairs)]
+    np_dtype = metrics_batch.BATCHED[dtype][0]
+    flat = [(x.view(torch.uint16) if x.element_size() == 2 else x).numpy() for x in xs]
+    ref = [(y.view(torch.uint16) if y.element_size() == 2 else y).numpy() for y in ys]
+    starts = np.cumsum([0] + [a.shape[0] for a in flat[:-1]])
+    values, settled = metrics_batch.compare_segments(
+        np.concatenate(flat).astype(np_dtype), np.concatenate(ref).astype(np_dtype), starts, dtype)
+    for j, (x, y) in enumerate(zip(xs, ys)):
+        alone = compare_tensors(x, y)
+        if not settled[j]:  # the caller computes it alone: only where compare_tensors masks
+            # NaN/Inf, rescales float64 sums or sums Σxy directly
+            _, kind, how = pairs[j]
+            assert kind in ("nonfinite", "huge", "tiny") or how == "far", pairs[j]
+            continue
+        same_numbers({k: float(values[k][j]) for k in TENSOR_METRICS}, alone)
+    plain = [j for j, (_, kind, how) in enumerate(pairs)
+             if kind in ("normal", "zeros") and how in ("same", "lastbits", "noise")]
+    assert settled[plain].all()  # the usual pairs never fall back
+
+
+def test_the_single_path_sums_in_the_batch_order():
+    """pair_sums of a small pair is segment_sums with one segment, wherever the pair lies."""
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal(1000), rng.standard_normal(1000)
+    alone = kernels.pair_sums(x[300:700], y[300:700], rtol=1e-3, atol=1e-5)
+    batch = kernels.segment_sums(x, y, np.array([0, 300, 700]), 1e-3, 1e-5)[:, 1]
+    got = [alone.sxx, alone.syy, alone.sdd, alone.sabs, alone.max_abs, alone.max_rel,
+           alone.mismatch]
+    assert [bits(v) for v in got] == [bits(v) for v in batch.tolist()]
+    # and the sums are the definitions to rounding (pairwise order)
+    d = x[300:700] - y[300:700]
+    assert alone.sdd == pytest.approx(math.fsum(d * d), rel=1e-14)
+    assert alone.sabs == pytest.approx(math.fsum(abs(d)), rel=1e-14)
+
+
+def _write(root, passes):
+    rec = Recorder(root, level="module")
+    for entries in passes:
+        for key, t in entries.items():
+            rec.record(key, t, module_type="Linear")
+        rec.step()
+    rec.close()
+    return root
+
+
+def _mixed_passes(seed: int, wrong: bool):
+    """Entries of every kind a batch must take or leave: float dtypes, integers, NaN and
+    Inf, huge and tiny float64, far norms, identical, empty, non-contiguous, big."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.Generator().manual_seed(seed)
+    passes = []
+    for p in range(2):
+        e = {}
+        for i, dt in enumerate(DTYPES):
+            base = torch.randn(3, 5, generator=g)
+            e[f"m.f{i}"] = (base + (1e-3 * torch.randn(3, 5, generator=h) if wrong else 0)).to(dt)
+        e["m.same"] = torch.randn(8, generator=g)
+        e["m.int"] = torch.arange(6) + (1 if wrong and p else 0)
+        nan = torch.randn(7, generator=g)
+        if wrong:
+            nan[2] = math.nan
+        e["m.nan"] = nan
+        e["m.inf"] = torch.tensor([1.0, math.inf, 2.0]) * (1.5 if wrong else 1.0)
+        e["m.huge"] = torch.tensor([1e200, -3e199], dtype=torch.float64) * (2 if wrong else 1)
+        e["m.tiny"] = torch.tensor([1e-200, 3e-201], dtype=torch.float64) * (2 if wrong else 1)
+        e["m.far"] = torch.tensor([1e10, 0.0]) if not wrong else torch.tensor([1e-3, 1.0])
+        e["m.zero"] = torch.zeros(4) if not wrong else torch.tensor([0.0, -0.0, 0.0, 1e-30])
+        e["m.empty"] = torch.zeros(0)
+        e["m.strided"] = torch.randn(4, 6, generator=g).t()
+        e["m.big"] = torch.randn(1 << 15, generator=g) * (1.001 if wrong else 1.0)
+        e["m.shape"] = torch.randn(2, 3 if not wrong else 2, generator=g)
+        e["m.dtype"] = torch.randn(5, generator=g).to(torch.float16 if wrong else torch.float32)
+        passes.append(e)
+    return passes
+
+
+def _tables(a, b, monkeypatch):
+    """The diff table batched, and pair by pair (no pair qualifies), with the batch's pair count."""
+    seen = []
+    real = metrics_batch.compare_segments
+
+    def spy(x, y, starts, dtype):
+        seen.append(len(starts))
+        return real(x, y, starts, dtype)
+
+    monkeypatch.setattr(smallpairs, "compare_segments", spy)
+    batched = DumpSet.open(a).diff(b).table(progress=False)
+    with monkeypatch.context() as m:
+        m.setattr("tdinspect.diff.small_plain", lambda pi: [None] * len(pi.keys))
+        single = DumpSet.open(a).diff(b).table(progress=False)
+    return batched, single, sum(seen)
+
+
+def _assert_bitwise_equal(batched: pd.DataFrame, single: pd.DataFrame) -> None:
+    pd.testing.assert_frame_equal(batched, single, check_exact=True)
+    for col in TENSOR_METRICS:  # and the bits (-0.0, NaN payloads)
+        assert batched[col].to_numpy(float).tobytes() == single[col].to_numpy(float).tobytes(), col
+
+
+def test_rows_of_a_recorded_dump_are_the_pair_by_pair_rows(tmp_path, monkeypatch):
+    a = _write(tmp_path / "a", _mixed_passes(1, wrong=False))
+    b = _write(tmp_path / "b", _mixed_passes(2, wrong=True))
+    batched, single, count = _tables(a, b, monkeypatch)
+    assert count >= 2 * 8  # the float entries and more went through the batch ...
+    _assert_bitwise_equal(batched, single)  # ... with the rows compare_pair fills
+    rows = batched.set_index(["pass", "key"])
+    assert rows.loc[(0, "m.nan"), "reason"] == "NaN/Inf on one side (1 elements)"
+    assert rows.loc[(0, "m.shape"), "structural"] and rows.loc[(0, "m.same"), "equal"] == 1.0
+    for key in ("m.huge", "m.tiny"):  # B = 2·A: Σ(x-y)² / (Σx² + Σy²) = 1/5, rescaled
+        assert rows.loc[(0, key), "rel_diff"] == pytest.approx(0.2, rel=1e-15)
+
+
+def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
+    """A tiny HF Llama captured in float32 (reference), with one weight changed, and in
+    bfloat16: every row as pair by pair, and the first divergence at the changed weight."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def run(name, change=None, dtype=torch.float32):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config).eval().to(dtype)
+        if change:
+            with torch.no_grad():
+                model.get_parameter(change).mul_(1.01)
+        with tdinspect.capture(model, tmp_path / name) as cap, torch.no_grad():
+            for _ in range(2):
+                model(ids)
+                cap.step()
+        return tmp_path / name
+
+    ref, bf16 = run("ref"), run("bf16", dtype=torch.bfloat16)
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    cases = [(ref, run("wrong", norm)), (bf16, run("bf16_wrong", norm, torch.bfloat16)),
+             (ref, bf16)]  # the last: two dtypes, nothing batched
+    for (a, b), batched_at_least in zip(cases, (40, 40, 0)):
+        batched, single, count = _tables(a, b, monkeypatch)
+        assert count >= batched_at_least
+        _assert_bitwise_equal(batched, single)
+    div = DumpSet.open(ref).diff(tmp_path / "wrong").first_divergence()
+    assert div.key == "model.model.layers.1.post_attention_layernorm"
