@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from .regularfile import check_regular, open_regular
+
 SIDECAR_FORMAT = "tdinspect.pass"
 SIDECAR_VERSION = 1
 PASS_RE = re.compile(r"^pass(\d{5,})\.pt$")
@@ -164,7 +166,8 @@ def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = 
 
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            raw = f.read()
         with _no_gc():
             doc = json.loads(raw)
     except (OSError, ValueError, RecursionError) as exc:
@@ -246,9 +249,13 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
     torch.Size([8, 128, 256])
     """
     path = Path(path)
-    if not path.is_file():
-        raise DumpFormatError(f"{path}: no such pass file")
-    if path.stat().st_size == 0:
+    try:
+        st = check_regular(path)
+    except FileNotFoundError:
+        raise DumpFormatError(f"{path}: no such pass file") from None
+    except OSError as exc:
+        raise DumpFormatError(f"{path}: unreadable pass file ({exc.strerror})") from None
+    if st.st_size == 0:
         raise DumpFormatError(f"{path}: empty file (zero bytes), not a pass file")
     use_mmap = mmap and zipfile.is_zipfile(path)
     try:

@@ -34,6 +34,7 @@ Examples
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -43,10 +44,12 @@ from typing import Any
 
 import torch
 
+from .regularfile import open_regular
 from .zipindex import ZipIndex, identity, index_of
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
+_INT64 = 1 << 63
 # every dtype torch.save can write, by the name the sidecar uses (never getattr on a file's text)
 _DTYPES = {str(d): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64,
@@ -107,6 +110,8 @@ def _valid_view(shape: Any, strides: Any, offset: Any, numel: int) -> bool:
     dims = shape + strides  # non-negative ints (bool is not one), checked a list at a time
     if not set(map(type, dims)) <= {int} or (dims and min(dims) < 0):
         return False
+    if math.prod(shape) >= _INT64 or (dims and max(dims) >= _INT64):
+        return False  # torch counts elements in int64: as_strided raised (not refused) on these
     if 0 in shape:
         return offset <= numel
     return offset + sum((s - 1) * st for s, st in zip(shape, strides)) < numel
@@ -163,7 +168,7 @@ def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
                                         for e in raw):
         return None
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             st = os.fstat(f.fileno())
             if st.st_size == 0:
                 return None
@@ -215,7 +220,7 @@ def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],
     from .picklelayout import layout_of_pickle
 
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             index = index_of(f)
             if index is None or not index.first:
                 return None

@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .format import RANK_DIR_RE, DumpFormatError, RankFolder, atomic_write, scan_rank_folder
+from .regularfile import open_regular
 
 RUN_FILENAME = "run.json"
+_MANIFEST_BYTES = 1 << 16  # a manifest is ~300 bytes; a longer run.json is not one
 RUN_FORMAT = "tdinspect.run"
 RUN_VERSION = 1
 SAME_RUN_SECONDS = 300.0  # ranks of one launch without a shared group start within this
@@ -159,20 +161,35 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
 def read_manifest(folder: Path) -> dict | None:
     """The folder's ``run.json``, or ``None`` (a dump written before manifests, or damaged)."""
     try:
-        doc = json.loads((folder / RUN_FILENAME).read_bytes())
-    except (OSError, ValueError):
-        return None
+        with open_regular(folder / RUN_FILENAME) as f:
+            doc = json.loads(f.read(_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None  # unreadable, not JSON, cut at _MANIFEST_BYTES, nested past the stack
     if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT:
         return None
-    if not isinstance(doc.get("started"), (int, float)) or not isinstance(doc.get("run_id"), str):
+    started = doc.get("started")
+    if type(started) not in (int, float) or not isinstance(doc.get("run_id"), str):
+        return None
+    try:  # a time the runs can be ordered by and shown with (not NaN, not 1e300)
+        time.localtime(started)
+    except (OverflowError, OSError, ValueError):
         return None
     return doc
 
 
 def _first_write(folder: RankFolder) -> float:
-    times = [p.stat().st_mtime for pf in folder.passes.values()
+    times = [_mtime(p) for pf in folder.passes.values()
              for p in (pf.tensors, pf.sidecar) if p is not None]
-    return min(times, default=folder.path.stat().st_mtime)
+    return min((t for t in times if t is not None), default=folder.path.stat().st_mtime)
+
+
+def _mtime(path: Path) -> float | None:
+    """When ``path`` was written; ``None`` for a dangling link or a file gone since the folder
+    was listed (its pass then fails to open, naming it)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def group_runs(folders: list[RankFolder]) -> list[Run]:

@@ -33,6 +33,8 @@ import zipfile
 from array import array
 from dataclasses import dataclass
 
+from .regularfile import open_regular
+
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory
 _LOCATOR = struct.Struct("<4sLQL")  # zip64 end of central directory locator
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory
@@ -97,7 +99,7 @@ def identity(st: os.stat_result) -> tuple:
 def read_index(path: str | os.PathLike) -> ZipIndex | None:
     """The index of the zip archive at ``path``; ``None`` if it is not a readable one."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return index_of(f)
     except OSError:
         return None
