@@ -10,6 +10,7 @@ same :func:`tdinspect.stats.tensor_stats` that capture uses.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from collections import deque
@@ -27,7 +28,7 @@ from .dumper.kinds import restore
 from .rawpass import read_plain, read_raw
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
-from .zipindex import ZipIndex, read_index
+from .zipindex import ZipIndex, identity, read_index
 
 
 @dataclass
@@ -65,7 +66,8 @@ class PassIndex:
         if len(self.dims) != len(self.keys):
             self.dims = [None] * len(self.keys)
         self._zip: ZipIndex | None = None  # the pass file's zip index, read at open
-        self._held: dict[str, torch.Tensor] | None = None  # tensors loaded at open (no sidecar)
+        # (file identity, tensors) loaded at open (no sidecar)
+        self._held: tuple[tuple, dict[str, torch.Tensor]] | None = None
 
     def __getstate__(self) -> dict:
         # what the open read stays in this process: a worker reads the file itself
@@ -112,6 +114,7 @@ class PassIndex:
             if pi.raw is not None:
                 pi._zip = index
             return pi
+        opened = _identity(files.tensors)  # what the tensors kept below map
         plain = read_plain(files.tensors)  # a plain torch.save: its layout, nothing unpickled
         raw = None
         if plain is not None:
@@ -126,7 +129,7 @@ class PassIndex:
                  [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
                  [False] * n, [None] * n, [None] * n, aten,
                  "op" if any(a is not None for a in aten) else "module", raw=raw)
-        _hold(pi, loaded)
+        _hold(pi, opened, loaded)
         return pi
 
     @property
@@ -140,7 +143,12 @@ class PassIndex:
             raise DumpFormatError(f"{self.files.sidecar}: statistics-only pass, no tensors were saved")
         expected = {k for k, s in zip(self.keys, self.stored) if s}
         with _HELD_LOCK:
-            tensors, self._held = self._held, None
+            held, self._held = self._held, None
+        # the tensors kept from the open map the file as it was then: used only if it is
+        # still that file (rewritten in place since, reading them was a SIGBUS; replaced,
+        # they were the old file's)
+        tensors = held[1] if held is not None and held[0] == _identity(self.files.tensors) \
+            else None
         if tensors is None and self.raw is not None:
             tensors = self._read_records()
         if tensors is None:
@@ -148,8 +156,10 @@ class PassIndex:
         if expected != tensors.keys():
             missing = sorted(expected - tensors.keys())[:3]
             extra = sorted(tensors.keys() - expected)[:3]
-            raise DumpFormatError(f"{self.files.tensors}: sidecar and pass file disagree "
-                                  f"(in sidecar only: {missing}; in pass file only: {extra})")
+            opened = "sidecar" if self.files.sidecar is not None else "file when opened"
+            raise DumpFormatError(f"{self.files.tensors}: {opened} and pass file disagree "
+                                  f"(in {opened} only: {missing}; in pass file only: {extra}; "
+                                  "rewritten since it was opened?)")
         return tensors
 
     def _read_records(self) -> dict[str, torch.Tensor] | None:
@@ -281,12 +291,20 @@ _HELD: deque = deque()
 _HELD_LOCK = threading.Lock()
 
 
-def _hold(pi: PassIndex, tensors: dict[str, torch.Tensor]) -> None:
+def _identity(path) -> tuple | None:
+    """The file's :func:`tdinspect.zipindex.identity` now (``None``: gone)."""
+    try:
+        return identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def _hold(pi: PassIndex, opened: tuple | None, tensors: dict[str, torch.Tensor]) -> None:
     """Keep the tensors an open loaded for ``pi``'s first :meth:`~PassIndex.load` (a pass
     without a sidecar is then unpickled once), forgetting the oldest beyond
     :data:`HELD_PASSES` (they are memory-mapped: address space, not memory)."""
     with _HELD_LOCK:
-        pi._held = tensors
+        pi._held = None if opened is None else (opened, tensors)
         _HELD.append(weakref.ref(pi))
         while len(_HELD) > HELD_PASSES:
             old = _HELD.popleft()()
