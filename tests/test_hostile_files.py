@@ -1,0 +1,203 @@
+"""Hostile dump folders and files changing under the reader: a FIFO, a device or a folder
+where a file should be, a manifest with impossible values, a pickle claiming more elements
+than int64 counts, a pass file rewritten after it was opened. Each gives a clear error naming
+the file (or, for a manifest, is ignored); none hangs, fills memory or kills the process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tdinspect import DumpFormatError, DumpSet, list_runs
+from tdinspect.cli import main
+from tdinspect.samples import capture_model_run
+
+from .conftest import ROOT, only_folder
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result or exception, failing the test if it has not returned in time (a
+    reader blocked on a FIFO never returns: it is left behind in a daemon thread)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _two_passes(root: Path) -> Path:
+    folder = root / "rank0_pid1"
+    folder.mkdir(parents=True)
+    torch.save({"a": torch.arange(3.0)}, folder / "pass00000.pt")
+    torch.save({"a": torch.arange(3.0) + 1}, folder / "pass00001.pt")
+    return folder
+
+
+def _make(kind: str, path: Path) -> None:
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "device":
+        os.symlink("/dev/zero", path)  # read to its end, it never ends
+    elif kind == "dangling link":
+        os.symlink(path.parent / "nowhere", path)
+    elif kind == "link loop":
+        os.symlink(path, path)
+
+
+KINDS = ["fifo", "folder", "device", "dangling link", "link loop"]
+
+
+@pytest.mark.parametrize("which", ["pass00001.pt", "pass00001.json"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dump_file_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, capsys, kind,
+                                                                     which):
+    folder = _two_passes(tmp_path)
+    _make(kind, folder / which)
+    with pytest.raises(DumpFormatError, match=which.replace(".", r"\.")):
+        _within(30, lambda: DumpSet.open(tmp_path))
+    with pytest.warns(RuntimeWarning, match="skipping unreadable pass"):
+        ds = _within(30, lambda: DumpSet.open(tmp_path, on_error="warn"))
+    assert ds.passes == [0] and torch.equal(ds.tensor("a"), torch.arange(3.0))
+    capsys.readouterr()
+    assert _within(30, lambda: main(["ls", str(tmp_path)])) == 2  # the CLI: its error,
+    assert which in capsys.readouterr().err                        # naming the file
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "device", "dangling link"])
+def test_a_manifest_that_is_not_a_regular_file_is_ignored(tmp_path, kind):
+    folder = _two_passes(tmp_path)
+    _make(kind, folder / "run.json")
+    ds = _within(30, lambda: DumpSet.open(tmp_path))
+    assert ds.passes == [0, 1]
+    assert "rank0_pid1 (started" in _within(30, lambda: list_runs(tmp_path))[0].describe()
+
+
+@pytest.mark.parametrize("started", ["NaN", "Infinity", "1e300", "-1e300", "9" * 5000,
+                                     "[" * 100_000 + "]" * 100_000])
+def test_a_manifest_with_an_impossible_start_time_is_ignored(tmp_path, started):
+    folder = _two_passes(tmp_path)
+    (folder / "run.json").write_text(
+        '{"format": "tdinspect.run", "version": 1, "run_id": "x", "started": %s}' % started)
+    (run,) = list_runs(tmp_path)
+    assert run.id == "legacy-rank0_pid1" and "rank0_pid1 (started" in run.describe()
+    assert DumpSet.open(tmp_path).passes == [0, 1]
+
+
+def _long1(value: int) -> bytes:
+    data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def _with_pickle(path: Path, tensors: dict, edit) -> None:
+    """``torch.save(tensors)`` at ``path`` with its pickle passed through ``edit`` (bytes to
+    bytes), written back by torch's own archive writer."""
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    archive = zipfile.ZipFile(buf)
+    records = {i.filename.split("/", 1)[1]: archive.read(i) for i in archive.infolist()}
+    records["data.pkl"] = edit(records["data.pkl"])
+    writer = torch._C.PyTorchFileWriter(str(path))
+    for name, data in records.items():
+        if name not in (".data/serialization_id", ".data/version"):  # the writer adds its own
+            writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+
+
+@pytest.mark.parametrize("size", [
+    _long1(2**62) + b"K\x04\x86",          # 2^64 elements: numel overflows int64
+    _long1(2**70) + b"K\x04\x86",          # a size that is not an int64
+    _long1(2**40) + _long1(2**40) + b"\x86",
+])
+def test_a_pickle_claiming_more_elements_than_int64_counts_is_a_dump_format_error(tmp_path, size):
+    folder = tmp_path / "rank0_pid1"
+    folder.mkdir()
+    expanded = {"a": torch.arange(4.0).expand(3, 4)}  # sizes (3, 4), strides (0, 1)
+    _with_pickle(folder / "pass00000.pt", expanded, lambda p: p.replace(b"K\x03K\x04\x86", size, 1))
+    _with_pickle(folder / "pass00001.pt", expanded, lambda p: p)  # the same, untouched
+    with pytest.raises(DumpFormatError, match=r"pass00000\.pt"):
+        DumpSet.open(tmp_path)
+    with pytest.warns(RuntimeWarning, match="skipping unreadable pass"):
+        ds = DumpSet.open(tmp_path, on_error="warn")
+    assert ds.passes == [1] and torch.equal(ds.tensor("a", pass_=1), expanded["a"])
+
+
+_CHANGE_AFTER_OPEN = textwrap.dedent("""
+    import os, sys, warnings, torch
+    from tdinspect import DumpFormatError, DumpSet
+    root, ref, how = sys.argv[1], sys.argv[2], sys.argv[3]
+    victim = os.path.join(root, "rank0_pid1", "pass00001.pt")
+    ds = DumpSet.open(root)
+    if how == "truncate":
+        os.truncate(victim, os.path.getsize(victim) // 4)
+    else:  # torch.save over it in place, as another tool's rerun would
+        torch.save({"b": torch.ones(2)}, victim)
+    warnings.simplefilter("ignore")
+    try:
+        ds.diff(ref).first_divergence()  # reads the victim's tensors
+    except DumpFormatError as exc:
+        print("DumpFormatError:", exc)
+""")
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+def test_a_pass_file_rewritten_in_place_after_open_is_an_error_not_a_crash(tmp_path, how):
+    """Reading tensors kept from the open, which map the file as it was, was a SIGBUS that
+    killed the process (a notebook's kernel); now the file is read again and named."""
+    for run in ("run", "ref"):
+        folder = tmp_path / run / "rank0_pid1"
+        folder.mkdir(parents=True)
+        for i in range(2):
+            torch.manual_seed(i)
+            torch.save({f"m{j}": torch.randn(256, 64) for j in range(4)}, folder / f"pass{i:05d}.pt")
+    done = subprocess.run([sys.executable, "-c", _CHANGE_AFTER_OPEN, str(tmp_path / "run"),
+                           str(tmp_path / "ref"), how],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "DumpFormatError:" in done.stdout and "pass00001.pt" in done.stdout
+
+
+def test_a_pass_file_replaced_after_open_is_not_read_as_the_old_one(tmp_path):
+    folder = _two_passes(tmp_path)
+    ds = DumpSet.open(tmp_path)
+    fresh = folder / "fresh.pt"
+    torch.save({"b": torch.ones(2)}, fresh)
+    os.replace(fresh, folder / "pass00001.pt")  # atomically, another inode
+    with pytest.raises(DumpFormatError, match=r"pass00001\.pt: file when opened and pass file "
+                                              r"disagree.*rewritten since it was opened"):
+        ds.tensor("a", pass_=1)
+
+
+def test_a_sidecar_dump_rewritten_after_open_is_an_error_naming_the_file(tmp_path):
+    run = capture_model_run(tmp_path / "run", steps=2)
+    victim = only_folder(run) / "pass00001.pt"
+    ds = DumpSet.open(run)
+    os.truncate(victim, victim.stat().st_size // 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(DumpFormatError, match=r"pass00001\.pt"):
+            ds.diff(run).first_divergence()
