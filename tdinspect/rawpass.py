@@ -167,6 +167,20 @@ def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
     if len(keys) != len(raw) or not all(isinstance(e, list) and e and isinstance(e[0], str)
                                         for e in raw):
         return None
+    opened = _mapped(path, index)
+    if opened is None:
+        return None
+    mapped, index = opened
+    prefix = index.first.split("/", 1)[0] + "/" if index.first else ""
+    pickled = _small_record(mapped, index, prefix + "data.pkl")
+    if pickled is None or not _pickle_agrees(pickled, keys, raw):
+        return None
+    return _views(mapped, index, prefix, keys, raw)
+
+
+def _mapped(path: str | os.PathLike, index: ZipIndex | None) -> tuple[mmap.mmap, ZipIndex] | None:
+    """A private (copy-on-write) map of a pass file and its zip index (``index`` when it still
+    describes the file, else read again); ``None`` if it is not a readable archive."""
     try:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
@@ -176,15 +190,17 @@ def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
                 index = index_of(f)
                 if index is None:
                     return None
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), index
     except (OSError, ValueError):
         return None
-    prefix = index.first.split("/", 1)[0] + "/" if index.first else ""
+
+
+def _views(mapped: mmap.mmap, index: ZipIndex, prefix: str, keys: list[str],
+           raw: list[Any]) -> dict[str, torch.Tensor] | None:
+    """``{key: tensor}`` viewing the map as ``raw`` lays the records out, every claim checked
+    against the archive; ``None`` if one does not hold."""
     if prefix + "byteorder" in index.names and \
             _small_record(mapped, index, prefix + "byteorder") != b"little":
-        return None
-    pickled = _small_record(mapped, index, prefix + "data.pkl")
-    if pickled is None or not _pickle_agrees(pickled, keys, raw):
         return None
     storages: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = {}
@@ -219,21 +235,15 @@ def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],
     """
     from .picklelayout import layout_of_pickle
 
-    try:
-        with open_regular(path) as f:
-            index = index_of(f)
-            if index is None or not index.first:
-                return None
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
+    opened = _mapped(path, None)  # one open and one map: for the pickle, then the tensors
+    if opened is None or not opened[1].first:
         return None
-    with mapped:
-        pickled = _small_record(mapped, index, index.first.split("/", 1)[0] + "/data.pkl")
-    if pickled is None:
-        return None
-    parsed = layout_of_pickle(pickled)
+    mapped, index = opened
+    prefix = index.first.split("/", 1)[0] + "/"
+    pickled = _small_record(mapped, index, prefix + "data.pkl")
+    parsed = None if pickled is None else layout_of_pickle(pickled)
     if parsed is None:
         return None
     keys, raw = parsed
-    tensors = read_raw(path, keys, raw, index)
+    tensors = _views(mapped, index, prefix, keys, raw)
     return None if tensors is None else (keys, raw, tensors)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
+import struct
 import zipfile
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tdinspect import picklelayout
 from tdinspect.picklelayout import layout_of_pickle
 from tdinspect.rawpass import read_plain
 
@@ -88,3 +91,98 @@ def test_mutated_pickles_give_a_checked_layout_or_none(tmp_path):
                        for e in raw)
 
     run()
+
+
+# -- the template reader (one compiled pattern an entry): the opcode reader's answer or none ------
+def _usual_programs():
+    base = torch.arange(24.0).reshape(4, 6)
+    return {
+        "kinds": {"f32": base, "view": base[1:, ::2], "t": base.t(), "bf16": base.bfloat16()[2],
+                  "f16": base.half(), "f64": base.double(), "i64": torch.arange(5),
+                  "bool": torch.tensor([True, False]), "c64": torch.ones(3, dtype=torch.complex64),
+                  "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "again": base,
+                  "grad": torch.ones(2, requires_grad=True), "é\ud800": torch.ones(1)},
+        "dims": {"4d": torch.zeros(2, 3, 4, 5), "big": torch.zeros(300, 70_000)[:, 5:7],
+                 "0d": torch.zeros(())},
+        "one": {"a": torch.ones(2)},
+        "none": {},
+        # > 256 memo puts (LONG_BINPUT / LONG_BINGET), > 1000 items (several SETITEMS batches,
+        # the last of one item: SETITEM)
+        "many": {f"model.layers.{i}.out": base[i % 4] if i % 3 else torch.ones(i % 5)
+                 for i in range(2001)},
+    }
+
+
+@pytest.mark.parametrize("name", list(_usual_programs()))
+def test_the_template_reader_reads_what_the_opcode_reader_reads(name):
+    tensors = _usual_programs()[name]
+    pickled = _pickle_of(tensors)
+    fast, exact = picklelayout._template_layout(pickled), picklelayout._exact_layout(pickled)
+    assert fast is not None  # the usual program: read by the template reader itself
+    assert fast == exact and fast[0] == list(tensors)
+    assert layout_of_pickle(pickled) == exact
+
+
+def _memo_variants(pickled: bytes):
+    """The pickle with each memo put / read's index replaced by every other index in use (and
+    one past them): reads of the wrong constant, of a later put, of a tensor; puts that
+    overwrite a constant or skip a number."""
+    ops = list(pickletools.genops(pickled))
+    top = max(arg for op, arg, _ in ops if op.name in ("BINPUT", "LONG_BINPUT")) + 2
+    for i, (op, arg, pos) in enumerate(ops):
+        if op.name not in ("BINPUT", "BINGET", "LONG_BINPUT", "LONG_BINGET"):
+            continue
+        end = ops[i + 1][2]
+        for other in range(top):
+            if other == arg:
+                continue
+            if op.name.startswith("LONG") or other > 255:
+                code = {"BINPUT": b"r", "BINGET": b"j"}.get(op.name, op.code.encode("latin-1"))
+                new = code + struct.pack("<I", other)
+            else:
+                new = op.code.encode("latin-1") + bytes([other])
+            yield pickled[:pos] + new + pickled[end:]
+
+
+def test_memo_tricks_give_the_opcode_readers_answer_or_none():
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+               "c": torch.arange(6.0)[1:], "d": torch.zeros(2, dtype=torch.bfloat16)}
+    tensors["e"] = tensors["a"]  # the same tensor: a memo read of the whole value
+    tensors["f"] = tensors["a"][1]  # the same storage: a memo read of its record's name
+    pickled = _pickle_of(tensors)
+    truth, traps = picklelayout._exact_layout(pickled), 0
+    for variant in _memo_variants(pickled):
+        fast, exact = picklelayout._template_layout(variant), picklelayout._exact_layout(variant)
+        assert fast is None or fast == exact
+        traps += exact is not None and exact != truth
+    assert traps > 10  # variants the opcode reader reads as another layout: none read otherwise
+
+
+def test_mutated_pickles_give_the_opcode_readers_answer_or_none():
+    tensors = {"model.a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+               "c": torch.arange(300.0)[7:], "d": torch.zeros(2, 2, 2, 2)}
+    tensors["e"] = tensors["model.a"]
+    pickled = _pickle_of(tensors)
+    accepted = []
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=True)
+    @given(at=st.integers(0, len(pickled) - 1), byte=st.integers(0, 255),
+           how=st.sampled_from(["replace", "insert", "delete", "cut"]))
+    def run(at, byte, how):
+        data = bytearray(pickled)
+        if how == "replace":
+            data[at] = byte
+        elif how == "insert":
+            data.insert(at, byte)
+        elif how == "delete":
+            del data[at]
+        else:
+            del data[at:]
+        fast = picklelayout._template_layout(bytes(data))
+        if fast is not None:
+            assert fast == picklelayout._exact_layout(bytes(data))
+            accepted.append(fast != picklelayout._exact_layout(pickled))
+
+    run()
+    assert any(accepted)  # some mutations (a shape, an offset, a key's byte) still read, alike
