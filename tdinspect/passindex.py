@@ -9,6 +9,7 @@ same :func:`tdinspect.stats.tensor_stats` that capture uses.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -325,6 +326,7 @@ def _parallel(value, files: PassFiles) -> dict[str, list[int]]:
     return {str(k): list(v) for k, v in value.items()}
 
 
+@functools.lru_cache(maxsize=1 << 16)  # every pass of a dump without sidecars names the same keys
 def _op_of(key: str) -> str | None:
     """The aten op a key names (op level), else ``None``."""
     try:

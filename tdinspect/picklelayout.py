@@ -305,9 +305,12 @@ def _storage_of(g: tuple, names: dict, strings: dict) -> tuple[str, str] | None:
     return dtype, record
 
 
+_LOW_PUTS = bytes(b for i in range(1, 256) for b in (0x71, i))  # BINPUT 1 ... BINPUT 255
+
+
 def _memo_puts(stop: int) -> bytes:
     """BINPUT 1 ... LONG_BINPUT ``stop - 1``: the memo puts as pickle numbers them."""
-    low = bytes(b for i in range(1, min(stop, 256)) for b in (0x71, i))
+    low = _LOW_PUTS[:2 * (min(stop, 256) - 1)]
     high = np.arange(256, max(stop, 256), dtype="<u4")
     rows = np.empty((len(high), 5), dtype=np.uint8)
     rows[:, 0] = 0x72
