@@ -37,6 +37,7 @@ from typing import Any
 
 from .metrics import METRICS
 from .report import text_table
+from .terminal import visible, visible_streams
 
 
 class _Fail(Exception):
@@ -213,7 +214,8 @@ def cmd_first_divergence(args) -> int:
               f"\n  threshold: {summary['threshold']}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
-        print(f"first divergence: {div['key']} ({where}, call {div['call']})\n  {div['reason']}"
+        print(f"first divergence: {visible(div['key'])} ({where}, call {div['call']})\n"
+              f"  {visible(div['reason'])}"
               f"\n  threshold: {summary['threshold']}")
     listed = summary.get("structural_entries")
     if listed:
@@ -247,7 +249,7 @@ def cmd_diff(args) -> int:
         row[3] = _value_text(row[3], thr)
     print(text_table(cols, rows))
     div = summary["first_divergence"]
-    print(f"first divergence: {div['key']} (pass {div['pass']}): {div['reason']}")
+    print(f"first divergence: {visible(div['key'])} (pass {div['pass']}): {visible(div['reason'])}")
     return 1
 
 
@@ -421,12 +423,18 @@ def main(argv: list[str] | None = None) -> int:
     Any failure is exit status 2 with one line on stderr (1 means "divergence
     found"); ``--debug`` prints the traceback as well. When the reader of
     stdout leaves (``| head``), the command stops quietly with 141, as a
-    command ended by SIGPIPE does.
+    command ended by SIGPIPE does. Everything it prints goes through
+    :func:`tdinspect.terminal.visible`.
     """
+    args = build_parser().parse_args(argv)
+    with visible_streams():  # names from files never reach the terminal as control characters
+        return _run(args)
+
+
+def _run(args) -> int:
     from .config import ConfigError
     from .format import DumpFormatError
 
-    args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

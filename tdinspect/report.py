@@ -15,6 +15,8 @@ import math
 from collections import Counter
 from typing import Any
 
+from .terminal import visible
+
 # Colours only through the theme's variables; outside JupyterLab they fall back to the text colour.
 _STYLE = """<style>
 .tdi{font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px);
@@ -83,8 +85,8 @@ def _box(inner: str) -> str:
 
 
 def text_table(headers: list[str], rows: list[list[Any]]) -> str:
-    """A plain aligned table for terminals."""
-    cells = [headers] + [[fmt(c) for c in r] for r in rows]
+    """A plain aligned table for terminals (cells escaped: :func:`tdinspect.terminal.visible`)."""
+    cells = [headers] + [[visible(fmt(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
