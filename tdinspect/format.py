@@ -257,6 +257,7 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
         raise DumpFormatError(f"{path}: unreadable pass file ({exc.strerror})") from None
     if st.st_size == 0:
         raise DumpFormatError(f"{path}: empty file (zero bytes), not a pass file")
+    _refuse_expanding(path, st.st_size)
     use_mmap = mmap and zipfile.is_zipfile(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
@@ -280,6 +281,26 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
         if not isinstance(value, torch.Tensor):
             raise DumpFormatError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
     return obj
+
+
+_EXPANSION = 16  # compressed records may hold at most this many times the file's size
+
+
+def _refuse_expanding(path: Path, size: int) -> None:
+    """``DumpFormatError`` for an archive whose compressed records claim more than
+    :data:`_EXPANSION` times the file's size: ``torch.save`` compresses nothing, and
+    ``torch.load`` decompresses a record whole into memory (a 1 MB file whose ``data.pkl``
+    inflated to 1 GB opened, holding 2 GB; a 100 MB one would exhaust the machine)."""
+    from .zipindex import read_index
+
+    index = read_index(path)
+    if index is None:
+        return  # not a zip archive (torch.load's legacy format), or one torch.load refuses
+    packed = sum(n for n, m in zip(index.sizes, index.methods) if m != zipfile.ZIP_STORED)
+    if packed > _EXPANSION * size + (1 << 20):
+        raise DumpFormatError(f"{path}: compressed records would expand to {packed} bytes from a "
+                              f"{size}-byte file (torch.save compresses nothing): refused, "
+                              "not decompressed")
 
 
 def encode_arg(value: Any, tensor_key: str | None = None) -> Any:
