@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import warnings
 from itertools import chain
@@ -88,8 +89,17 @@ def warn_ignored(path: Path, reason: str) -> None:
                   "tensors", RuntimeWarning, stacklevel=4)
 
 
+_INT64 = 1 << 63  # torch and numpy count elements in int64
+
+
 def _is_int(v: Any) -> bool:
-    return type(v) is int and v >= 0
+    return type(v) is int and 0 <= v < _INT64
+
+
+def _shape_ok(v: Any) -> bool:
+    """A shape torch could hold: its size and element count fit int64 (a bound sidecar with
+    ``[10**30]`` made ``tdinspect ls`` fail with numpy's ``OverflowError``)."""
+    return isinstance(v, list) and all(map(_is_int, v)) and math.prod(v) < _INT64
 
 
 def _is_number(v: Any) -> bool:
@@ -129,7 +139,11 @@ def _all_plain(col: str, values: list, stat_width: int) -> bool:
     flat = list(chain.from_iterable(rows))
     inner = set(map(type, flat))
     if col == "shape":
-        return inner <= {int} and (not flat or min(flat) >= 0)
+        if not inner <= {int} or (flat and min(flat) < 0):
+            return False
+        # no element count reaches 2^63 when max ** (longest shape) cannot (else count them)
+        return not flat or max(flat).bit_length() * max(map(len, rows)) < 63 \
+            or max(map(math.prod, rows)) < _INT64
     return set(map(len, rows)) <= {stat_width} and inner <= {int, float, _NONE}
 
 
@@ -162,7 +176,7 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
         "module_type": lambda v: v is None or isinstance(v, str),
         "dtype": lambda v: v is None or isinstance(v, str),
         "aten": lambda v: v is None or isinstance(v, str),
-        "shape": lambda v: v is None or (isinstance(v, list) and all(map(_is_int, v))),
+        "shape": lambda v: v is None or _shape_ok(v),
         "stored": lambda v: v is None or isinstance(v, bool),
         "uninitialized": lambda v: v is None or isinstance(v, bool),
         "stats": lambda v: v is None or (isinstance(v, list) and len(v) == stat_width
