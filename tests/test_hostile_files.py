@@ -201,3 +201,79 @@ def test_a_sidecar_dump_rewritten_after_open_is_an_error_naming_the_file(tmp_pat
         warnings.simplefilter("ignore")
         with pytest.raises(DumpFormatError, match=r"pass00001\.pt"):
             ds.diff(run).first_divergence()
+
+
+def _deflated(path: Path, tensors: dict, padding: int) -> None:
+    """``torch.save(tensors)`` re-zipped with ``data.pkl`` deflated and ``padding`` zero bytes
+    after its STOP (unpickling ignores them; decompressing does not)."""
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    archive = zipfile.ZipFile(buf)
+    with zipfile.ZipFile(path, "w") as out:
+        for info in archive.infolist():
+            data = archive.read(info)
+            if info.filename.endswith("/data.pkl"):
+                out.writestr(info.filename, data + bytes(padding), zipfile.ZIP_DEFLATED)
+            else:
+                out.writestr(info.filename, data)
+
+
+def test_a_zip_bomb_is_refused_before_it_is_decompressed(tmp_path):
+    folder = tmp_path / "rank0_pid1"
+    folder.mkdir()
+    _deflated(folder / "pass00000.pt", {"a": torch.ones(3)}, 0)  # compressed, honestly
+    _deflated(folder / "pass00001.pt", {"a": torch.ones(3)}, 200 << 20)  # 200 MB in 200 KB
+    assert (folder / "pass00001.pt").stat().st_size < 1 << 20
+    with pytest.raises(DumpFormatError, match=r"pass00001\.pt: compressed records would expand "
+                                              r"to 209715\d+ bytes from a \d+-byte file"):
+        DumpSet.open(tmp_path)
+    with pytest.warns(RuntimeWarning, match="skipping unreadable pass"):
+        ds = DumpSet.open(tmp_path, on_error="warn")
+    assert ds.passes == [0] and torch.equal(ds.tensor("a"), torch.ones(3))
+
+
+def test_a_bound_sidecar_shape_beyond_int64_is_a_dump_format_error(tmp_path, capsys):
+    from .conftest import rewrite_sidecar
+
+    run = capture_model_run(tmp_path / "run", steps=1)
+    sidecar = only_folder(run) / "pass00000.json"
+    doc = json.loads(sidecar.read_text())
+    for shape in ([2**63], [2**40, 2**40], [10**30, 10**30]):
+        doc["entries"]["shape"][0] = shape
+        rewrite_sidecar(sidecar, doc)  # bound again, as a careful forger would
+        with pytest.raises(DumpFormatError, match=r"pass00000\.json: sidecar column 'shape'"):
+            DumpSet.open(run)
+        assert main(["ls", str(run)]) == 2  # was numpy's OverflowError, naming nothing
+        assert "pass00000.json: sidecar column 'shape'" in capsys.readouterr().err
+    doc["entries"]["shape"][0] = [10**6, 10**6, 10**6]  # 10^18 elements: torch can expand so
+    rewrite_sidecar(sidecar, doc)
+    assert DumpSet.open(run).passes == [0]
+
+
+HOSTILE_KEYS = {
+    "model.title\x1b]0;pwned\x07": torch.ones(3),    # sets the terminal's title
+    "model.clear\x1b[2J": torch.ones(2),             # clears the screen
+    "model.x\nno divergence": torch.zeros(2),        # forges a line of output
+    "model.\u202eevil": torch.ones(1),               # shows the rest of the line reversed
+    "model.\udcff": torch.ones(1),                   # an undecodable byte of a name
+}
+
+
+def test_names_from_a_dump_reach_the_terminal_escaped(tmp_path, capsys):
+    for run, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / run / "rank0_pid1").mkdir(parents=True)
+        torch.save({k: t * scale for k, t in HOSTILE_KEYS.items()},
+                   tmp_path / run / "rank0_pid1" / "pass00000.pt")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for argv in (["ls", a], ["stats", a], ["diff", a, b], ["first-divergence", a, b],
+                 ["ls", str(tmp_path / "a" / "rank0_pid1" / "pass00000.pt\x1b[2J")]):
+        main(argv)
+        shown = capsys.readouterr()
+        for text in (shown.out, shown.err):
+            assert not any(c in text for c in "\x1b\x07\u202e\udcff"), (argv, text)
+            assert not any(line.startswith("no divergence") for line in text.splitlines()), argv
+        assert "\\x1b" in shown.out + shown.err, argv
+    main(["ls", a])
+    out = capsys.readouterr().out
+    assert "model.title\\x1b]0;pwned\\x07" in out and "model.x\\nno divergence" in out
+    assert "model.\\u202eevil" in out and "model.\\udcff" in out
