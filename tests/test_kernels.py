@@ -330,3 +330,62 @@ def test_codes_must_fit_the_arrays():
                           codes="float32")
     with pytest.raises(ValueError, match="codes='bogus'"):
         kernels.pair_sums(np.zeros(4, np.uint8), np.zeros(4, np.uint8), rtol=0, atol=0, codes="bogus")
+
+
+def _max_rel_cases() -> dict:
+    """Pairs that a looser max_rel filter (see ``fused_loop._loop``) would get wrong."""
+    from tdinspect.fused_loop import BLOCK
+
+    n = 3 * BLOCK + 5
+    edge_x, edge_y = np.zeros(n), np.zeros(n)
+    # lane 0, block 0: |x-y|/|y| = 3.928458807474303 exactly; lane 0, block 1: y = 0 (the eps
+    # floor) and |x-y| = fl(that ratio · eps), rounded up, whose quotient is one ulp larger.
+    # An unfused filter ``ad > fl(r·m)`` skips it (equal), a division does not.
+    edge_x[0], edge_y[0] = 0.3660573509342879, -0.125
+    edge_x[BLOCK] = 3.928458807474303e-12
+    rng = np.random.default_rng(7)
+    rising_y = np.ones(n)  # every element raises its lane's maximum: every block divided
+    rising_x = 1 + np.linspace(1e-6, 1.0, n)
+    ties_y = rng.choice([1.0, 3.0, 0.1, 1e-13, 0.0], n)  # quotients one ulp apart, and eps
+    ties_x = ties_y * (1 + 1e-3 * (1 + rng.integers(0, 4, n) * 2.0 ** -50)) + (ties_y == 0) * 1e-9
+    tiny_y = rng.standard_normal(n) * 1e-300  # ratios below 2^-1020/eps: filter threshold 0
+    tiny_x = tiny_y + rng.standard_normal(n) * 1e-302
+    return {"edge": (edge_x, edge_y), "rising": (rising_x, rising_y), "ties": (ties_x, ties_y),
+            "tiny": (tiny_x, tiny_y), "ties_f32": (ties_x.astype(np.float32), ties_y.astype(np.float32))}
+
+
+def test_max_rel_divides_only_where_a_quotient_may_win_and_stays_exact():
+    """max_rel is found without a division per element; it must still be exactly the largest
+    of every element's float64 quotient (cases built so that a filter without its margin
+    would miss one), as must max_abs and the mismatch count."""
+    for name, (x, y) in _max_rel_cases().items():
+        s = kernels.pair_sums(x, y, rtol=1e-3, atol=1e-12, backend="numba", min_numba=0)
+        ref = oracle(x, y, 1e-3, 1e-12)
+        assert (s.max_abs, s.max_rel, s.mismatch) == (ref["max_abs"], ref["max_rel"], ref["mismatch"]), name
+    edge = _max_rel_cases()["edge"]
+    assert oracle(*edge, 0, 0)["max_rel"] == 3.9284588074743034 > 3.928458807474303  # the case bites
+
+
+def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
+    """For a CPU without FMA (``NUMBA_CPU_NAME=generic``) the filter's product is rounded:
+    its margin must still keep every winning quotient (a fresh process, compiled for it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, numpy as np; from tdinspect import fused_loop, kernels; "
+            "from tests.test_kernels import _max_rel_cases; "
+            "k = fused_loop.compile_kernels(cache=False)['value']; "
+            "print(json.dumps({n: [float(v) for v in k(x, y, 1e-3, 1e-12, kernels.EPS, None)[4:]] "
+            "for n, (x, y) in _max_rel_cases().items() if x.dtype == np.float64}))")
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    for name, (x, y) in _max_rel_cases().items():
+        if x.dtype == np.float64:
+            ref = oracle(x, y, 1e-3, 1e-12)
+            assert got[name] == [ref["max_abs"], ref["max_rel"], ref["mismatch"]], name
