@@ -19,11 +19,18 @@ Run: ``python bench/diff.py``. In one run, on files it writes and removes:
    a million elements at a time into reused buffers;
 5. the same ratio for one pass of ``--small-entries`` small tensors
    (``--small-numel`` elements): the per-entry overhead.
+
+``--loop-only``: the compiled loop alone, in memory, on one thread, against the
+same three compares on one torch thread (``--loop-numel`` elements a side, every
+dtype of ``--dtypes``, calls interleaved for ``--rounds`` rounds): the
+arithmetic, without files, page cache or the scheduler's treatment of torch's
+two threads on a busy machine (which swings section 4 by 2x and more).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shutil
 import statistics
@@ -46,9 +53,9 @@ _BUFFERS: dict = {}
 
 def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A scratch tensor reused across calls (no fresh pages for every compare)."""
-    buf = _BUFFERS.get(name)
-    if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = _BUFFERS[name] = torch.empty(numel, dtype=dtype)
+    buf = _BUFFERS.get((name, dtype))  # by dtype too: --loop-only interleaves dtypes
+    if buf is None or buf.numel() < numel:
+        buf = _BUFFERS[name, dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
@@ -186,6 +193,48 @@ def narrow_floats(root: Path, args) -> None:
             shutil.rmtree(y)
 
 
+def loop_only(args) -> None:
+    """The fused loop alone against the cheapest torch compare, one thread each, in memory."""
+    torch.set_num_threads(1)
+    base = torch.randn(args.loop_numel, generator=torch.Generator().manual_seed(0))
+    other = base + 1e-2 * torch.randn(args.loop_numel, generator=torch.Generator().manual_seed(1))
+    cases = {}
+    for name in args.dtypes.split(","):
+        dt = getattr(torch, name)
+        x, y = base.to(dt), other.to(dt)
+        bits = {1: torch.uint8, 2: torch.uint16}.get(dt.itemsize)
+        xa, ya = (t.numpy() if bits is None else t.view(bits).numpy() for t in (x, y))
+        codes = None if bits is None else name
+
+        def ours(xa=xa, ya=ya, codes=codes):
+            kernels.pair_sums(xa, ya, rtol=1e-3, atol=1e-5, backend="numba", codes=codes)
+
+        ours()  # compiled, or loaded from numba's cache
+        floors = {}
+        for compare in COMPARES:
+            try:
+                compare(x, y)
+            except (RuntimeError, NotImplementedError):  # float8 has no subtraction
+                continue
+            floors[compare] = functools.partial(compare, x, y)
+        cases[name] = (ours, floors)
+    times: dict = {}
+    for _ in range(args.rounds):
+        for name, (ours, floors) in cases.items():
+            for key, fn in ((name, ours), *(((name, c), f) for c, f in floors.items())):
+                t0 = time.perf_counter()
+                fn()
+                times.setdefault(key, []).append(time.perf_counter() - t0)
+    n = args.loop_numel
+    for name, (_, floors) in cases.items():
+        best = min(floors, key=lambda c: min(times[(name, c)]))
+        ours, floor = min(times[name]), min(times[(name, best)])
+        med, fmed = statistics.median(times[name]), statistics.median(times[(name, best)])
+        print(f"{name:14s} loop {n / ours / 1e9:5.2f} G elements/s, floor {n / floor / 1e9:5.2f} "
+              f"({best.__name__}): {floor / ours:4.0%} (fastest calls), {fmed / med:4.0%} (medians)",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--passes", type=int, default=10)
@@ -196,10 +245,16 @@ def main() -> None:
                         help="bytes a tensor in section 4 (K, M, G suffixes; 1G needs ~5 GB free)")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16,float8_e4m3fn,float8_e5m2")
     parser.add_argument("--dtypes-only", action="store_true", help="run section 4 alone")
+    parser.add_argument("--loop-only", action="store_true",
+                        help="the compiled loop alone, one thread, in memory (see above)")
+    parser.add_argument("--loop-numel", type=int, default=1 << 22)
     parser.add_argument("--small-entries", type=int, default=10_000)
     parser.add_argument("--small-numel", type=int, default=256)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
+    if args.loop_only:
+        loop_only(args)
+        return
     with scratch_dir("diff", args.dir) as root:
         if args.dtypes_only:
             narrow_floats(root, args)
