@@ -460,3 +460,46 @@ def test_dashboard_command_checks_its_dumps_before_serving(runs, capsys):
     assert main(["dashboard", str(runs["ref"]), "/no/such/dump", "--no-browser"]) == 2
     err = capsys.readouterr().err
     assert "/no/such/dump" in err and "no such file or folder" in err
+
+
+def _bf16_then_float32_runs(tmp_path):
+    """Two identical runs of a model whose first layer is bfloat16 and the rest float32 (so
+    the float32 entries carry bfloat16's rounding: Diff judges them by bfloat16 upstream)."""
+    import torch
+
+    def model():
+        torch.manual_seed(0)
+        first = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        rest = [torch.nn.Linear(8, 8) for _ in range(3)]
+        return torch.nn.Sequential(first, _Float(), *rest)
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for name in ("a", "b"):
+        m = model()
+        with torch.no_grad(), tdinspect.capture(m, tmp_path / name, warn_unfired=False) as cap:
+            m(x)
+            cap.step()
+    return DumpSet.open(tmp_path / "a").diff(tmp_path / "b")
+
+
+class _Float(__import__("torch").nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def test_auto_slider_readout_is_the_threshold_diff_uses_upstream_included(tmp_path):
+    """The slider under "auto" shows the threshold Diff applies to most entries, upstream dtype
+    included (it showed float32's 1.49e-08 for float32 entries Diff judges at bfloat16's)."""
+    from tdinspect.diff import threshold_fn
+    from tdinspect.metrics import auto_threshold
+
+    diff = _bf16_then_float32_runs(tmp_path)
+    table = diff.table(progress=False)
+    assert (table["dtype_a"] == "torch.float32").sum() > len(table) / 2  # mostly float32 pairs
+    per_row = threshold_fn("auto", "rel_diff").of_rows(table)
+    bf16 = auto_threshold("rel_diff", "torch.bfloat16", "torch.bfloat16")[0]
+    assert set(per_row) == {bf16}  # every entry is judged at bfloat16's threshold
+    ex = tdinspect.explore(diff)
+    assert ex.auto.value and ex.threshold.value == bf16
+    ex.metric.value = "cosine"
+    assert ex.threshold.value == auto_threshold("cosine", "torch.bfloat16", "torch.bfloat16")[0]

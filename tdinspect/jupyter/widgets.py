@@ -186,14 +186,15 @@ class DiffExplorer:
         return "auto" if self.auto.value else self.threshold.value
 
     def _auto_shown(self, name: str) -> float:
-        """The slider's value under ``"auto"``: the threshold of the most common dtype pair."""
-        from ..metrics import auto_threshold
+        """The slider's value under ``"auto"``: the threshold :class:`~tdinspect.Diff` applies
+        to most entries (each row's from its dtypes and upstream dtype, as drawn)."""
+        values = plots.drawn_threshold("auto", name, self.table)
+        if not len(values):
+            from ..diff import threshold_fn
 
-        pairs = self.table.groupby(["dtype_a", "dtype_b"]).size()
-        if not len(pairs):
-            return auto_threshold(name, "", "")[0]
-        a, b = pairs.idxmax()
-        return auto_threshold(name, a, b)[0]
+            return threshold_fn("auto", name).lookup("", "", "")[0]
+        distinct, counts = np.unique(values, return_counts=True)
+        return float(distinct[counts.argmax()])
 
     @contextmanager
     def _hold(self):
