@@ -1140,11 +1140,26 @@ class Thresholds:
         return np.fromiter((self.lookup(o, a, b, u)[0] for o, a, b, u in zip(ops, da, db, up)),
                            float, n)
 
+    def given(self) -> str:
+        """The threshold as given, short: ``1e-05``, ``auto``, ``fc=0.001, else auto``.
+
+        Examples
+        --------
+        >>> Thresholds({"fc": 1e-3, "norm": "auto"}, "rel_diff").given()
+        'fc=0.001, norm=auto, else auto'
+        """
+        if self.fixed is not None:
+            return f"{self.fixed:g}"
+        if not self.rules:
+            return "auto"
+        return ", ".join(f"{p.pattern}={'auto' if v is None else f'{v:g}'}"
+                         for p, v in self.rules) + ", else auto"
+
     def describe(self, rows: pd.DataFrame | None = None) -> str:
         """The threshold in words: the number, or ``auto (rule; dtype value, ...)`` with the
         values of the dtypes in ``rows``."""
         if self.fixed is not None:
-            return f"{self.fixed:g}"
+            return self.given()
         rule = auto_rule(self.metric.name)
         values = {}
         if rows is not None and len(rows):
@@ -1155,10 +1170,7 @@ class Thresholds:
                 if source.startswith("auto: "):
                     values.setdefault(source[6:], value)
         shown = "; ".join(f"{d} {_thr_text(v)}" for d, v in values.items())
-        head = "auto" if not self.rules else (
-            ", ".join(f"{p.pattern}={'auto' if v is None else f'{v:g}'}" for p, v in self.rules)
-            + ", else auto")
-        return f"{head} ({rule}" + (f": {shown}" if shown else "") + ")"
+        return f"{self.given()} ({rule}" + (f": {shown}" if shown else "") + ")"
 
 
 def upstream_of(dtype_a, dtype_b) -> np.ndarray:

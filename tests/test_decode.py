@@ -162,3 +162,21 @@ def test_per_position_vectorised_equals_the_per_position_loop(decode_runs):
             loop = [compare_tensors(b[j], a[j])[name] for j in range(FED)]
             assert da[0, 0].values.tolist() == pytest.approx(loop, rel=1e-12, abs=1e-300), \
                 (key, name)
+
+
+def test_per_position_title_names_a_dict_threshold_as_given(decode_runs):
+    """A {regex: number | "auto"} threshold: the title says the rules (it showed one number)
+    and the verdict follows each entry's own threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    diff = _diff(decode_runs, "buggy")
+    keys = ["model.model.rotary_emb[0]", "model.model.layers.1.self_attn.o_proj"]
+    rules = {r"rotary": 1e2, r"o_proj$": THRESHOLD}  # rotary never past 1e2; o_proj from PROMPT
+    title = tdinspect.plot.per_position(diff, dim=1, keys=keys, threshold=rules).axes[0].get_title()
+    assert title == (rf"rel_diff per position (threshold rotary=100, o_proj\$={THRESHOLD:g}, "
+                     rf"else auto): diverges from position {PROMPT} on")
+    rules = {r"rotary": 1e2, r"o_proj": 1e2}
+    title = tdinspect.plot.per_position(diff, dim=1, keys=keys, threshold=rules).axes[0].get_title()
+    assert title.endswith("(threshold rotary=100, o_proj=100, else auto): no position past the "
+                          "threshold")

@@ -592,9 +592,9 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
         verdict = "no position past the threshold"
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel(f"position along dim {dim}")
-    given = np.unique(thr)
-    ax.set_title(f"{m.name} per position (threshold "
-                 f"{'auto' if threshold in (None, 'auto') else format(float(given[0]), 'g')}"
-                 f"): {verdict}")
+    from ..diff import threshold_fn
+
+    given = _plain(threshold_fn(threshold, m.name).given())  # a dict's regexes are the user's
+    ax.set_title(f"{m.name} per position (threshold {given}): {verdict}")
     fig.tight_layout()
     return fig
