@@ -829,7 +829,10 @@ class Diff:
                 ya, xb = pa.tensor(row["key"]), pb.tensor(row["key_b"])
                 transform = self.mapping.partner(base)[1] if self.mapping is not None else None
                 if transform is not None:
-                    xb = transform(xb)
+                    xb, why = _apply(transform, xb, ya)  # a failing transform: the diff's reason
+                    if why:
+                        skipped.append(f"pass {p} call {row['call']}: {why}")
+                        continue
                 if ya.shape != xb.shape:
                     skipped.append(f"pass {p} call {row['call']}: shape {list(ya.shape)} vs "
                                    f"{list(xb.shape)}")

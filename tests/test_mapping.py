@@ -286,3 +286,20 @@ def test_side_differences_and_html_follow_the_mapping(pair):
     lines = side_differences(a.diff(pair["b"], mapping=partial))
     assert lines == ["entry names only in A: 2 in 2 pass(es) (first: pass 0, rank 0: model.q_proj)"]
     assert "model.q_proj" in a.diff(pair["b"], mapping=partial)._repr_html_()
+
+
+def test_per_position_reports_a_failing_transform_as_the_diff_does(pair):
+    """A user's transform that raises: per_position gives the diff's reason (it raised the
+    transform's own exception), and the entries the transform serves are still computed."""
+    def boom(t):
+        raise RuntimeError("no")
+
+    d = DumpSet.open(pair["a"]).diff(pair["b"], mapping=dict(QKV, **{r"model\.q_proj": [
+        "model.qkv", boom]}))
+    reason = d.first_divergence().reason
+    assert "failed: RuntimeError: no" in reason
+    with pytest.raises(KeyError) as info:
+        d.per_position("model.q_proj", dim=1)
+    assert reason in str(info.value) and "pass 0 call 0" in str(info.value)
+    k = d.per_position("model.k_proj", dim=1)  # a working transform of the same B entry
+    assert k.sizes["position"] == 5 and k.attrs["first_position"] == -1
