@@ -1,13 +1,17 @@
-"""Explorer responsiveness on the bundled sample dumps, measured through the widget callbacks.
+"""Explorer and dashboard responsiveness, measured through the widget callbacks.
 
-``python bench/explorer.py``: builds ``explore(diff)`` and the dashboard, then drives the
-callbacks a browser would (threshold moves, metric switches, pass picks) and prints the
-seconds each took (``ex.timings``), median of a few repeats. The browser test measures the
-same interactions end to end (``test-artifacts/browser_timings.json``).
+``python bench/explorer.py [--repeats 3] [--passes 40]``: on the bundled sample dumps, builds
+``explore(diff)`` and the dashboard, then drives the callbacks a browser would (threshold moves,
+metric switches, pass picks) and prints the seconds each took (``ex.timings``), median of a few
+repeats. Then the dashboard's own interactions (the same moves, the entry table included: the
+seconds each assignment takes), on the samples and on a larger pair (the bundled model over
+``--passes`` passes, a wrong layer in B: a table of 42 rows a pass). The browser test measures
+the same interactions end to end (``test-artifacts/browser_timings.json``).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -17,13 +21,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tdinspect  # noqa: E402
+from common import scratch_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "sample_dumps"
 
 
-def main(repeats: int = 3) -> None:
-    ref = tdinspect.DumpSet.open(ROOT / "float32")
+def explorer_rows(ref, repeats: int) -> dict:
     rows = {}
     for other in ("wrong_layer", "bfloat16"):
         builds, thr, metric, pick = [], [], [], []
@@ -45,11 +50,56 @@ def main(repeats: int = 3) -> None:
         tdinspect.dashboard(ref, ROOT / other)
         board = time.perf_counter() - t0
         rows[other] = (statistics.median(builds), max(thr), max(metric), max(pick), board)
+    return rows
+
+
+def _timed(widget, value) -> float:
+    t0 = time.perf_counter()
+    widget.value = value
+    return time.perf_counter() - t0
+
+
+def dashboard_row(a, b, repeats: int) -> tuple:
+    """(rows, build, max threshold move, max metric switch, auto tick) of the dashboard, seconds:
+    each the median over ``repeats`` boards of the worst of its moves."""
+    builds, thr, metric, auto = [], [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        board = tdinspect.dashboard(a, b)
+        builds.append(time.perf_counter() - t0)
+        ex = board.explorer
+        thr.append(max(_timed(ex.threshold, v) for v in (1e-7, 1e-2, 1e-5, 2e-5)))
+        auto.append(_timed(ex.auto, True))
+        metric.append(max(_timed(ex.metric, name) for name in ("cosine", "rel_diff")))
+    return (len(ex.table), *(statistics.median(x) for x in (builds, thr, metric, auto)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=40, help="passes of the larger pair")
+    parser.add_argument("--dir", default=None, help="where the larger pair goes (default: temporary)")
+    args = parser.parse_args()
+    ref = tdinspect.DumpSet.open(ROOT / "float32")
+    rows = explorer_rows(ref, args.repeats)
     print(f"{'B':12s} {'build':>7s} {'thr max':>8s} {'metric max':>10s} {'pick max':>8s} "
           f"{'dashboard':>9s}   (seconds)")
     for other, r in rows.items():
         print(f"{other:12s} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 8, 9))))
+    from tdinspect.samples import capture_model_run
+
+    print(f"\ndashboard interactions (seconds; entry table included)\n{'pair':24s} {'rows':>6s} "
+          f"{'build':>7s} {'thr max':>8s} {'metric max':>10s} {'auto':>6s}")
+    with scratch_dir("explorer", args.dir) as out:
+        pairs = {"float32 vs wrong_layer": (ref, ROOT / "wrong_layer"),
+                 f"{args.passes} passes": (
+                     capture_model_run(out / "a", steps=args.passes),
+                     capture_model_run(out / "b", steps=args.passes,
+                                       perturb="layers.2.mlp.down.weight"))}
+        for name, (a, b) in pairs.items():
+            n, *r = dashboard_row(a, b, args.repeats)
+            print(f"{name:24s} {n:6d} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 6))))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    main()

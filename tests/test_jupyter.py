@@ -503,3 +503,30 @@ def test_auto_slider_readout_is_the_threshold_diff_uses_upstream_included(tmp_pa
     assert ex.auto.value and ex.threshold.value == bf16
     ex.metric.value = "cosine"
     assert ex.threshold.value == auto_threshold("cosine", "torch.bfloat16", "torch.bfloat16")[0]
+
+
+def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
+    """One user change, one verdict computation for the entry table (a metric switch or a
+    ticked auto box fired it two or three times: the metric, the slider and the box each)."""
+    from tdinspect.jupyter import dashboard as dash
+
+    calls = []
+    real = dash.Dashboard._refresh_rows
+    monkeypatch.setattr(dash.Dashboard, "_refresh_rows",
+                        lambda self, *args: calls.append(1) or real(self, *args))
+    board = tdinspect.dashboard(runs["ref"], runs["wrong"])
+    ex = board.explorer
+
+    def marked():
+        return [v for label, v in board.entries.options if label.startswith("⚠")]
+
+    at_auto = marked()
+    for name, value, marks in (("metric", "cosine", True), ("threshold", 0.99, False),
+                               ("threshold", 0.98, False), ("auto", True, True),
+                               ("metric", "rel_diff", True)):
+        calls.clear()
+        getattr(ex, name).value = value  # the slider of the metric on show
+        assert calls == [1], (name, value)
+        assert bool(marked()) == marks and ("model.layers.2.mlp.down", 0, 0) in (
+            marked() if marks else [("model.layers.2.mlp.down", 0, 0)])
+    assert marked() == at_auto  # back where it started: the same marks

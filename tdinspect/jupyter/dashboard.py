@@ -46,8 +46,11 @@ class Dashboard:
         self.entries = W.Select(rows=24, layout=W.Layout(width="98%", height="auto"),
                                 description="")
         self.entries.observe(self._on_row, names="value")
-        for w in (ex.metric, ex._log_slider, ex._lin_slider, ex.auto):
-            w.observe(self._refresh_rows, names="value")
+        self._labels: dict[str, list[str]] = {}  # per metric: each row's text, without its mark
+        self._marked: tuple | None = None  # (metric, divergent rows) the table shows
+        self._values = list(zip(ex.table["key"], ex.table["pass"].astype(int).tolist(),
+                                ex.table["rank"].astype(int).tolist()))
+        ex.on_update.append(self._refresh_rows)  # once per change the explorer acts on
         self._refresh_rows()
         table = W.VBox([W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)"
                                "</small>"), self.entries], layout=W.Layout(width="34%"))
@@ -59,23 +62,36 @@ class Dashboard:
         self.widget = W.VBox([self.header, W.HBox([table, main])])
         self.build_seconds = time.perf_counter() - t0
 
-    def _refresh_rows(self, change=None) -> None:
+    def _row_labels(self, name: str) -> list[str]:
+        """Each row's text at metric ``name`` (pass, key, value or structural reason), made
+        once per metric: a threshold change only moves the marks."""
+        labels = self._labels.get(name)
+        if labels is None:
+            t = self.explorer.table
+            texts = [reason if structural else (f"{v:.3g}" if v == v else "-") for v, structural, reason
+                     in zip(t[name].to_numpy(float).tolist(), t["structural"].tolist(),
+                            t["reason"].tolist())]
+            labels = self._labels[name] = [f" p{p} {k}  {text}" for p, k, text
+                                           in zip(t["pass"].tolist(), t["key"].tolist(), texts)]
+        return labels
+
+    def _refresh_rows(self) -> None:
+        """Mark the divergent rows at the explorer's metric and threshold; the options are
+        rebuilt only when a mark or the metric changed."""
         from ..diff import threshold_fn
         from ..metrics import metric
 
         ex = self.explorer
         m = metric(ex.metric.value)
         hits = ex.diff._hits(ex.table, m, threshold_fn(ex.threshold_value, m.name))
-        options = []
-        for (i, row), bad in zip(ex.table.iterrows(), hits):
-            value = row[m.name]
-            text = row["reason"] if row["structural"] else (f"{value:.3g}" if value == value else "-")
-            options.append((f"{'⚠' if bad else ' '} p{row['pass']} {row['key']}  {text}",
-                            (row["key"], int(row["pass"]), int(row["rank"]))))
-        shown = ex.shown_at  # the row on show (the first divergence, when it moved there)
+        marked = (m.name, hits.tobytes())
         self.entries.unobserve(self._on_row, names="value")
-        self.entries.options = options
-        if shown in dict(options).values():
+        if marked != self._marked:
+            self._marked = marked
+            self.entries.options = [(("⚠" if bad else " ") + label, value) for label, value, bad
+                                    in zip(self._row_labels(m.name), self._values, hits.tolist())]
+        shown = ex.shown_at  # the row on show (the first divergence, when it moved there)
+        if shown in self._values:
             self.entries.value = shown
         self.entries.observe(self._on_row, names="value")
 

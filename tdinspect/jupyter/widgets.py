@@ -156,6 +156,7 @@ class DiffExplorer:
         self.shown: str | None = None
         self.shown_at: tuple | None = None
         self._quiet = False
+        self.on_update: list = []  # called after each update (the dashboard's entry table)
         self.threshold_box = W.HBox()
         self._configure_slider(metric, threshold)
         self.metric.observe(self._on_metric, names="value")
@@ -329,6 +330,8 @@ class DiffExplorer:
             self._show_picked()
         else:
             self._redraw_plot()
+        for fn in self.on_update:
+            fn()
         if getattr(self, "position_dim", None) is not None:
             self.show_positions()
 
