@@ -53,25 +53,43 @@ def explorer_rows(ref, repeats: int) -> dict:
     return rows
 
 
-def _timed(widget, value) -> float:
-    t0 = time.perf_counter()
-    widget.value = value
-    return time.perf_counter() - t0
-
-
 def dashboard_row(a, b, repeats: int) -> tuple:
-    """(rows, build, max threshold move, max metric switch, auto tick) of the dashboard, seconds:
-    each the median over ``repeats`` boards of the worst of its moves."""
-    builds, thr, metric, auto = [], [], [], []
-    for _ in range(repeats):
+    """(rows, build, max threshold move, max metric switch, auto tick, max entry-table share) of
+    the dashboard, seconds: each the median over ``repeats`` boards of the worst of its moves;
+    the last is the time one interaction spends marking the entry table (``_refresh_rows``)."""
+    from tdinspect.jupyter import dashboard as dash
+
+    table: list[float] = []
+    real = dash.Dashboard._refresh_rows
+
+    def timed_refresh(self, *args):
         t0 = time.perf_counter()
-        board = tdinspect.dashboard(a, b)
-        builds.append(time.perf_counter() - t0)
-        ex = board.explorer
-        thr.append(max(_timed(ex.threshold, v) for v in (1e-7, 1e-2, 1e-5, 2e-5)))
-        auto.append(_timed(ex.auto, True))
-        metric.append(max(_timed(ex.metric, name) for name in ("cosine", "rel_diff")))
-    return (len(ex.table), *(statistics.median(x) for x in (builds, thr, metric, auto)))
+        real(self, *args)
+        table.append(time.perf_counter() - t0)
+
+    def timed(widget, value) -> tuple[float, float]:
+        table.clear()
+        t0 = time.perf_counter()
+        widget.value = value
+        return time.perf_counter() - t0, sum(table)
+
+    builds, thr, metric, auto, marks = [], [], [], [], []
+    dash.Dashboard._refresh_rows = timed_refresh
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            board = tdinspect.dashboard(a, b)
+            builds.append(time.perf_counter() - t0)
+            ex = board.explorer
+            moves = [timed(ex.threshold, v) for v in (1e-7, 1e-2, 1e-5, 2e-5)]
+            ticks = [timed(ex.auto, True)]
+            switches = [timed(ex.metric, name) for name in ("cosine", "rel_diff")]
+            for out, done in ((thr, moves), (auto, ticks), (metric, switches)):
+                out.append(max(t for t, _ in done))
+            marks.append(max(m for _, m in moves + ticks + switches))
+    finally:
+        dash.Dashboard._refresh_rows = real
+    return (len(ex.table), *(statistics.median(x) for x in (builds, thr, metric, auto, marks)))
 
 
 def main() -> None:
@@ -89,7 +107,7 @@ def main() -> None:
     from tdinspect.samples import capture_model_run
 
     print(f"\ndashboard interactions (seconds; entry table included)\n{'pair':24s} {'rows':>6s} "
-          f"{'build':>7s} {'thr max':>8s} {'metric max':>10s} {'auto':>6s}")
+          f"{'build':>7s} {'thr max':>8s} {'metric max':>10s} {'auto':>6s} {'table max':>9s}")
     with scratch_dir("explorer", args.dir) as out:
         pairs = {"float32 vs wrong_layer": (ref, ROOT / "wrong_layer"),
                  f"{args.passes} passes": (
@@ -98,7 +116,7 @@ def main() -> None:
                                        perturb="layers.2.mlp.down.weight"))}
         for name, (a, b) in pairs.items():
             n, *r = dashboard_row(a, b, args.repeats)
-            print(f"{name:24s} {n:6d} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 6))))
+            print(f"{name:24s} {n:6d} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 6, 9))))
 
 
 if __name__ == "__main__":
