@@ -272,7 +272,9 @@ def default_backend() -> str:
 
 
 _BACKEND: str | None = None
-_CODE_DTYPES = {1: np.uint8, 2: np.uint16}
+# the unsigned integer that holds an item's raw bits, by item size (narrow floats' codes,
+# bitwise comparisons)
+UINT_OF = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # decoded by bit arithmetic in the compiled loop (the other narrow floats: by decode_table)
 _ARITHMETIC = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -300,7 +302,7 @@ def _table(name: str) -> np.ndarray:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize > 2:
         raise ValueError(f"codes={name!r}: expected a 1- or 2-byte torch float dtype")
-    codes = torch.from_numpy(np.arange(1 << (8 * dtype.itemsize), dtype=_CODE_DTYPES[dtype.itemsize]))
+    codes = torch.from_numpy(np.arange(1 << (8 * dtype.itemsize), dtype=UINT_OF[dtype.itemsize]))
     table = codes.view(dtype).to(torch.float64).numpy()
     table.setflags(write=False)
     return table
@@ -353,8 +355,8 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
     lut = None
     if codes is not None:
         size = _ARITHMETIC.get(codes) or (decode_table(codes).shape[0] - 1).bit_length() // 8
-        if x.dtype != _CODE_DTYPES[size]:
-            raise ValueError(f"codes={codes!r} needs {np.dtype(_CODE_DTYPES[size])} arrays of "
+        if x.dtype != UINT_OF[size]:
+            raise ValueError(f"codes={codes!r} needs {np.dtype(UINT_OF[size])} arrays of "
                              f"its bits, got {x.dtype}")
     # by size only, never by what this process loaded before: a pair's sums must not depend
     # on the process that compares it (dask workers, the CLI), nor on its company (Diff

@@ -283,6 +283,8 @@ def _real_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 _PREFIX = 256  # elements compared first by same_bits (below torch's parallel grain)
+# torch's own bit views (signed: torch >= 2.4's uint16/32/64 lack most ops; kernels.UINT_OF is
+# numpy's)
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -35,14 +35,13 @@ import math
 import numpy as np
 import torch
 
-from .kernels import decoded, segment_sums
+from .kernels import UINT_OF, decoded, segment_sums
 from .metrics import _IDENTICAL, _TINY_SUMS, tolerances
 
 # the dtypes a batch takes, with the numpy dtype of their stored elements (or raw bits) and
 # the name segment_sums' decoder knows them by
 BATCHED = {torch.float32: (np.float32, None), torch.float64: (np.float64, None),
            torch.bfloat16: (np.uint16, "bfloat16"), torch.float16: (np.uint16, "float16")}
-_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def compare_segments(x: np.ndarray, y: np.ndarray, starts: np.ndarray,
@@ -72,7 +71,7 @@ def compare_segments(x: np.ndarray, y: np.ndarray, starts: np.ndarray,
     if x.dtype != np_dtype or y.dtype != np_dtype or x.shape != y.shape or x.ndim != 1:
         raise ValueError(f"compare_segments needs two 1-D {np.dtype(np_dtype)} arrays of one "
                          f"length for {dtype}, got {x.dtype} {x.shape} and {y.dtype} {y.shape}")
-    bits = _BITS[x.itemsize]
+    bits = UINT_OF[x.itemsize]
     differs = np.logical_or.reduceat(x.view(bits) != y.view(bits), starts)
     rtol, atol = tolerances(dtype, dtype)
     sums = segment_sums(decoded(x, codes), decoded(y, codes), starts, rtol, atol)

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .kernels import EPS, NUMBA_MIN_BYTES, PairSums, decode_table
+from .kernels import EPS, NUMBA_MIN_BYTES, UINT_OF, PairSums, decode_table
 from .metrics import (_CODED, _IDENTICAL, TENSOR_METRICS, _compute_dtype, _from_sums, _sums,
                       compare_tensors, metric, needs_rescaling, same_bits, sxy_derived, tolerances)
 
@@ -171,7 +171,7 @@ class _Work:
         k = xa.shape[0]
         xf, yf, d, ay, tmp, flag = (b[:k] for b in (self.xf, self.yf, self.d, self.ay, self.tmp,
                                                      self.flag))
-        same = (xa.view(_UINT_OF[xa.itemsize]) == ya.view(_UINT_OF[ya.itemsize])).all(1)
+        same = (xa.view(UINT_OF[xa.itemsize]) == ya.view(UINT_OF[ya.itemsize])).all(1)
         if lut is None:
             np.copyto(xf, xa)
             np.copyto(yf, ya)
@@ -204,5 +204,3 @@ class _Work:
             if row is not None:
                 values[j], slow[j] = row[name], False
 
-
-_UINT_OF = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
