@@ -1257,10 +1257,9 @@ def reason_of(row, m, thr_fn) -> str:
     thr_fn = threshold_fn(thr_fn, m.name)
     thr, source = thr_fn.lookup(*thr_fn._args(row))
     op = ">" if m.higher_is_worse else "<"
-    if not source:  # a number given: as it was written
-        digits = next((p for p in range(3, 10) if f"{value:.{p}g}" != f"{thr:.{p}g}"), 10)
-        return f"{m.name} {value:.{digits}g} {op} {thr:g}"
     q = digits_apart(value, thr)
+    if not source:  # a number given: as it was written (never rounded to 1)
+        return f"{m.name} {value:.{q}g} {op} {thr:.{_thr_digits(thr, 6)}g}"
     return f"{m.name} {value:.{q}g} {op} {thr:.{q}g} ({source})"
 
 

@@ -366,3 +366,15 @@ def test_cli_header_names_auto_only_when_auto_is_used(float32_runs, capsys):
     assert "auto by default" not in out and "threshold: 0.001\n" in out
     assert main(["diff", ref, norm]) == 1
     assert "threshold: auto by default (rel_diff u/4" in capsys.readouterr().out
+
+
+def test_a_given_threshold_near_one_is_written_with_its_digits(float32_runs):
+    """A number given shows as written, never rounded to 1 (``cosine 0.9996 < 1`` named a
+    threshold nobody gave): one rule for the digits of every reason."""
+    d = DumpSet.open(float32_runs["ref"]).diff(float32_runs["norm"])
+    div = d.first_divergence(threshold=0.99999999, metric="cosine")
+    value = f"{div.value:.12g}"
+    assert div.reason.endswith(" < 0.99999999") and div.reason.startswith("cosine 0.99")
+    shown = div.reason.split()[1]
+    assert shown != "1" and float(shown) < 0.99999999 and value.startswith(shown[:-1])
+    assert d.first_divergence(threshold=1e-9).reason.endswith(" > 1e-09")
