@@ -17,7 +17,8 @@ nothing without ``dump_dir``; with it, at the first divergence, the evidence::
     <dump_dir>/evidence/ref/rank<R>_pid<P>/pass<NNNNN>.pt (+ .json)   the reference's entries
     <dump_dir>/evidence/run/rank<R>_pid<P>/pass<NNNNN>.pt (+ .json)   this run's entries
 
-(the divergent entry and the ``before`` entries before it, documented format:
+(the divergent entry and the ``before`` entries before it; folders of this comparison's own,
+``rank<R>_pid<P>_run2``... when an earlier run, such as a re-run cell, wrote there; documented format:
 ``tdinspect diff <dump_dir>/evidence/ref <dump_dir>/evidence/run`` shows them),
 and with ``on_divergence="record"`` one CSV per pass of every entry's row
 (:data:`tdinspect.diff.COLUMNS`) in ``<dump_dir>/live/pass<NNNNN>.csv``.
@@ -51,6 +52,7 @@ from .dumper.kinds import is_plain, prepare, restore
 from .dumper.writer import PendingPass
 from .dumpset import DumpSet
 from .format import _stats_row, atomic_write, rank_dirname
+from .runs import new_folder
 from .metrics import metric as metric_named, unit_roundoff
 from .stats import STAT_NAMES, tensor_stats
 
@@ -139,6 +141,7 @@ class LiveCompare:
         self.rank, self.level, self.before, self.chunk = rank, level, before, chunk
         self.first = None  # the first Divergence
         self.evidence: Path | None = None
+        self._rows_folder: Path | None = None  # where record mode's CSVs go, made at the first
         self.rows: list[dict[str, Any]] = []  # every row so far ("record"); else this pass's
         self._pass: int | None = None
         self._warned: set[int] = set()
@@ -275,8 +278,9 @@ class LiveCompare:
 
     # -- files ----------------------------------------------------------------------------
     def _write_rows(self, pass_: int) -> None:
-        folder = self.evidence_dir / "live"
-        folder.mkdir(parents=True, exist_ok=True)
+        if self._rows_folder is None:  # this comparison's own (a re-run cell: live_run2)
+            self._rows_folder = new_folder(self.evidence_dir, "live")
+        folder = self._rows_folder
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
@@ -289,8 +293,10 @@ class LiveCompare:
         ring = list(self._ring)
         run_keys = [k for k, _, _, _ in ring]
         run_tensors = [t for _, t, _, _ in ring]
-        self._write_pass(root / "run" / rank_dirname(self.rank, os.getpid()), div.pass_, run_keys,
-                         run_tensors, [mt for _, _, mt, _ in ring], stats=None)
+        # folders of this comparison's own: evidence an earlier run wrote is never replaced
+        # (a re-run cell has the same pid: its evidence replaced the first's, or mixed with it)
+        self._write_pass(new_folder(root / "run", rank_dirname(self.rank, os.getpid())), div.pass_,
+                         run_keys, run_tensors, [mt for _, _, mt, _ in ring], stats=None)
         pi = self._pi
         if pi is not None:
             a_idx = [ia for _, _, _, partners in ring for ia in partners]
@@ -300,7 +306,7 @@ class LiveCompare:
             tensors = [None if stats_only or pi.uninitialized[i] else pi.tensor(pi.keys[i],
                                                                                self._ref_files())
                        for i in a_idx]
-            self._write_pass(root / "ref" / rank_dirname(self.rank, 0), div.pass_,
+            self._write_pass(new_folder(root / "ref", rank_dirname(self.rank, 0)), div.pass_,
                              [pi.keys[i] for i in a_idx], tensors,
                              [pi.module_type[i] for i in a_idx],
                              stats=[pi.ensure_stats()[i].tolist() for i in a_idx]
@@ -311,7 +317,6 @@ class LiveCompare:
 
     def _write_pass(self, folder: Path, pass_: int, keys, tensors, module_types, *, stats,
                     shapes=None, dtypes=None, stats_only: bool = False) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
         shapes = shapes or [None if t is None else list(t.shape) for t in tensors]
         dtypes = dtypes or [None if t is None else str(t.dtype) for t in tensors]
         rows = stats if stats is not None else [

@@ -109,17 +109,8 @@ def new_run_folder(dump_dir: str | os.PathLike, rank: int, *,
     rank 0, folders of ranks this run does not have) and says which.
     """
     dump_dir = Path(dump_dir)
-    dump_dir.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    n = 1
-    while True:
-        name = f"rank{rank}_pid{pid}" + (f"_run{n}" if n > 1 else "")
-        try:
-            (dump_dir / name).mkdir()
-            break
-        except FileExistsError:
-            n += 1
-    folder = dump_dir / name
+    folder = new_folder(dump_dir, f"rank{rank}_pid{pid}")
     group, world = _group_and_world()
     started = time.time()
     manifest = {"format": RUN_FORMAT, "version": RUN_VERSION, "run_id": secrets.token_hex(8),
@@ -131,6 +122,21 @@ def new_run_folder(dump_dir: str | os.PathLike, rank: int, *,
     atomic_write(folder / RUN_FILENAME, lambda f: f.write(data))
     _older_runs(dump_dir, folder, rank, world, overwrite)
     return folder, manifest
+
+
+def new_folder(parent: Path, name: str) -> Path:
+    """``parent/name``, or ``name_run2``, ``name_run3``... when taken: a folder this call
+    created (``mkdir`` fails if it exists), so no two writers, nor a re-run in the same
+    process (a notebook cell: same pid), ever write into one."""
+    parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        folder = parent / (name + (f"_run{n}" if n > 1 else ""))
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
 
 
 def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, overwrite: bool) -> None:

@@ -399,3 +399,26 @@ def test_statistics_of_an_entry_computed_once_whatever_its_partners(runs, monkey
         return dict(zip(zip(t["key"], t["key_b"]), t["stats_rel"]))
 
     assert by_pair(paired) == by_pair(rows)
+
+
+def test_a_rerun_never_replaces_or_mixes_into_earlier_evidence(runs, tmp_path):
+    """A notebook cell run twice is the same process: the second run's evidence went to the
+    same rank<R>_pid<P> folders and replaced the first's (or mixed with it, pass by pass);
+    with on_divergence="record", its rows replaced the first's CSVs."""
+    ev = tmp_path / "ev"
+    first = None
+    for leaf in (LEAF, "layers.1.mlp.down.weight"):
+        model = _perturbed(leaf=leaf)
+        with pytest.raises(tdinspect.DivergenceError):
+            with tdinspect.capture(model, ev, compare_to=runs["ref"]) as cap:
+                _steps(model, cap)
+        model = _perturbed(leaf=leaf)
+        with tdinspect.capture(model, ev, compare_to=runs["ref"], on_divergence="record") as cap:
+            _steps(model, cap)
+        if first is None:
+            first = {p: p.read_bytes() for p in ev.rglob("*") if p.is_file()}
+    for side in ("run", "ref"):
+        assert len([p for p in (ev / "evidence" / side).iterdir() if p.is_dir()]) == 4, side
+    assert sorted(p.name for p in ev.iterdir() if p.name.startswith("live")) == [
+        "live", "live_run2"]
+    assert {p: p.read_bytes() for p in first} == first  # the first runs' files, intact
