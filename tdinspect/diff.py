@@ -45,6 +45,7 @@ from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
 from .smallpairs import compare_batch, small_plain
+from .terminal import visible
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
 STRUCTURAL_COLUMNS = ["rank", "pass", "order", "key", "key_b", "reason"]
@@ -102,7 +103,7 @@ class Divergence:
         if se is not None and len(se):
             shown = "; ".join(f"{k}: {r}" for k, r in zip(se["key"][:3], se["reason"][:3]))
             text += f"; {len(se)} structural entries set aside ({shown}" + ("; ..." if len(se) > 3 else "") + ")"
-        return text + ")"
+        return visible(text + ")")  # names from files: printed by a REPL, never terminal controls
 
     def _repr_html_(self) -> str:
         from .report import divergence_html

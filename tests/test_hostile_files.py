@@ -273,6 +273,8 @@ def test_names_from_a_dump_reach_the_terminal_escaped(tmp_path, capsys):
             assert not any(c in text for c in "\x1b\x07\u202e\udcff"), (argv, text)
             assert not any(line.startswith("no divergence") for line in text.splitlines()), argv
         assert "\\x1b" in shown.out + shown.err, argv
+    shown = repr(DumpSet.open(a).diff(b).first_divergence())  # as a REPL prints it
+    assert "\\x1b" in shown and "\x1b" not in shown
     main(["ls", a])
     out = capsys.readouterr().out
     assert "model.title\\x1b]0;pwned\\x07" in out and "model.x\\nno divergence" in out
