@@ -191,8 +191,8 @@ def _zeros(dtype):
 
 @numba.njit(inline="always")
 def _floor_ratio(r, small):
-    """The filter's threshold for a lane whose largest ratio so far is ``r``: a little below
-    it (0 where ``r`` is tiny), see :func:`_loop`."""
+    """The filter's threshold when the largest quotient so far is ``r``: a little below it
+    (0 where ``r`` is tiny), see :func:`_loop`."""
     return r * (1.0 - 2.0 ** -50) if r >= small else 0.0
 
 
@@ -206,33 +206,45 @@ def _lowest_bit(v):
 
 
 @numba.njit(inline="always")
+def _popcount(v):
+    c = 0
+    while v:
+        v &= v - 1
+        c += 1
+    return c
+
+
+@numba.njit(inline="always")
 def _loop(x, y, rtol, atol, eps, lut, decode):
     # Elements are taken to float64 in registers (as fast here as float32). LLVM vectorises
     # the fixed inner trip of LANES (the caller's length need not be a multiple).
     #
     # max_rel without a division per element (a vdivpd was the costliest instruction): the
     # largest of the rounded quotients is the rounded quotient of the largest exact ratio,
-    # and a quotient can raise a lane's maximum r only if ad/m > r. Each lane keeps
-    # z = max(ad - r'·m) over a block, r' = r·(1 - 2^-50) (0 when r < 2^-1020/eps); only
-    # the lanes where z > 0 (or NaN) are then divided, element by element, in that block.
-    # Never misses one: fl(ad/m) > r implies ad > r·m > r'·m exactly; fused, z is the
-    # rounded exact difference (no underflow to 0: r'·m >= 2^-1020 has a coarser grid than
-    # its distance to ad could hide); unfused, fl(r'·m) <= r'·m·(1 + 2^-53) < r·m < ad. The
-    # maxima are the same numbers as a division of every element (tested bit for bit).
+    # and a quotient can raise the largest so far, r, only if ad/m > r (m = max(ay, eps)).
+    # Each lane keeps z = max(ad - r'·m) over a block, r' = r·(1 - 2^-50) (0 when
+    # r < 2^-1020/eps); where z > 0 (or NaN) the block is divided: all of it, vectorised,
+    # when more than 3 lanes are (the first blocks), else those lanes element by element.
+    # Never misses one: fl(ad/m) > r implies ad > r·m > r'·m exactly. Fused, z rounds the
+    # exact ad - r'·m > (r - r')·m > 2^-51·r·m >= 2^-1071: positive. Unfused, fl(r'·m) <=
+    # r'·m·(1 + 2^-53) < r·m < ad, and a difference of two floats never rounds to 0. One r
+    # for all lanes: a lane's own maximum made the first blocks of a 64 KB pair slower than
+    # dividing everything (each lane sets records for a while). The maxima are the numbers a
+    # division of every element gives (tested bit for bit, on an FMA and a generic build).
     n = x.shape[0]
     f8 = numba.float64
     sxx, syy, sdd, sab = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
     # the mismatch count in float64 lanes (exact below 2^53): a masked add, where int64
     # lanes cost a mask-to-vector move and a subtraction
-    mxa, mis, low, hit = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
-    mxr = np.zeros(LANES)  # indexed by a variable lane below: kept out of the registers' way
+    mxa, mis, hit, mxr = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
+    best = 0.0  # max_rel so far: the lanes' mxr, and the quotients divided one at a time
     small = 2.0 ** -1020 / eps
     # whole blocks only: a last, shorter block (a variable bound) ran 9x slower
     whole = n - n % BLOCK
     for blk in range(0, whole, BLOCK):
         end = blk + BLOCK
+        low = -_floor_ratio(best, small)
         for j in range(LANES):
-            low[j] = -_floor_ratio(mxr[j], small)
             hit[j] = 0.0
         for start in range(blk, end, LANES):
             for j in range(LANES):
@@ -246,17 +258,28 @@ def _loop(x, y, rtol, atol, eps, lut, decode):
                 sdd[j] = _muladd(d, d, sdd[j])
                 sab[j] += ad
                 mxa[j] = max(mxa[j], ad)
-                hit[j] = max(hit[j], _muladd(low[j], max(ay, eps), ad))
+                hit[j] = max(hit[j], _muladd(low, max(ay, eps), ad))
                 mis[j] += 1.0 if ad > atol + rtol * ay else 0.0
         lanes = 0
         for j in range(LANES):  # unrolled: constant indices keep ``hit`` in registers
             lanes |= (0 if hit[j] <= 0.0 else 1) << j
-        while lanes:
+        if not lanes:
+            continue
+        if _popcount(lanes) > 3:  # the first blocks: every quotient, vectorised
+            for start in range(blk, end, LANES):
+                for j in range(LANES):
+                    xi = decode(x[start + j], lut)
+                    yi = decode(y[start + j], lut)
+                    mxr[j] = max(mxr[j], abs(xi - yi) / max(abs(yi), eps))
+            for j in range(LANES):
+                best = max(best, mxr[j])
+            continue
+        while lanes:  # a few lanes: their elements one at a time
             j = _lowest_bit(lanes)
             lanes &= lanes - 1
             for k in range(blk + j, end, LANES):
                 yk = decode(y[k], lut)
-                mxr[j] = max(mxr[j], abs(decode(x[k], lut) - yk) / max(abs(yk), eps))
+                best = max(best, abs(decode(x[k], lut) - yk) / max(abs(yk), eps))
     for k in range(whole, n):  # the < BLOCK-element tail (one call, no numpy tail)
         xi = decode(x[k], lut)
         yi = decode(y[k], lut)
@@ -268,9 +291,10 @@ def _loop(x, y, rtol, atol, eps, lut, decode):
         sdd[0] = _muladd(d, d, sdd[0])
         sab[0] += ad
         mxa[0] = max(mxa[0], ad)
-        mxr[0] = max(mxr[0], ad / max(ay, eps))
+        best = max(best, ad / max(ay, eps))
         mis[0] += 1.0 if ad > atol + rtol * ay else 0.0
-    return sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), mxr.max(), np.int64(mis.sum())
+    return (sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), max(best, mxr.max()),
+            np.int64(mis.sum()))
 
 
 # One entry point per codec, each a plain module-level function so numba's disk cache finds
