@@ -19,7 +19,7 @@ that decoded it (tested over every bit pattern against torch's own conversion).
 
 The loop (:func:`_loop`) keeps its 16 lanes of accumulators in registers (stack arrays, see
 :func:`_lanes`), adds squares by fused multiply-add, and divides for ``max_rel`` only in the
-rare lanes of a block where a quotient may beat the lane's maximum (a bound checked by one
+rare blocks where a quotient may beat the largest so far (a bound checked by one
 multiply-add an element; the result is bit for bit that of a division per element). It
 runs at 2.4 G float32 and 2.1 G bfloat16 elements/s on one core of the development machine
 (1.6 for both before, when the stores of the accumulators and the divisions bound it).
