@@ -118,16 +118,17 @@ class PassIndex:
         opened = _identity(files.tensors)  # what the tensors kept below map
         plain = read_plain(files.tensors)  # a plain torch.save: its layout, nothing unpickled
         raw = None
-        if plain is not None:
+        if plain is not None:  # plain dense tensors: their layout says their shapes and dtypes
             keys, raw, loaded = plain
+            shapes, dtypes = [list(e[2]) for e in raw], [e[4] for e in raw]
         else:
             loaded = load_pass(files.tensors, mmap=True)
             keys = list(loaded)
-        tensors = [restore(t) for t in loaded.values()]  # shapes and dtypes as analysis reads them
+            tensors = [restore(t) for t in loaded.values()]  # as analysis reads them
+            shapes, dtypes = [list(t.shape) for t in tensors], [str(t.dtype) for t in tensors]
         n = len(keys)
         aten = [_op_of(k) for k in keys]
-        pi = cls(rank, files.index, files, keys, [list(t.shape) for t in tensors],
-                 [str(t.dtype) for t in tensors], [""] * n, [True] * n, None,
+        pi = cls(rank, files.index, files, keys, shapes, dtypes, [""] * n, [True] * n, None,
                  [False] * n, [None] * n, [None] * n, aten,
                  "op" if any(a is not None for a in aten) else "module", raw=raw)
         _hold(pi, opened, loaded)

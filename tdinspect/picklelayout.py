@@ -364,7 +364,8 @@ def _template_layout(pickled: bytes) -> tuple[list[str], list[list[Any]]] | None
                     gets = _CONSTANT_GETS(g)
                     dtype = steady.get(gets)
                     if dtype is not None:  # the constants are memo reads resolved before
-                        record = _constant(g[10], g[11], g[9] and g[9].decode(), strings)
+                        record = strings.get(g[11]) if g[10] is None \
+                            else _remember(g[10], g[9].decode(), strings)
                     else:
                         found = _storage_of(g, names, strings)
                         if found is None:

@@ -125,6 +125,8 @@ def test_without_a_sidecar_a_plain_file_is_never_unpickled(tmp_path, monkeypatch
         truth = torch.load(pi.files.tensors, weights_only=True)
         got = pi.load()
         assert list(got) == list(truth) and all(same_bits(got[k], truth[k]) for k in truth)
+        assert pi.shape == [list(t.shape) for t in truth.values()]  # from the layout read
+        assert pi.dtype == [str(t.dtype) for t in truth.values()]
 
 
 def test_without_a_sidecar_other_files_are_unpickled_once(tmp_path, monkeypatch):
