@@ -217,8 +217,8 @@ def _views(mapped: mmap.mmap, index: ZipIndex, prefix: str, keys: list[str],
             start, size = located
             if size % dtype.itemsize or start + size > len(mapped):
                 return None
-            storage = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=start) \
-                .view(dtype) if size else torch.empty(0, dtype=dtype)
+            storage = torch.frombuffer(mapped, dtype=dtype, count=size // dtype.itemsize,
+                                       offset=start) if size else torch.empty(0, dtype=dtype)
             storages[(record, dtype)] = storage
         if not _valid_view(shape, strides, offset, storage.numel()):
             return None
