@@ -259,12 +259,16 @@ HOSTILE_KEYS = {
 }
 
 
-def test_names_from_a_dump_reach_the_terminal_escaped(tmp_path, capsys):
+def _hostile_runs(root: Path) -> tuple[str, str]:
     for run, scale in (("a", 1.0), ("b", 2.0)):
-        (tmp_path / run / "rank0_pid1").mkdir(parents=True)
+        (root / run / "rank0_pid1").mkdir(parents=True)
         torch.save({k: t * scale for k, t in HOSTILE_KEYS.items()},
-                   tmp_path / run / "rank0_pid1" / "pass00000.pt")
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+                   root / run / "rank0_pid1" / "pass00000.pt")
+    return str(root / "a"), str(root / "b")
+
+
+def test_names_from_a_dump_reach_the_terminal_escaped(tmp_path, capsys):
+    a, b = _hostile_runs(tmp_path)
     for argv in (["ls", a], ["stats", a], ["diff", a, b], ["first-divergence", a, b],
                  ["ls", str(tmp_path / "a" / "rank0_pid1" / "pass00000.pt\x1b[2J")]):
         main(argv)
@@ -279,3 +283,25 @@ def test_names_from_a_dump_reach_the_terminal_escaped(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "model.title\\x1b]0;pwned\\x07" in out and "model.x\\nno divergence" in out
     assert "model.\\u202eevil" in out and "model.\\udcff" in out
+
+
+def test_explorers_and_plots_draw_undecodable_and_control_names(tmp_path):
+    """matplotlib cannot draw a lone surrogate (a name's undecodable byte): building the
+    diff explorer raised TypeError from FT2Font.set_text."""
+    import tdinspect
+
+    a, b = _hostile_runs(tmp_path)
+    diff = DumpSet.open(a).diff(b)
+
+    def drawn(fig):
+        fig.savefig(io.BytesIO(), format="png")
+
+    ex = tdinspect.explore(diff, threshold=1e-6)
+    drawn(ex.fig)
+    for key in HOSTILE_KEYS:
+        ex.show_entry(key)
+        drawn(ex.view_fig)
+    for plot in ("divergence", "rank_pass"):
+        drawn(getattr(tdinspect.plot, plot)(diff, threshold=1e-6))
+    drawn(tdinspect.plot.heatmap(diff))
+    drawn(tdinspect.explore(DumpSet.open(a)).fig)

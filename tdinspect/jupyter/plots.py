@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..terminal import visible
+
 
 def _plt():
     import matplotlib.pyplot as plt
@@ -65,8 +67,9 @@ def scale(metric_name: str) -> Scale:
 
 
 def _plain(text: str) -> str:
-    """A name from a dump as literal text for matplotlib (no mathtext from ``$``)."""
-    return str(text).replace("$", r"\$")
+    """A name from a dump as literal text for matplotlib (no mathtext from ``$``; an
+    undecodable byte, which matplotlib cannot draw, and control characters escaped)."""
+    return visible(str(text).replace("$", r"\$"), keep="\n")
 
 
 def _group(op: str) -> str:
