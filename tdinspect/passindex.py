@@ -26,7 +26,7 @@ from .format import (DumpFormatError, PassFiles, decode_arg, load_call_spec, loa
                      pass_filename, read_sidecar, sidecar_filename)
 from .naming import parse_key
 from .dumper.kinds import restore
-from .rawpass import read_plain, read_raw
+from .rawpass import mapping_files, read_plain, read_raw
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
 from .zipindex import ZipIndex, identity, read_index
@@ -122,7 +122,7 @@ class PassIndex:
             keys, raw, loaded = plain
             shapes, dtypes = [list(e[2]) for e in raw], [e[4] for e in raw]
         else:
-            loaded = load_pass(files.tensors, mmap=True)
+            loaded = load_pass(files.tensors, mmap=mapping_files())
             keys = list(loaded)
             tensors = [restore(t) for t in loaded.values()]  # as analysis reads them
             shapes, dtypes = [list(t.shape) for t in tensors], [str(t.dtype) for t in tensors]
@@ -154,7 +154,7 @@ class PassIndex:
         if tensors is None and self.raw is not None:
             tensors = self._read_records()
         if tensors is None:
-            tensors = load_pass(self.files.tensors, mmap=True)
+            tensors = load_pass(self.files.tensors, mmap=mapping_files())
         if expected != tensors.keys():
             missing = sorted(expected - tensors.keys())[:3]
             extra = sorted(tensors.keys() - expected)[:3]

@@ -99,7 +99,7 @@ def _small_record(mapped: mmap.mmap, index: ZipIndex, name: str) -> bytes | None
     located = _data_start(mapped, index, name)
     if located is None or located[0] + located[1] > len(mapped):
         return None
-    data = mapped[located[0]:located[0] + located[1]]
+    data = bytes(mapped[located[0]:located[0] + located[1]])  # a map's slice is bytes already
     return data if zlib.crc32(data) == index.record(name)[3] else None
 
 
@@ -190,9 +190,21 @@ def _mapped(path: str | os.PathLike, index: ZipIndex | None) -> tuple[mmap.mmap,
                 index = index_of(f)
                 if index is None:
                     return None
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), index
+            if mapping_files():
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), index
+            data = bytearray(st.st_size)  # writable: tensors viewing it are the caller's
+            return (data, index) if f.readinto(data) == st.st_size else None
     except (OSError, ValueError):
         return None
+
+
+def mapping_files() -> bool:
+    """Whether pass files are memory-mapped (the default); ``TDINSPECT_MMAP=0`` reads them into
+    memory instead. A mapped file truncated in place by another program while its tensors are
+    in use is a SIGBUS that kills the process (tdinspect's writer never does that: each pass
+    appears by an atomic rename); read into memory, nothing another program does to the file
+    reaches tensors already read, at the cost of holding each pass read in memory."""
+    return os.environ.get("TDINSPECT_MMAP", "1") != "0"
 
 
 def _views(mapped: mmap.mmap, index: ZipIndex, prefix: str, keys: list[str],

@@ -305,3 +305,52 @@ def test_explorers_and_plots_draw_undecodable_and_control_names(tmp_path):
         drawn(getattr(tdinspect.plot, plot)(diff, threshold=1e-6))
     drawn(tdinspect.plot.heatmap(diff))
     drawn(tdinspect.explore(DumpSet.open(a)).fig)
+
+
+_TRUNCATE_IN_USE = textwrap.dedent("""
+    import os, sys, torch
+    from tdinspect import DumpSet
+    root = sys.argv[1]
+    ds = DumpSet.open(root)
+    pi = ds.pass_indexes()[0]
+    tensors = {k: ds.tensor(k) for k in ds.ops}  # in use, as a notebook holds them
+    truth = {k: t.clone() for k, t in tensors.items()}
+    os.truncate(pi.files.tensors, 100)  # another program rewrites the file in place
+    assert all(torch.equal(tensors[k], truth[k]) for k in truth)
+    print("intact")
+""")
+
+
+@pytest.mark.parametrize("sidecars", [True, False])
+def test_with_tdinspect_mmap_0_a_file_truncated_while_in_use_does_not_reach_its_tensors(
+        tmp_path, sidecars):
+    """Mapped (the default), these tensors read after the truncation are a SIGBUS or show the
+    new bytes (the same script fails); read into memory (TDINSPECT_MMAP=0), they are intact."""
+    if sidecars:
+        root = capture_model_run(tmp_path / "run", steps=1)
+    else:
+        root = tmp_path / "run"
+        (root / "rank0_pid1").mkdir(parents=True)
+        torch.save({f"m{j}": torch.randn(64, 64) for j in range(4)},
+                   root / "rank0_pid1" / "pass00000.pt")
+    done = subprocess.run([sys.executable, "-c", _TRUNCATE_IN_USE, str(root)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "TDINSPECT_MMAP": "0"})
+    assert done.returncode == 0 and "intact" in done.stdout, done.stderr[-2000:]
+
+
+def test_with_tdinspect_mmap_0_dumps_read_the_same(tmp_path, monkeypatch):
+    run = capture_model_run(tmp_path / "run", steps=2)
+    plain = tmp_path / "plain"
+    (plain / "rank0_pid1").mkdir(parents=True)
+    torch.save({"a": torch.arange(6.0).reshape(2, 3).t(), "b": torch.ones(2, dtype=torch.bfloat16)},
+               plain / "rank0_pid1" / "pass00000.pt")
+    mapped = {r: DumpSet.open(r) for r in (run, plain)}
+    monkeypatch.setenv("TDINSPECT_MMAP", "0")
+    for root, ds in mapped.items():
+        read = DumpSet.open(root)
+        for op in ds.ops:
+            a, b = ds.tensor(op), read.tensor(op)
+            assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, op
+            b.add_(1)  # its own memory: writable, and the file is untouched
+        assert DumpSet.open(root).diff(ds).first_divergence() is None
