@@ -20,6 +20,7 @@ Examples
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 
@@ -43,10 +44,13 @@ def _escape(match: re.Match) -> str:
 def visible(text: str, keep: str = "") -> str:
     """``text`` with control, direction and undecodable characters (except those in
     ``keep``) written as escapes."""
-    if keep:
-        return "".join(_UNSAFE.sub(_escape, part) if part not in keep else part
-                       for part in re.split(f"([{re.escape(keep)}])", text))
-    return _UNSAFE.sub(_escape, text)
+    return _pattern(keep).sub(_escape, text)
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(keep: str) -> re.Pattern:
+    """:data:`_UNSAFE` less the characters of ``keep`` (one scan of the text)."""
+    return re.compile(f"(?![{re.escape(keep)}])" + _UNSAFE.pattern) if keep else _UNSAFE
 
 
 class _Visible:
