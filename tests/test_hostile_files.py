@@ -354,3 +354,25 @@ def test_with_tdinspect_mmap_0_dumps_read_the_same(tmp_path, monkeypatch):
             assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, op
             b.add_(1)  # its own memory: writable, and the file is untouched
         assert DumpSet.open(root).diff(ds).first_divergence() is None
+
+
+def test_names_cannot_write_rules_into_a_suggested_mapping_file(tmp_path):
+    """The mapping file lists unmatched entries as comments: a name holding a newline ended
+    its comment, and the next line of the name became a rule of the file."""
+    import yaml
+
+    from tdinspect.align.suggest import suggest_mapping
+
+    t = torch.randn(4, 4)
+    injected = "model.zzz\nmodel\\.layers\\.0\\.mlp: model.other"
+    for run, tensors in (("a", {"model.layers.0.mlp": t, "model.layers.1.mlp": t + 1,
+                                  injected: torch.ones(3)}),
+                         ("b", {"model.blocks.0.mlp": t, "model.blocks.1.mlp": t + 1,
+                                "model.other": t * 0})):
+        (tmp_path / run / "rank0_pid1").mkdir(parents=True)
+        torch.save(tensors, tmp_path / run / "rank0_pid1" / "pass00000.pt")
+    suggested = suggest_mapping(tmp_path / "a", tmp_path / "b")
+    assert suggested.rules  # a block mapping, which an injected line would extend
+    path = suggested.save(tmp_path / "mapping.yaml")
+    assert yaml.safe_load(path.read_text()) == suggested.rules
+    assert "# only in A: model.zzz\\nmodel" in path.read_text()

@@ -39,6 +39,7 @@ import torch
 
 from ..metrics import compare_tensors
 from ..naming import split_call
+from ..terminal import visible
 from .mapping import Mapping
 
 PAIR_COLUMNS = ["a", "b", "transform", "confidence", "evidence", "used"]
@@ -140,15 +141,17 @@ class Suggestion:
         """The rules as a mapping file, with what was not used as comments."""
         import yaml
 
-        lines = [f"# tdinspect suggest-mapping {self.a_path} {self.b_path}",
-                 f"# {int(self.pairs['used'].sum())} pairs used, "
+        lines = [f"tdinspect suggest-mapping {self.a_path} {self.b_path}",
+                 f"{int(self.pairs['used'].sum())} pairs used, "
                  f"{len(self.unmatched_a)} A and {len(self.unmatched_b)} B entries unmatched"]
         body = yaml.safe_dump(self.rules, sort_keys=False, width=1000) if self.rules else "{}\n"
-        tail = [f"# listed, not used ({r.confidence:.2f}, {r.evidence}): {r.a} -> {r.b}"
+        tail = [f"listed, not used ({r.confidence:.2f}, {r.evidence}): {r.a} -> {r.b}"
                 + (f" [{r.transform}]" if r.transform else "")
                 for r in self.pairs[~self.pairs["used"]].itertuples()]
-        tail += [f"# only in A: {n}" for n in self.unmatched_a]
-        tail += [f"# only in B: {n}" for n in self.unmatched_b]
+        tail += [f"only in A: {n}" for n in self.unmatched_a]
+        tail += [f"only in B: {n}" for n in self.unmatched_b]
+        # names come from the dumps: one with a newline ended its comment and wrote a rule
+        lines, tail = ([f"# {visible(t)}" for t in part] for part in (lines, tail))
         return "\n".join(lines) + "\n" + body + "\n".join(tail) + ("\n" if tail else "")
 
     def save(self, path: str | os.PathLike) -> Path:
