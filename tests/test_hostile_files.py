@@ -376,3 +376,33 @@ def test_names_cannot_write_rules_into_a_suggested_mapping_file(tmp_path):
     path = suggested.save(tmp_path / "mapping.yaml")
     assert yaml.safe_load(path.read_text()) == suggested.rules
     assert "# only in A: model.zzz\\nmodel" in path.read_text()
+
+
+_SAVE_TOO_BIG = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from tdinspect.align.suggest import suggest_mapping
+    a, b, out = sys.argv[1:4]
+    suggested = suggest_mapping(a, b)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # a full disk, for this process
+    try:
+        suggested.save(out)
+    except OSError as exc:
+        print("refused:", exc.errno)
+""")
+
+
+def test_a_failed_save_of_a_suggested_mapping_keeps_the_earlier_file(tmp_path):
+    t = torch.randn(4, 4)
+    for run, prefix in (("a", "layers"), ("b", "blocks")):
+        (tmp_path / run / "rank0_pid1").mkdir(parents=True)
+        torch.save({f"model.{prefix}.{i}.mlp": t + i for i in range(3)},
+                   tmp_path / run / "rank0_pid1" / "pass00000.pt")
+    out = tmp_path / "mapping.yaml"
+    out.write_text("# my hand-written mapping\nmodel\\.a: model.b\n")
+    done = subprocess.run([sys.executable, "-c", _SAVE_TOO_BIG, str(tmp_path / "a"),
+                           str(tmp_path / "b"), str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "refused: 27" in done.stdout, done.stderr[-2000:]  # EFBIG
+    assert out.read_text() == "# my hand-written mapping\nmodel\\.a: model.b\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

@@ -158,9 +158,11 @@ class Suggestion:
         """Write the rules to ``path`` (JSON for ``.json``, else YAML); returns the path."""
         import json
 
+        from ..format import atomic_write
+
         path = Path(path)
         text = json.dumps(self.rules, indent=2) + "\n" if path.suffix == ".json" else self.to_yaml()
-        path.write_text(text)
+        atomic_write(path, lambda f: f.write(text.encode()))  # a failed write keeps the old file
         return path
 
     def __repr__(self) -> str:
