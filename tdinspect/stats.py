@@ -74,7 +74,16 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8)
     if t.is_floating_point() and t.element_size() == 1:  # float8: few kernels (exact in float32)
         return t.to(torch.float32)
+    if t.dtype in _FEW_KERNELS:  # uint16/32/64 have no min, max or abs on CPU
+        return t.to(_FEW_KERNELS[t.dtype])
     return t
+
+
+# unsigned integers wider than a byte, and the dtype their statistics are computed in
+# (int64 holds uint16/uint32 exactly; uint64 beyond 2^53 rounds, as any float64 statistic)
+_FEW_KERNELS = {d: torch.int64 if d != torch.uint64 else torch.float64
+                for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
+                if d is not None}
 
 
 def broadcast_dims(t: torch.Tensor) -> set[int]:

@@ -406,3 +406,31 @@ def test_a_failed_save_of_a_suggested_mapping_keeps_the_earlier_file(tmp_path):
     assert "refused: 27" in done.stdout, done.stderr[-2000:]  # EFBIG
     assert out.read_text() == "# my hand-written mapping\nmodel\\.a: model.b\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_wide_unsigned_integers_capture_open_and_diff(tmp_path, dtype):
+    """torch has no min, max or abs for uint16/32/64 on CPU: their statistics raised
+    NotImplementedError, in capture (inside the model's forward) and in DumpSet.to_xarray."""
+    import tdinspect
+
+    class Cast(torch.nn.Module):
+        def forward(self, x):
+            return (x * 10).to(torch.int64).to(dtype)
+
+    model = torch.nn.Sequential(Cast())
+    for run, x in (("a", torch.arange(4.0)), ("b", torch.arange(4.0) + (torch.arange(4) == 3))):
+        with tdinspect.capture(model, tmp_path / run) as dump:
+            model(x)
+            dump.step()
+    a = DumpSet.open(tmp_path / "a")
+    cube = a.to_xarray(progress=False)
+    assert float(cube["max"].max()) == 30 and float(cube["min"].min()) == 0
+    assert a.tensor("model.0").dtype == dtype
+    div = a.diff(tmp_path / "b").first_divergence()
+    assert div is not None and div.key == "model.0"
+    big = tmp_path / "big" / "rank0_pid1"  # beyond int64, for uint64: statistics in float64
+    big.mkdir(parents=True)
+    torch.save({"u": torch.tensor([0, 2**62, 5]).to(dtype)}, big / "pass00000.pt")
+    assert float(DumpSet.open(big).to_xarray(progress=False)["absmax"].max()) == \
+        float(torch.tensor([0, 2**62, 5]).to(dtype).double().max())
