@@ -44,7 +44,7 @@ from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passindex import PassIndex
-from .smallpairs import compare_batch, small_plain
+from .smallpairs import compare_batch, pass_spans, small_plain
 from .terminal import visible
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
@@ -331,18 +331,20 @@ def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
 def compare_pass(job: PassJob) -> list[dict[str, Any]]:
     """Rows (one per matched or unmatched entry) for one pass pair."""
     pa, pb = job.a, job.b
-    files: dict[str, dict] = {}
+    files: dict[str, Any] = {}  # each side's tensors, opened on first use
+
+    def loaded(side: str, pi):
+        if side not in files:
+            files[side] = _open(pi)
+        return files[side]
 
     def loaded_a():
-        if "a" not in files:
-            files["a"], files["b"] = _open(pa), _open(pb)
-        return files["a"]
+        return loaded("a", pa)
 
     def loaded_b():
-        loaded_a()
-        return files["b"]
+        return loaded("b", pb)
 
-    rows, batch = [], []
+    rows, batch, single = [], [], []
     # small plain pairs wait to be compared together (tdinspect.smallpairs): same numbers
     small_a, small_b = (small_plain(p) if job.mode == "tensor" and p is not None
                         else None for p in (pa, pb))
@@ -361,16 +363,23 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
             if same is not None:
                 row["reason"] = f"unchanged since pass {same} (compared there)"
                 continue
+        transform = job.transform(key)
         if small_a is not None and small_a[ia] is not None and small_a[ia] == small_b[ib] \
-                and pa.shape[ia] == pb.shape[ib] and job.transform(key) is None:
+                and pa.shape[ia] == pb.shape[ib] and transform is None:
             batch.append((row, ia, ib))
-            continue
-        compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
-                     job.transform(key), job.mode, job.chunk)
+        else:
+            single.append((row, ia, ib, transform))
     if batch:
-        for row, ia, ib in compare_batch(batch, pa, pb, loaded_a(), loaded_b()):
-            compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
-                         None, job.mode, job.chunk)
+        spans = [pass_spans(pa), pass_spans(pb)]
+        for side, found in zip("ab", spans):
+            if found is not None:  # the other pairs read these records too (no second read)
+                files[side] = found[2]
+        left = compare_batch(batch, pa, pb, [s if s is not None else f for s, f in
+                                             zip(spans, (loaded_a, loaded_b))])
+        single += [(row, ia, ib, None) for row, ia, ib in left]
+    for row, ia, ib, transform in single:
+        compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
+                     transform, job.mode, job.chunk)
     return rows
 
 

@@ -164,6 +164,15 @@ def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
     dict or None
         ``{key: tensor}`` viewing a private (copy-on-write) map of the file.
     """
+    opened = checked_map(path, keys, raw, index)
+    return None if opened is None else _views(*opened, keys, raw)
+
+
+def checked_map(path: str | os.PathLike, keys: list[str], raw: list[Any],
+                index: ZipIndex | None) -> tuple[mmap.mmap, ZipIndex, str] | None:
+    """``(private map of the file, its zip index, the records' folder + "/")`` once the file
+    is a little-endian archive whose pickle names ``keys`` with ``raw``'s records (see
+    :func:`read_raw`; each entry's own claims are checked by the reader), else ``None``."""
     if len(keys) != len(raw) or not all(isinstance(e, list) and e and isinstance(e[0], str)
                                         for e in raw):
         return None
@@ -172,10 +181,13 @@ def read_raw(path: str | os.PathLike, keys: list[str], raw: list[Any],
         return None
     mapped, index = opened
     prefix = index.first.split("/", 1)[0] + "/" if index.first else ""
+    if prefix + "byteorder" in index.names and \
+            _small_record(mapped, index, prefix + "byteorder") != b"little":
+        return None
     pickled = _small_record(mapped, index, prefix + "data.pkl")
     if pickled is None or not _pickle_agrees(pickled, keys, raw):
         return None
-    return _views(mapped, index, prefix, keys, raw)
+    return mapped, index, prefix
 
 
 def _mapped(path: str | os.PathLike, index: ZipIndex | None) -> tuple[mmap.mmap, ZipIndex] | None:

@@ -23,6 +23,7 @@ from . import kernels
 from .align.args import arg_difference
 from .align.logical import LogicalPass
 from .metrics_batch import BATCHED, compare_segments
+from .rawspans import element_starts
 
 GROUP_ELEMENTS = 1 << 16  # elements per side compared in one call (float64 temporaries in cache)
 _NAMES = {str(dt): dt for dt in BATCHED}
@@ -48,14 +49,16 @@ def small_plain(pi) -> list[torch.dtype | None]:
     return out
 
 
-def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, tensors_a, tensors_b) -> list:
+def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, sources) -> list:
     """Fill the rows of ``pairs`` (``(row, i_a, i_b)``, each pair checked by the caller to
-    qualify) from the passes' loaded tensors; returns the pairs left for ``compare_pair``."""
+    qualify); returns the pairs left for ``compare_pair``. ``sources`` are the two
+    passes' :func:`pass_spans`, or callables giving their loaded tensors."""
     left = []
     groups: dict[torch.dtype, list] = {}
+    read_a, read_b = (_reader(pi, src) for pi, src in zip((pa, pb), sources))
     for row, ia, ib in pairs:
         dtype = _NAMES[pa.dtype[ia]]
-        xa, xb = _flat(tensors_a[pa.keys[ia]], dtype), _flat(tensors_b[pb.keys[ib]], dtype)
+        xa, xb = read_a(ia, dtype), read_b(ib, dtype)
         if xa is None or xb is None or xa.shape != xb.shape:  # the file is not as the sidecar says
             left.append((row, ia, ib))
             continue
@@ -70,6 +73,42 @@ def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, tensors_a, tensors
             left += _settle(members[start:stop], dtype, pa, pb)
             start = stop
     return left
+
+
+def _reader(pi, source):
+    """``read(i, dtype)``: entry ``i``'s elements as a flat numpy array (narrow floats as
+    their bits), or ``None`` (not a contiguous tensor of ``dtype``)."""
+    if callable(source):
+        tensors = source()
+        return lambda i, dtype: _flat(tensors[pi.keys[i]], dtype)
+    data, starts, _ = source
+
+    def read(i, dtype):
+        where = starts[i]
+        if where is None or where[2] != pi.dtype[i]:
+            return None
+        first, count, _ = where
+        return data[first:first + count * dtype.itemsize].view(BATCHED[dtype][0])
+    return read
+
+
+def pass_spans(pi) -> tuple[np.ndarray, list, Mapping] | None:
+    """``(the pass file's bytes, where each entry's lie by entry index, its tensors made on
+    demand)`` when its sidecar lays the records out and they check out
+    (:func:`tdinspect.rawspans.element_starts`); ``None`` to read tensors instead (a pass
+    whose tensors the open already loaded, no layout, a layout that does not check out)."""
+    if isinstance(pi, LogicalPass) or pi.raw is None or pi.files.tensors is None \
+            or getattr(pi, "_held", None) is not None:
+        return None
+    rows = [i for i, s in enumerate(pi.stored) if s]
+    found = element_starts(pi.files.tensors, [pi.keys[i] for i in rows], [pi.raw[i] for i in rows],
+                           getattr(pi, "_zip", None))
+    if found is None:
+        return None
+    starts: list = [None] * len(pi.keys)
+    for i, where in zip(rows, found.starts):
+        starts[i] = where
+    return found.data, starts, found.tensors()
 
 
 def _flat(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:

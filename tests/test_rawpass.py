@@ -103,7 +103,7 @@ def test_shared_storages_are_numbered_as_torch_numbers_them(tmp_path):
         assert same_bits(back[key], t), key
 
 
-@pytest.mark.parametrize("bad", [
+BAD_LAYOUTS = [
     ["0", 10**9, [4], [1], "torch.float32"],                 # past the end of the record
     ["0", 0, [4], [-1], "torch.float32"],                    # negative stride
     ["0", -1, [4], [1], "torch.float32"],                    # negative offset
@@ -115,7 +115,10 @@ def test_shared_storages_are_numbered_as_torch_numbers_them(tmp_path):
     ["0", 0, "4", [1], "torch.float32"],                     # malformed shape
     ["0", 0, [4], [1]],                                      # too short
     None,
-])
+]
+
+
+@pytest.mark.parametrize("bad", BAD_LAYOUTS)
 def test_a_layout_that_does_not_check_out_is_refused(tmp_path, bad):
     path = _saved(tmp_path, {"a": torch.arange(4.0)})
     assert read_raw(path, ["a"], [bad]) is None

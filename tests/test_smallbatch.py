@@ -16,6 +16,10 @@ import tdinspect
 from tdinspect import DumpSet, kernels, metrics_batch, smallpairs
 from tdinspect.dumper.recorder import Recorder
 from tdinspect.metrics import TENSOR_METRICS, compare_tensors
+from tdinspect.rawpass import layout, read_raw
+from tdinspect.rawspans import element_starts
+
+from .test_rawpass import BAD_LAYOUTS
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -176,9 +180,17 @@ def _assert_bitwise_equal(batched: pd.DataFrame, single: pd.DataFrame) -> None:
 def test_rows_of_a_recorded_dump_are_the_pair_by_pair_rows(tmp_path, monkeypatch):
     a = _write(tmp_path / "a", _mixed_passes(1, wrong=False))
     b = _write(tmp_path / "b", _mixed_passes(2, wrong=True))
+    read = []
+    real = smallpairs.element_starts
+    monkeypatch.setattr(smallpairs, "element_starts", lambda *args: read.append(real(*args))
+                        or read[-1])
     batched, single, count = _tables(a, b, monkeypatch)
+    assert read and all(r is not None for r in read)  # the records, straight from the files
     assert count >= 2 * 8  # the float entries and more went through the batch ...
     _assert_bitwise_equal(batched, single)  # ... with the rows compare_pair fills
+    with monkeypatch.context() as m:  # the pairs left out read the records the batch checked
+        m.setattr("tdinspect.diff._open", lambda pi: pytest.fail("pass file read twice"))
+        _assert_bitwise_equal(DumpSet.open(a).diff(b).table(progress=False), single)
     rows = batched.set_index(["pass", "key"])
     assert rows.loc[(0, "m.nan"), "reason"] == "NaN/Inf on one side (1 elements)"
     assert rows.loc[(0, "m.shape"), "structural"] and rows.loc[(0, "m.same"), "equal"] == 1.0
@@ -218,3 +230,74 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
         _assert_bitwise_equal(batched, single)
     div = DumpSet.open(ref).diff(tmp_path / "wrong").first_divergence()
     assert div.key == "model.model.layers.1.post_attention_layernorm"
+
+
+@pytest.mark.parametrize("bad", BAD_LAYOUTS)
+def test_element_starts_refuses_what_read_raw_refuses(tmp_path, bad):
+    path = tmp_path / "pass00000.pt"
+    torch.save({"a": torch.arange(4.0)}, path)
+    assert read_raw(path, ["a"], [bad]) is None and element_starts(path, ["a"], [bad]) is None
+    assert element_starts(path, ["renamed"], layout({"a": torch.arange(4.0)})) is None
+
+
+def test_element_starts_finds_the_bytes_read_raw_views(tmp_path):
+    base = torch.arange(20.0)
+    tensors = {"a": torch.ones(3, dtype=torch.bfloat16), "view": base[5:9], "b": torch.zeros(2, 1),
+               "base": base, "again": base.view(4, 5)[1:, ::2], "row": base.view(4, 5)[2:3],
+               "empty": torch.zeros(0, 3)}
+    path = tmp_path / "pass00000.pt"
+    torch.save(tensors, path)
+    keys, raw = list(tensors), layout(tensors)
+    spans = element_starts(path, keys, raw)
+    data, starts, made = spans.data, spans.starts, spans.tensors()
+    views = read_raw(path, keys, raw)
+    assert list(made) == keys
+    for key in keys:  # the tensors made from the spans are read_raw's views
+        t, m = views[key], made[key]
+        assert (m.dtype, m.shape, m.stride()) == (t.dtype, t.shape, t.stride())
+        assert torch.equal(m, t) or (m.dtype == torch.bfloat16 and torch.equal(m.float(), t.float()))
+    for key, where in zip(keys, starts):
+        t = views[key]
+        if key == "again":  # strided: left to read_raw
+            assert where is None
+            continue
+        first, count, dtype = where
+        assert (count, dtype) == (t.numel(), str(t.dtype))
+        assert bytes(data[first:first + count * t.element_size()]) == \
+            t.contiguous().view(torch.uint8).numpy().tobytes(), key
+    before = path.read_bytes()
+    made["base"].add_(1)  # copy-on-write: a write never reaches the file
+    assert path.read_bytes() == before
+
+
+def test_a_pass_whose_layout_is_refused_is_batched_from_its_tensors(tmp_path, monkeypatch):
+    """A sidecar layout that does not check out: the batch reads the loaded tensors (torch.load)
+    and the rows are the same."""
+    a = _write(tmp_path / "a", _mixed_passes(1, wrong=False))
+    b = _write(tmp_path / "b", _mixed_passes(2, wrong=True))
+    want, _, _ = _tables(a, b, monkeypatch)
+    refused = []
+    real = smallpairs.element_starts
+
+    def refuse(path, keys, raw, index=None):
+        found = real(path, keys, [["0", 10**12, [1], [1], "torch.float32"]] * len(raw), index)
+        refused.append(found)
+        return found
+
+    monkeypatch.setattr(smallpairs, "element_starts", refuse)
+    got, single, count = _tables(a, b, monkeypatch)
+    assert refused and all(r is None for r in refused) and count >= 16
+    _assert_bitwise_equal(got, want)
+    _assert_bitwise_equal(got, single)
+
+
+def test_dumps_of_another_tool_are_batched_the_same(tmp_path, monkeypatch):
+    """No sidecar (a plain torch.save per pass): the tensors the open loaded are batched."""
+    from .test_dumpset_diff import write_dump
+
+    passes = [_mixed_passes(1, wrong=False), _mixed_passes(2, wrong=True)]
+    a, b = (write_dump(tmp_path / n, [{k: v.clone() for k, v in e.items()} for e in p])
+            for n, p in zip("ab", passes))
+    batched, single, count = _tables(a, b, monkeypatch)
+    assert count >= 16
+    _assert_bitwise_equal(batched, single)
