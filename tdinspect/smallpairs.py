@@ -101,8 +101,9 @@ def pass_spans(pi) -> tuple[np.ndarray, list, Mapping] | None:
             or getattr(pi, "_held", None) is not None:
         return None
     rows = [i for i, s in enumerate(pi.stored) if s]
+    index, pi._zip = getattr(pi, "_zip", None), None  # it describes the file as opened: used once
     found = element_starts(pi.files.tensors, [pi.keys[i] for i in rows], [pi.raw[i] for i in rows],
-                           getattr(pi, "_zip", None))
+                           index)
     if found is None:
         return None
     starts: list = [None] * len(pi.keys)
