@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+import tdinspect.picklelayout as picklelayout
 import tdinspect.rawpass as rawpass
 import tdinspect.zipindex as zipindex
 from tdinspect import passindex
@@ -112,12 +113,14 @@ def test_without_a_sidecar_a_plain_file_is_never_unpickled(tmp_path, monkeypatch
     a = _run(tmp_path / "a", sidecars=False)
     b = _run(tmp_path / "b", scale=1.1, sidecars=False)
     loads = _spy(monkeypatch, torch, "load")
+    opcode_reads = _spy(monkeypatch, picklelayout, "_exact_layout", key=lambda data: "pickle")
     diff = DumpSet.open(a).diff(b)
     assert diff.first_divergence().pass_ == 0
     rows = diff.table(progress=False)
     assert len(rows) == 12 and rows["max_abs"].gt(0).all()
     diff.to_xarray()
     assert not loads  # each file's layout read from its pickle's opcodes, then its records
+    assert not opcode_reads  # by the template reader: the opcode reader is for anything else
     ds = DumpSet.open(a)
     assert all(pi.raw is not None and pi._held is not None for pi in ds.pass_indexes())
     monkeypatch.undo()
