@@ -20,6 +20,12 @@ against the archive. Any opcode, global or structure outside that program
 saved with ``_rebuild_tensor_v3``, a subclass...) gives ``None`` and the
 caller uses ``torch.load(weights_only=True)``.
 
+That opcode reader (:func:`_exact_layout`, about 15 us an entry) decides;
+the usual program is first read by :func:`_template_layout`, one compiled
+pattern an entry (about 4 us), which only answers where its answer is the
+opcode reader's (tested on memo tricks, token edits and byte mutations) and
+otherwise hands the pickle on.
+
 Examples
 --------
 >>> import io, zipfile, torch
