@@ -110,9 +110,15 @@ def _metrics_of_sums(n, sxx, syy, sdd, sabs, max_abs, max_rel, mismatch, sxy) ->
     out["cosine"] = np.where((sxx == 0) & (syy == 0), 1.0,
                              np.where((sxx == 0) | (syy == 0), 0.0, cos))
     sqnr = np.where(sdd == 0, math.inf, np.where(syy > 0, 0.0, -math.inf))
+    ratio = syy / sdd
+    # math.log10 as in _from_sums: numpy's may be a vectorised approximation with other bits.
+    # A pair left unsettled may have a ratio of 0 (an Inf on the compared side only makes
+    # Σ(x-y)² infinite), where math.log10 raises: its value is not used, NaN marks it.
     logged = np.flatnonzero((sdd != 0) & (syy > 0))
-    # math.log10 as in _from_sums: numpy's may be a vectorised approximation with other bits
-    sqnr[logged] = [10 * math.log10(v) for v in (syy[logged] / sdd[logged]).tolist()]
+    usable = ratio[logged] != 0
+    sqnr[logged[~usable]] = math.nan
+    logged = logged[usable]
+    sqnr[logged] = [10 * math.log10(v) for v in ratio[logged].tolist()]
     out["sqnr_db"] = sqnr
     out["mismatch"] = np.where(n > 0, mismatch / n, 0.0)
     out["equal"] = np.zeros_like(n)

@@ -301,3 +301,34 @@ def test_dumps_of_another_tool_are_batched_the_same(tmp_path, monkeypatch):
     batched, single, count = _tables(a, b, monkeypatch)
     assert count >= 16
     _assert_bitwise_equal(batched, single)
+
+
+def test_an_inf_on_the_compared_side_only_is_reported_not_a_crash(tmp_path, monkeypatch):
+    """Another tool's plain ``torch.save`` dumps where the compared run overflowed to Inf in
+    small entries the reference holds finite (a bfloat16 engine's usual failure), and float64
+    values whose differences square past its range: Σ(x-y)² is infinite, Σy² finite, and the
+    batch's sqnr_db took math.log10(0) (``ValueError: math domain error``: the diff, and the
+    CLI with exit 2, failed on the whole dump)."""
+    g = torch.Generator().manual_seed(0)
+    ref = {"m.ok": torch.randn(6, generator=g), "m.f32": torch.randn(5, generator=g),
+           "m.bf16": torch.randn(4, generator=g).bfloat16(),
+           "m.f64": torch.tensor([1e-200, 2e-200], dtype=torch.float64)}
+    run = {"m.ok": ref["m.ok"].clone(), "m.f32": ref["m.f32"].clone(),
+           "m.bf16": ref["m.bf16"].clone(), "m.f64": torch.tensor([1e200, 2e-200], dtype=torch.float64)}
+    run["m.f32"][1] = math.inf
+    run["m.bf16"][3] = -math.inf
+    for side, entries in (("a", ref), ("b", run)):
+        (tmp_path / side / "rank0_pid1").mkdir(parents=True)
+        torch.save(entries, tmp_path / side / "rank0_pid1" / "pass00000.pt")
+    batched, single, count = _tables(tmp_path / "a", tmp_path / "b", monkeypatch)
+    assert count >= 4  # every entry went through the batch, none was refused up front
+    _assert_bitwise_equal(batched, single)
+    rows = batched.set_index("key")
+    assert rows.loc["m.f32", "reason"] == rows.loc["m.bf16", "reason"] == \
+        "NaN/Inf on one side (1 elements)"
+    assert rows.loc["m.f64", "rel_diff"] == pytest.approx(1.0, rel=1e-12)  # rescaled, not Inf
+    assert rows.loc["m.ok", "equal"] == 1.0
+    div = DumpSet.open(tmp_path / "a").diff(tmp_path / "b").first_divergence()
+    assert div.key == "m.f32" and "NaN/Inf on one side" in div.reason
+    from tdinspect.cli import main
+    assert main(["first-divergence", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
