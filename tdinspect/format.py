@@ -268,6 +268,13 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
             raise DumpFormatError(f"{path}: refused to load: the file holds objects other than "
                                   f"tensors and plain containers, which could run code "
                                   f"(read with weights_only=True): {detail[0]}") from None
+        opcode = re.search(r"Unsupported operand (\d+)", str(exc))
+        if opcode:  # torch.save(..., pickle_protocol=4) writes opcodes this reader refuses
+            raise DumpFormatError(
+                f"{path}: unreadable pass file: torch.load(weights_only=True) does not take "
+                f"pickle opcode {opcode.group(1)} (damaged, or saved with a pickle protocol "
+                f"above 2, as torch.save(..., pickle_protocol=4) does: save with the default "
+                f"protocol)") from None
         raise DumpFormatError(f"{path}: unreadable pass file (damaged, or not written by "
                               f"torch.save)") from None
     except Exception as exc:  # torch raises RuntimeError, EOFError, zipfile errors...

@@ -165,3 +165,15 @@ def test_discover_errors(tmp_path):
     with pytest.raises(DumpFormatError, match="not a pass file"):
         (tmp_path / "x.txt").write_text("hi")
         discover(tmp_path / "x.txt")
+
+
+def test_a_pickle_protocol_4_file_names_the_protocol(tmp_path):
+    """Another tool's ``torch.save(..., pickle_protocol=4)``: torch's weights_only reader
+    refuses its FRAME opcode; the error said "damaged, or not written by torch.save"."""
+    folder = tmp_path / "dump" / "rank0_pid1"
+    folder.mkdir(parents=True)
+    torch.save({"m.a": torch.ones(3)}, folder / "pass00000.pt", pickle_protocol=4)
+    with pytest.raises(DumpFormatError, match=r"pass00000\.pt: .*pickle_protocol=4"):
+        DumpSet.open(tmp_path / "dump")
+    from tdinspect.cli import main
+    assert main(["ls", str(tmp_path / "dump")]) == 2
