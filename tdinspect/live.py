@@ -114,6 +114,10 @@ class LiveCompare:
     on_divergence : {"raise", "warn", "record"}
     mapping : Mapping, dict or path, optional
         Rules pairing reference entries with this run's (see :class:`tdinspect.align.Mapping`).
+    structural : {"diverge", "report"}
+        As for :meth:`tdinspect.Diff.first_divergence`: ``"report"`` sets entries on one
+        side only, unmatched or of another shape aside (listed in :attr:`set_aside`)
+        instead of diverging there (a port whose reference has entries it lacks).
     evidence_dir : Path, optional
         Where evidence and records go (``dump_dir``); ``None`` writes nothing.
     rank : int
@@ -124,9 +128,14 @@ class LiveCompare:
 
     def __init__(self, reference, *, metric: str | None = None, threshold=None,
                  on_divergence: str = "raise", mapping=None, evidence_dir=None, rank: int = 0,
-                 before: int = BEFORE, chunk: int = 1 << 18, level: str = "module"):
+                 before: int = BEFORE, chunk: int = 1 << 18, level: str = "module",
+                 structural: str = "diverge"):
         if on_divergence not in ACTIONS:
             raise ValueError(f"on_divergence={on_divergence!r}: expected one of {ACTIONS}")
+        if structural not in ("diverge", "report"):
+            raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
+        self.report = structural == "report"
+        self.set_aside: list[dict[str, Any]] = []  # structural rows, with structural="report"
         self.ref = reference if isinstance(reference, DumpSet) else DumpSet.open(reference)
         self.mode = "stats" if self.ref.stats_only else "tensor"
         name = metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
@@ -241,6 +250,9 @@ class LiveCompare:
         self._pass_rows.append(row)
         if self.action == "record":
             self.rows.append(row)
+        if self.report and row["structural"] and not str(row["reason"]).startswith("NaN/Inf"):
+            self.set_aside.append(row)  # Diff._layout_rows: structure, not numbers
+            return
         m = self.metric
         if not divergent(m, row[m.name], self.threshold(row), row["structural"],
                          row["reason"] != ""):

@@ -197,3 +197,36 @@ def test_per_position_shows_the_rope_bug_from_the_second_token(port, suggestion)
     assert float(da.sel(position=0).max()) <= 1e-10 and float(da.sel(position=slice(1, None)).min()) > 1e-6
     q = d.per_position("model.model.layers.0.self_attn.q_proj", dim=1)  # a slice of the fused qkv
     assert float(q.max()) <= 1e-10 and q.sizes["position"] == 12
+
+
+def test_live_comparison_of_the_port_sets_one_sided_entries_aside(port, suggestion):
+    """``capture(port, compare_to=ref, mapping=..., structural="report")``: the reference's
+    entries the port lacks (rotary_emb, act_fn) are set aside, as offline; before, a correct
+    port always stopped with ``only in A`` at the end of its first pass."""
+    import tdinspect
+    from tdinspect.dumper.checks import DivergenceError
+    from tdinspect.examples_port import LlamaPort, make_hf_llama, port_tokens
+
+    def live(rope, **options):
+        model = LlamaPort.from_hf(make_hf_llama(0), rope=rope)
+        with torch.no_grad(), tdinspect.capture(model, compare_to=port["ref"],
+                                                mapping=suggestion.rules, **options) as cap:
+            for step in range(2):
+                model(port_tokens(step))
+                cap.step()
+        return cap.live
+
+    with pytest.raises(DivergenceError, match="only in A"):
+        live("half")  # structural="diverge", the default: as offline without report
+    got = live("half", structural="report")
+    assert got.first is None
+    assert sorted(r["key"] for r in got.set_aside) == sorted(ONLY_A * 2)  # both passes
+    with pytest.raises(DivergenceError) as err:
+        live("interleaved", structural="report", threshold=1e-6)
+    offline = DumpSet.open(port["ref"]).diff(port["bad"], mapping=suggestion.rules)\
+        .first_divergence(threshold=1e-6, structural="report")
+    div = err.value.divergence
+    assert (div.key, div.pass_, div.value) == (offline.key, offline.pass_, offline.value)
+    assert div.key == "model.model.layers.0.self_attn.o_proj"
+    with pytest.raises(ValueError, match="structural='aside'"):
+        live("half", structural="aside")

@@ -485,6 +485,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
             warn_unfired: bool = True, background_write: bool | None = None,
             on_nonfinite: str | None = None, compare_to=None, metric: str | None = None,
             threshold=None, on_divergence: str = "raise", mapping=None, record=None,
+            structural: str = "diverge",
             parallel: dict | None = None, dims: dict[str, str] | None = None,
             overwrite: bool = False,
             environ=None) -> ModuleCapture:
@@ -552,6 +553,10 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         (``capture.live.table()``; one CSV per pass in ``dump_dir/live/``).
     mapping : dict, path or Mapping, optional
         Rules pairing reference entries with this run's, as for :class:`tdinspect.Diff`.
+    structural : {"diverge", "report"}
+        As for :meth:`tdinspect.Diff.first_divergence`: ``"report"`` sets one-sided,
+        unmatched and reshaped entries aside (``capture.live.set_aside``) and stops only
+        at a numerical divergence (a port whose reference has entries it lacks).
     record : str or sequence of str, optional
         What to record for each selected module: any of ``"inputs"``,
         ``"outputs"``, ``"params"``, ``"grads"`` (default ``("outputs",)``,
@@ -591,5 +596,6 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
                          background_write=background_write, on_nonfinite=on_nonfinite,
                          parallel=parallel, dims=dims, compare_to=compare_to,
                          compare_options=dict(metric=metric, threshold=threshold,
-                                              on_divergence=on_divergence, mapping=mapping),
+                                              on_divergence=on_divergence, mapping=mapping,
+                                              structural=structural),
                          overwrite=overwrite)

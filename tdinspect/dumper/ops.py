@@ -461,6 +461,7 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                 parallel: dict | None = None, dims: dict[str, str] | None = None,
                 compare_to=None, metric: str | None = None, threshold=None,
                 on_divergence: str = "raise", mapping=None, overwrite: bool = False,
+                structural: str = "diverge",
                 checksum: bool = False, environ=None) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
@@ -494,7 +495,7 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
     parallel, dims
         As for :func:`tdinspect.capture` (``dims`` regexes match ``module/op``
         names).
-    compare_to, metric, threshold, on_divergence, mapping
+    compare_to, metric, threshold, on_divergence, mapping, structural
         Live comparison with a reference op-level dump, forward and backward
         ops: as for :func:`tdinspect.capture`.
 
@@ -515,5 +516,6 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
                      background_write=background_write, on_nonfinite=on_nonfinite,
                      parallel=parallel, dims=dims, compare_to=compare_to, checksum=checksum,
                      compare_options=dict(metric=metric, threshold=threshold,
-                                          on_divergence=on_divergence, mapping=mapping),
+                                          on_divergence=on_divergence, mapping=mapping,
+                                              structural=structural),
                      overwrite=overwrite)
