@@ -10,12 +10,11 @@ comes from a dump is escaped.
 
 from __future__ import annotations
 
-import html
 import math
 from collections import Counter
 from typing import Any
 
-from .terminal import visible
+from .terminal import html_text, visible
 
 # Colours only through the theme's variables; outside JupyterLab they fall back to the text colour.
 _STYLE = """<style>
@@ -55,9 +54,15 @@ def _sci(v: Any) -> str:
     return fmt(v)
 
 
+def _cell(v: Any) -> str:
+    return html_text(_sci(v))
+
+
 def styled(df, highlight_row: int | None = None) -> str:
-    """A DataFrame as an HTML table: floats in scientific notation, text escaped, no index."""
-    styler = df.style.format(_sci, na_rep="–", escape="html").hide(axis="index")
+    """A DataFrame as an HTML table: floats in scientific notation, text and column names
+    escaped (:func:`~tdinspect.terminal.html_text`), no index."""
+    styler = (df.style.format(_cell, na_rep="–").format_index(html_text, axis=1)
+              .hide(axis="index"))
     if highlight_row is not None and 0 <= highlight_row < len(df):
         styler = styler.apply(lambda r: ["font-weight:bold" if r.name == df.index[highlight_row]
                                          else "" for _ in r], axis=1)
@@ -65,18 +70,18 @@ def styled(df, highlight_row: int | None = None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[Any]], bad_row: int | None = None) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    head = "".join(f"<th>{html_text(h)}</th>" for h in headers)
     body = []
     for n, row in enumerate(rows):
         cls = ' class="bad"' if n == bad_row else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(_sci(c))}</td>" for c in row) + "</tr>")
+        body.append(f"<tr{cls}>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def section(title: str, body: str, *, count: Any = None, open_: bool = False) -> str:
     """A collapsible section (``<details>``); ``count`` is shown beside the title."""
-    n = "" if count is None else f" <span class='n'>({html.escape(str(count))})</span>"
-    return (f"<details{' open' if open_ else ''}><summary>{html.escape(title)}{n}</summary>"
+    n = "" if count is None else f" <span class='n'>({html_text(str(count))})</span>"
+    return (f"<details{' open' if open_ else ''}><summary>{html_text(title)}{n}</summary>"
             f"{body}</details>")
 
 
@@ -112,13 +117,13 @@ def dumpset_html(ds) -> str:
     rows = pd.DataFrame({"key": keys, "dtype": [first.dtype[i] for i in pos],
                          "shape": [str(first.shape[i]) for i in pos],
                          "module": [first.module_type[i] or "" for i in pos]})
-    parts = [f"<b>DumpSet</b> {html.escape(s['path'])}", section("facts", _table(["", ""], facts),
+    parts = [f"<b>DumpSet</b> {html_text(s['path'])}", section("facts", _table(["", ""], facts),
                                                                   open_=True),
              section(f"entries of pass {first.index}, rank {first.rank}", styled(rows),
                      count=len(rows))]
     if s["skipped"]:
         parts.append(section("skipped passes (unreadable)",
-                             "<br>".join(html.escape(x) for x in ds.skipped), count=s["skipped"]))
+                             "<br>".join(html_text(x) for x in ds.skipped), count=s["skipped"]))
     return _box("".join(parts))
 
 
@@ -128,8 +133,8 @@ def _divergence_body(div) -> str:
     where = f"pass {div.pass_}" + (f", rank {div.rank}" if div.rank else "")
     rows = pd.DataFrame([*div.before, (div.key, div.value)],
                         columns=["entries up to it", div.metric])
-    return (f"<span class='bad'>{html.escape(div.key)}</span> ({where}, call {div.call}): "
-            f"{html.escape(div.reason)}" + styled(rows, highlight_row=len(rows) - 1))
+    return (f"<span class='bad'>{html_text(div.key)}</span> ({where}, call {div.call}): "
+            f"{html_text(div.reason)}" + styled(rows, highlight_row=len(rows) - 1))
 
 
 def divergence_html(div) -> str:
@@ -211,7 +216,7 @@ class DiffSummary:
         lines.append(f"  threshold: {self.threshold_text()}")
         lines.append(f"  first divergence: {self.divergence!r}" if self.divergence else
                      f"  no divergence ({self.metric})")
-        return "\n".join(lines)
+        return visible("\n".join(lines), keep="\n")  # paths and names from the dump
 
     def threshold_text(self) -> str:
         """``auto (rel_diff u/4, ...: float32 1.5e-08)`` (the values of the dtypes compared so
@@ -219,20 +224,20 @@ class DiffSummary:
         return self.diff.threshold_text(self.threshold, self.metric)
 
     def _thr_text(self) -> str:
-        return html.escape(self.threshold_text())
+        return html_text(self.threshold_text())
 
     def _repr_html_(self) -> str:
         d = self.diff
-        head = (f"<b>Diff</b> A (reference) = {html.escape(str(d.a.path))}<br>"
-                f"B = {html.escape(str(d.b.path))}<br>mode: {d.mode}, align: {d.align}, "
-                f"metric: {html.escape(self.metric)}, threshold: {self._thr_text()}")
+        head = (f"<b>Diff</b> A (reference) = {html_text(str(d.a.path))}<br>"
+                f"B = {html_text(str(d.b.path))}<br>mode: {d.mode}, align: {d.align}, "
+                f"metric: {html_text(self.metric)}, threshold: {self._thr_text()}")
         parts = [head]
         differ = side_differences(d)
         if differ:
             parts.append("<div class='note'><b>the two sides differ:</b><br>"
-                         + "<br>".join(html.escape(x) for x in differ) + "</div>")
+                         + "<br>".join(html_text(x) for x in differ) + "</div>")
         if self.divergence is None:
-            parts.append(f"<p><span class='ok'>no divergence</span> ({html.escape(self.metric)} "
+            parts.append(f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
                          f"at threshold {self._thr_text()})</p>")
         else:
             parts.append(section("first divergence", _divergence_body(self.divergence), open_=True))
@@ -266,8 +271,8 @@ def replay_html(result) -> str:
     table = pd.DataFrame([[n, a.get(n, "")] + ([b.get(n, "")] if other is not None else [])
                           for n in names],
                          columns=["argument", "recorded"] + (["other run"] if other is not None else []))
-    return _box(f"<b>Replay</b> of {html.escape(result.op)} against a "
-                f"{html.escape(str(result.dtype).removeprefix('torch.'))} re-run on its recorded "
+    return _box(f"<b>Replay</b> of {html_text(result.op)} against a "
+                f"{html_text(str(result.dtype).removeprefix('torch.'))} re-run on its recorded "
                 f"inputs: the op's own error{styled(rows)}"
                 + (section("recorded arguments", styled(table), count=len(names), open_=True)
                    if names else ""))

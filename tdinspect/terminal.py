@@ -9,18 +9,26 @@ such character as its Python escape (``\\x1b``, ``\\u202e``); the CLI passes
 all it prints through it (:func:`visible_streams`), and table cells and entry
 names also escape newlines and tabs.
 
+Every HTML view (notebook reprs, widgets, magics) writes text from a dump
+through :func:`html_text`: the same escapes, then HTML's, so a name renders as
+inert text and the page always encodes as UTF-8 (a lone surrogate made
+Jupyter fail to send it).
+
 Examples
 --------
 >>> visible("model.a\\x1b[2J\\nno divergence")
 'model.a\\\\x1b[2J\\\\nno divergence'
 >>> visible("line one\\nline two", keep="\\n")
 'line one\\nline two'
+>>> html_text("<script>&\\udcff")
+'&lt;script&gt;&amp;\\\\udcff'
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import html
 import re
 import sys
 
@@ -45,6 +53,13 @@ def visible(text: str, keep: str = "") -> str:
     """``text`` with control, direction and undecodable characters (except those in
     ``keep``) written as escapes."""
     return _pattern(keep).sub(_escape, text)
+
+
+def html_text(value) -> str:
+    """``str(value)`` as inert HTML text: :func:`visible`'s escapes (control, direction and
+    undecodable characters, which no UTF-8 page can carry), then HTML's (``< > & " '``).
+    Every HTML view writes text that comes from a dump through it."""
+    return html.escape(visible(str(value)))
 
 
 @functools.lru_cache(maxsize=8)

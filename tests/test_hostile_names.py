@@ -77,7 +77,7 @@ def test_dumpset_explorer_and_repr_escape_names(tmp_path):
             _no_markup(ex.stats.value)
         assert op.split(".", 1)[1].replace("$", r"\$") in _drawn(ex.fig) or MATH not in op
     ex.search.value = r"\$"
-    assert list(ex.op.options) == [f"model.{MATH}"]
+    assert [v for _, v in ex.op.options] == [f"model.{MATH}"]
 
 
 @pytest.mark.parametrize("plot", ["divergence", "heatmap", "rank_pass"])

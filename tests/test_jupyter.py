@@ -155,7 +155,7 @@ def test_dumpset_explorer_search_and_sliders(runs):
     ex.search.value = r"nothing matches this"
     assert ex.op.value is None and "no op matches" in ex.stats.value
     ex.search.value = r"expert"  # not stuck after the empty result
-    assert list(ex.op.options) == ["model.expert"] and ex.op.value == "model.expert"
+    assert [v for _, v in ex.op.options] == ["model.expert"] and ex.op.value == "model.expert"
     assert "model.expert" in ex.stats.value
     ex.call.value = 2
     ex.pass_.value = 1

@@ -172,17 +172,16 @@ class Suggestion:
                 f"{len(self.unmatched_b)} in B)")
 
     def _repr_html_(self) -> str:
-        import html
-
         from ..report import section, styled
+        from ..terminal import html_text
 
-        rules = "<br>".join(html.escape(f"{k}: {v}") for k, v in self.rules.items()) or "(none)"
-        return ("<div class='tdinspect'><b>Suggested mapping</b> " + html.escape(repr(self))
+        rules = "<br>".join(html_text(f"{k}: {v}") for k, v in self.rules.items()) or "(none)"
+        return ("<div class='tdinspect'><b>Suggested mapping</b> " + html_text(repr(self))
                 + section("rules", f"<code>{rules}</code>", count=len(self.rules), open_=True)
                 + section("pairs", styled(self.pairs), count=len(self.pairs))
-                + section("unmatched in A", html.escape(", ".join(self.unmatched_a)),
+                + section("unmatched in A", html_text(", ".join(self.unmatched_a)),
                           count=len(self.unmatched_a))
-                + section("unmatched in B", html.escape(", ".join(self.unmatched_b)),
+                + section("unmatched in B", html_text(", ".join(self.unmatched_b)),
                           count=len(self.unmatched_b)) + "</div>")
 
 

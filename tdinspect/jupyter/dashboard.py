@@ -18,6 +18,7 @@ import time
 import ipywidgets as W
 from IPython.display import display
 
+from ..terminal import html_text, visible
 from .widgets import DiffExplorer
 
 ENV_A, ENV_B, ENV_OPTIONS = "TDINSPECT_DASHBOARD_A", "TDINSPECT_DASHBOARD_B", "TDINSPECT_DASHBOARD_OPTIONS"
@@ -58,7 +59,7 @@ class Dashboard:
                        W.HBox([ex.entry, ex.pass_, ex.rank]), ex.message, ex.view.widget],
                       layout=W.Layout(width="66%"))
         self.header.value = (f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
-                             f"<code>{_esc(diff.a.path)}</code> &nbsp; B: <code>{_esc(diff.b.path)}</code>")
+                             f"<code>{html_text(diff.a.path)}</code> &nbsp; B: <code>{html_text(diff.b.path)}</code>")
         self.widget = W.VBox([self.header, W.HBox([table, main])])
         self.build_seconds = time.perf_counter() - t0
 
@@ -71,7 +72,7 @@ class Dashboard:
             texts = [reason if structural else (f"{v:.3g}" if v == v else "-") for v, structural, reason
                      in zip(t[name].to_numpy(float).tolist(), t["structural"].tolist(),
                             t["reason"].tolist())]
-            labels = self._labels[name] = [f" p{p} {k}  {text}" for p, k, text
+            labels = self._labels[name] = [visible(f" p{p} {k}  {text}") for p, k, text
                                            in zip(t["pass"].tolist(), t["key"].tolist(), texts)]
         return labels
 
@@ -101,12 +102,6 @@ class Dashboard:
 
     def _ipython_display_(self) -> None:
         display(self.widget)
-
-
-def _esc(value) -> str:
-    import html
-
-    return html.escape(str(value))
 
 
 def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | str | None = None,

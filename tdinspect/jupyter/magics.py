@@ -32,6 +32,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from ..cli import threshold_arg
+from ..terminal import visible
 
 _NAMES = ("tdi_open", "tdi_diff", "tdi_capture")
 _MISSING = object()
@@ -155,9 +156,9 @@ class TdinspectMagics(Magics):
             path = cap.step(failed=failed)
         if live:
             first = cap.live.first
-            print(f"tdinspect: no divergence from {args.compare_to}" if first is None else
-                  f"tdinspect: first divergence from {args.compare_to}: {first.key} (call "
-                  f"{first.call}, pass {first.pass_}): {first.reason}")
+            print(visible(f"tdinspect: no divergence from {args.compare_to}" if first is None else
+                          f"tdinspect: first divergence from {args.compare_to}: {first.key} (call "
+                          f"{first.call}, pass {first.pass_}): {first.reason}"))
         elif failed is None:
             print(f"tdinspect: wrote {path}")
         else:

@@ -18,7 +18,6 @@ Examples
 
 from __future__ import annotations
 
-import html
 import io
 import math
 from collections import OrderedDict
@@ -28,7 +27,14 @@ import ipywidgets as W
 import numpy as np
 from IPython.display import display
 
+from ..terminal import html_text, visible
 from . import plots
+
+
+def _labelled(names) -> list[tuple[str, str]]:
+    """Dropdown options for names from a dump: each shown through :func:`visible` (a lone
+    surrogate cannot be sent to the browser), picked as itself."""
+    return [(visible(n), n) for n in names]
 
 
 def interactive_backend() -> bool:
@@ -136,7 +142,8 @@ class DiffExplorer:
                                layout=W.Layout(width="70px"))
         self.direction = W.HTML()
         self.table = plots.sorted_table(diff)
-        self.entry = W.Dropdown(options=list(dict.fromkeys(self.table["key"])), description="entry")
+        self._keys = list(dict.fromkeys(self.table["key"]))
+        self.entry = W.Dropdown(options=_labelled(self._keys), description="entry")
         self.pass_ = W.Dropdown(options=sorted(set(self.table["pass"].tolist())), description="pass")
         self.rank = W.Dropdown(options=sorted(set(self.table["rank"].tolist())), description="rank",
                                layout=W.Layout(display="" if self.table["rank"].nunique() > 1
@@ -238,7 +245,7 @@ class DiffExplorer:
         try:
             fn(*args)
         except Exception as exc:  # shown in the explorer, not lost in the kernel's log
-            self.message.value = f"<span style='color:var(--jp-error-color1)'>{html.escape(repr(exc))}</span>"
+            self.message.value = f"<span style='color:var(--jp-error-color1)'>{html_text(repr(exc))}</span>"
             raise
         finally:
             self.timings[kind] = time.perf_counter() - t0
@@ -282,7 +289,7 @@ class DiffExplorer:
     def select(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
         """Show ``key`` (at ``pass_``, ``rank``) side by side and mark it on the plot."""
         with self._hold():
-            if key in self.entry.options:
+            if key in self._keys:
                 self.entry.value = key
             if pass_ is not None and pass_ in self.pass_.options:
                 self.pass_.value = pass_
@@ -317,14 +324,14 @@ class DiffExplorer:
             from ..diff import threshold_fn
 
             text = threshold_fn(thr, m.name).describe(self.table) if thr == "auto" else sc.text(thr)
-            self.label.value = (f"<b>no divergence</b> at {html.escape(m.name)} threshold "
-                                f"{html.escape(text)}")
+            self.label.value = (f"<b>no divergence</b> at {html_text(m.name)} threshold "
+                                f"{html_text(text)}")
         else:
-            self.label.value = (f"first divergence: <b>{html.escape(div.key)}</b> (pass {div.pass_}, "
+            self.label.value = (f"first divergence: <b>{html_text(div.key)}</b> (pass {div.pass_}, "
                                 f"call {div.call}"
                                 + (f", rank {div.rank}" if self.table['rank'].nunique() > 1 else "")
-                                + f") — {html.escape(div.reason)}")
-        if follow and div is not None and div.key in self.entry.options:
+                                + f") — {html_text(div.reason)}")
+        if follow and div is not None and div.key in self._keys:
             self.select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
         elif follow and self.shown is None:
             self._show_picked()
@@ -376,11 +383,11 @@ class DiffExplorer:
             try:
                 sides.append(side.tensor(key, pass_=pass_, rank=rank if len(side.ranks) > 1 else None))
             except (KeyError, ValueError) as exc:
-                self.message.value = f"{html.escape(key)}, pass {pass_}: {html.escape(str(exc))}"
+                self.message.value = f"{html_text(key)}, pass {pass_}: {html_text(str(exc))}"
                 return
         a, b = sides
         if a.shape != b.shape:
-            self.message.value = (f"{html.escape(key)}: shapes differ ({list(a.shape)} vs "
+            self.message.value = (f"{html_text(key)}: shapes differ ({list(a.shape)} vs "
                                   f"{list(b.shape)}); nothing to show side by side")
             return
         self.message.value = ""
@@ -411,7 +418,7 @@ class DumpSetExplorer:
         self.ds = ds
         self.entries = ds.entries(progress=False)
         self.search = W.Text(description="search", placeholder="regex on names")
-        self.op = W.Dropdown(options=ds.ops, description="op")
+        self.op = W.Dropdown(options=_labelled(ds.ops), description="op")
         calls = int(self.entries["call"].max())
         self.call = W.IntSlider(0, 0, max(calls, 0), description="call", continuous_update=False)
         self.pass_ = W.SelectionSlider(options=ds.passes, description="pass", continuous_update=False)
@@ -431,10 +438,10 @@ class DumpSetExplorer:
         try:
             pattern = re.compile(change["new"])
         except re.error as exc:
-            self.stats.value = f"invalid regex: {html.escape(str(exc))}"
+            self.stats.value = f"invalid regex: {html_text(str(exc))}"
             return
         options = [o for o in self.ds.ops if pattern.search(o)]
-        self.op.options = options  # ipywidgets keeps the old value only if it is still an option
+        self.op.options = _labelled(options)  # ipywidgets keeps the old value only if still an option
         if options and self.op.value not in options:
             self.op.value = options[0]
         self.update()
@@ -449,12 +456,12 @@ class DumpSetExplorer:
         from ..report import styled
 
         if self.op.value is None:
-            self.stats.value = f"no op matches {html.escape(repr(self.search.value))}"
+            self.stats.value = f"no op matches {html_text(repr(self.search.value))}"
             return
         rows = self.entries[(self.entries["op"] == self.op.value) & (self.entries["call"] == self.call.value)
                             & (self.entries["pass"] == self.pass_.value)]
         if rows.empty:
-            self.stats.value = (f"{html.escape(self.op.value)} has no call {self.call.value} in pass "
+            self.stats.value = (f"{html_text(self.op.value)} has no call {self.call.value} in pass "
                                 f"{self.pass_.value}")
             return
         r = rows.iloc[0]
