@@ -207,18 +207,18 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
                                       num_key_value_heads=2, max_position_embeddings=64)
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
 
-    def run(name, change=None, dtype=torch.float32):
+    def run(name, change=None, dtype=torch.float32, **live):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = transformers.LlamaForCausalLM(config).eval().to(dtype)
         if change:
             with torch.no_grad():
                 model.get_parameter(change).mul_(1.01)
-        with tdinspect.capture(model, tmp_path / name) as cap, torch.no_grad():
+        with tdinspect.capture(model, name and tmp_path / name, **live) as cap, torch.no_grad():
             for _ in range(2):
                 model(ids)
                 cap.step()
-        return tmp_path / name
+        return cap.live.table() if live else tmp_path / name
 
     ref, bf16 = run("ref"), run("bf16", dtype=torch.bfloat16)
     norm = "model.layers.1.post_attention_layernorm.weight"
@@ -230,6 +230,13 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
         _assert_bitwise_equal(batched, single)
     div = DumpSet.open(ref).diff(tmp_path / "wrong").first_divergence()
     assert div.key == "model.model.layers.1.post_attention_layernorm"
+    # live comparison (one pair at a time, while the model runs) gets the batch's bits
+    live = run(None, norm, compare_to=ref, on_divergence="record").set_index(["pass", "key"])
+    offline = DumpSet.open(ref).diff(tmp_path / "wrong").table(progress=False) \
+        .set_index(["pass", "key"]).loc[live.index]
+    assert len(live) > 40
+    for col in TENSOR_METRICS:
+        assert live[col].to_numpy(float).tobytes() == offline[col].to_numpy(float).tobytes(), col
 
 
 @pytest.mark.parametrize("bad", BAD_LAYOUTS)
