@@ -471,11 +471,26 @@ def _from_sums(s: PairSums, sxy: float) -> dict[str, float]:
     else:  # clamp: rounding may carry |cos| a hair past 1
         out["cosine"] = max(-1.0, min(1.0, sxy / (math.sqrt(s.sxx) * math.sqrt(s.syy))))
     out["sqnr_db"] = math.inf if s.sdd == 0 else (
-        10 * math.log10(s.syy / s.sdd) if s.syy > 0 else -math.inf)
+        sqnr_of_ratio(s.syy, s.sdd) if s.syy > 0 else -math.inf)
     out["mismatch"] = s.mismatch / m if m else 0.0
     out["equal"] = 0.0  # called for pairs that are not bitwise equal
     out["rel_diff_cast"], out["max_abs_cast"] = out["rel_diff"], out["max_abs"]  # one dtype
     return out
+
+
+def sqnr_of_ratio(syy: float, sdd: float) -> float:
+    """``10·log10(Σy² / Σ(x-y)²)`` for two positive sums, also where their quotient leaves
+    float64's range (``Σy²`` of 1e-300 against 1e300: the logarithms' difference, finite).
+
+    Examples
+    --------
+    >>> sqnr_of_ratio(100.0, 1.0), sqnr_of_ratio(1e-300, 1e300)
+    (20.0, -6000.0)
+    """
+    ratio = syy / sdd
+    if ratio == 0 or math.isinf(ratio):
+        return 10 * (math.log10(syy) - math.log10(sdd))
+    return 10 * math.log10(ratio)
 
 
 _IDENTICAL = dict(rel_diff=0.0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine=1.0,

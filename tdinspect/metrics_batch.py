@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .kernels import UINT_OF, decoded, segment_sums
-from .metrics import _IDENTICAL, _TINY_SUMS, tolerances
+from .metrics import _IDENTICAL, _TINY_SUMS, sqnr_of_ratio, tolerances
 
 # the dtypes a batch takes, with the numpy dtype of their stored elements (or raw bits) and
 # the name segment_sums' decoder knows them by
@@ -110,15 +110,14 @@ def _metrics_of_sums(n, sxx, syy, sdd, sabs, max_abs, max_rel, mismatch, sxy) ->
     out["cosine"] = np.where((sxx == 0) & (syy == 0), 1.0,
                              np.where((sxx == 0) | (syy == 0), 0.0, cos))
     sqnr = np.where(sdd == 0, math.inf, np.where(syy > 0, 0.0, -math.inf))
-    ratio = syy / sdd
-    # math.log10 as in _from_sums: numpy's may be a vectorised approximation with other bits.
-    # A pair left unsettled may have a ratio of 0 (an Inf on the compared side only makes
-    # Σ(x-y)² infinite), where math.log10 raises: its value is not used, NaN marks it.
+    # math.log10 through _from_sums' own function: numpy's may be a vectorised approximation
+    # with other bits. A pair left unsettled may have an infinite Σ(x-y)² (an Inf on the
+    # compared side only): its value is not used, NaN marks it.
     logged = np.flatnonzero((sdd != 0) & (syy > 0))
-    usable = ratio[logged] != 0
+    usable = np.isfinite(sdd[logged]) & np.isfinite(syy[logged])
     sqnr[logged[~usable]] = math.nan
     logged = logged[usable]
-    sqnr[logged] = [10 * math.log10(v) for v in ratio[logged].tolist()]
+    sqnr[logged] = [sqnr_of_ratio(a, b) for a, b in zip(syy[logged].tolist(), sdd[logged].tolist())]
     out["sqnr_db"] = sqnr
     out["mismatch"] = np.where(n > 0, mismatch / n, 0.0)
     out["equal"] = np.zeros_like(n)

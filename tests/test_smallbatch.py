@@ -339,3 +339,19 @@ def test_an_inf_on_the_compared_side_only_is_reported_not_a_crash(tmp_path, monk
     assert div.key == "m.f32" and "NaN/Inf on one side" in div.reason
     from tdinspect.cli import main
     assert main(["first-divergence", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+
+
+@pytest.mark.parametrize("x, y, want", [
+    # Σy²/Σ(x-y)² underflows: math.log10(0) raised out of compare_tensors
+    ([1e150, 0.0], [1e-150, 1e-150], 10 * (math.log10(2e-300) - math.log10(1e300 + 1e-300))),
+    # it overflows: the sqnr was reported as inf (as for identical tensors)
+    ([1e150, 2e-150], [1e150, 1e-150], 10 * (math.log10(1e300 + 1e-300) - math.log10(1e-300))),
+])
+def test_an_sqnr_beyond_float64s_range_is_its_finite_value_alone_and_batched(x, y, want):
+    x, y = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    alone = compare_tensors(x, y)
+    assert math.isfinite(alone["sqnr_db"]) and alone["sqnr_db"] == pytest.approx(want, rel=1e-12)
+    values, settled = metrics_batch.compare_segments(x.numpy(), y.numpy(), np.array([0]),
+                                                     torch.float64)
+    if settled[0]:  # the batch gives the same bits where it settles the pair
+        same_numbers({k: float(values[k][0]) for k in TENSOR_METRICS}, alone)
