@@ -380,8 +380,48 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
     for row, ia, ib, transform in single:
         compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
                      transform, job.mode, job.chunk)
+    _hint_concat(rows, pa, pb)
     return rows
 
+
+
+def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> None:
+    """Say so where a shape mismatch is a decode run against one full forward: the entry is
+    called several times on one side (a prefill call, then a call per token) and those
+    calls end to end along one dim give the other side's shape (compare with ``concat``)."""
+    mismatched = [r for r in rows if r["structural"] and r["reason"].startswith("shape ")]
+    if not mismatched:
+        return
+    calls: dict[tuple[str, str], dict[int, Any]] = {}
+    for side, pi in (("A", pa), ("B", pb)):
+        for key, shape in zip(pi.keys, pi.shape):
+            base, call = split_call(key)
+            calls.setdefault((side, base), {})[call] = shape
+    for row in mismatched:
+        base_a, base_b = split_call(row["key"])[0], split_call(row["key_b"] or row["key"])[0]
+        for side, mine, other, theirs in (("A", base_a, "B", base_b), ("B", base_b, "A", base_a)):
+            own = calls.get((side, mine), {})
+            dim = _concat_dim([own[c] for c in sorted(own)],
+                              list(calls.get((other, theirs), {}).values()))
+            if dim is not None:
+                row["reason"] += (f" ({side} calls this entry {len(own)} times: end to end "
+                                  f"along dim {dim} they match {other}; compare after "
+                                  f".concat('call', dim={dim}), CLI --concat call:{dim})")
+                break
+
+
+def _concat_dim(shapes: list, other: list) -> int | None:
+    """The dim along which ``shapes`` (two or more calls) put end to end give the one shape
+    in ``other``, else ``None``."""
+    if len(shapes) < 2 or len(other) != 1 or not isinstance(other[0], list) \
+            or not all(isinstance(s, list) for s in shapes):
+        return None
+    target = other[0]
+    for dim in range(len(target)):
+        if all(len(s) == len(target) and s[:dim] + s[dim + 1:] == target[:dim] + target[dim + 1:]
+               for s in shapes) and sum(s[dim] for s in shapes) == target[dim]:
+            return dim
+    return None
 
 def _apply(transform, xb, ya):
     """``(transformed B tensor, structural reason or "")``; a callable may fail or change the shape."""
