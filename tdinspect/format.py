@@ -250,17 +250,14 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
     """
     path = Path(path)
     try:
-        st = check_regular(path)
+        f = open_regular(path)  # once: every check below and torch.load read this same file
     except FileNotFoundError:
         raise DumpFormatError(f"{path}: no such pass file") from None
     except OSError as exc:
         raise DumpFormatError(f"{path}: unreadable pass file ({exc.strerror})") from None
-    if st.st_size == 0:
-        raise DumpFormatError(f"{path}: empty file (zero bytes), not a pass file")
-    _refuse_expanding(path, st.st_size)
-    use_mmap = mmap and zipfile.is_zipfile(path)
+    source, use_mmap = _load_source(f, path, mmap)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+        obj = torch.load(source, map_location="cpu", weights_only=True, mmap=use_mmap)
     except pickle.UnpicklingError as exc:
         detail = [ln.strip() for ln in str(exc).splitlines()
                   if "unsupported global" in ln.lower()]
@@ -280,6 +277,8 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
     except Exception as exc:  # torch raises RuntimeError, EOFError, zipfile errors...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise DumpFormatError(f"{path}: unreadable pass file ({type(exc).__name__}: {first})") from None
+    finally:
+        f.close()  # a mapping made from it stays
     if not isinstance(obj, dict):
         raise DumpFormatError(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
     for key, value in obj.items():
@@ -293,21 +292,56 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
 _EXPANSION = 16  # compressed records may hold at most this many times the file's size
 
 
-def _refuse_expanding(path: Path, size: int) -> None:
-    """``DumpFormatError`` for an archive whose compressed records claim more than
-    :data:`_EXPANSION` times the file's size: ``torch.save`` compresses nothing, and
-    ``torch.load`` decompresses a record whole into memory (a 1 MB file whose ``data.pkl``
-    inflated to 1 GB opened, holding 2 GB; a 100 MB one would exhaust the machine)."""
-    from .zipindex import read_index
+def _load_source(f, path: Path, mmap: bool) -> tuple[Any, bool]:
+    """What ``torch.load`` reads for :func:`load_pass` (and whether it maps it), checked:
+    the open regular file ``f`` itself. Nothing is opened by ``path`` again: a FIFO put in
+    its place after the check blocked the reader forever. ``torch.load`` maps only a file
+    it is given by name, so a mapped read gets a name of ``f``'s own descriptor
+    (:func:`_name_of_open`). ``f`` is closed if a check fails."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise DumpFormatError(f"{path}: empty file (zero bytes), not a pass file")
+        is_zip = _refuse_expanding(f, path, size)
+        f.seek(0)
+        return (_name_of_open(f, path), True) if mmap and is_zip else (f, False)
+    except BaseException:
+        f.close()
+        raise
 
-    index = read_index(path)
+
+def _name_of_open(f, path: Path) -> str | Path:
+    """A file name that opens the file ``f`` has open, whatever ``path`` names by then:
+    ``/proc/self/fd/N`` (Linux) or ``/dev/fd/N``. Where neither exists, ``path`` once it is
+    checked to be still that file (a swap after this check is not caught there)."""
+    from .zipindex import identity
+
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        name = f"{folder}/{f.fileno()}"
+        if os.path.exists(name):
+            return name
+    if identity(check_regular(path)) != identity(os.fstat(f.fileno())):
+        raise DumpFormatError(f"{path}: replaced while it was being opened")
+    return path
+
+
+def _refuse_expanding(f, path: Path, size: int) -> bool:
+    """``DumpFormatError`` for an archive (the open file ``f``) whose compressed records claim
+    more than :data:`_EXPANSION` times the file's size: ``torch.save`` compresses nothing,
+    and ``torch.load`` decompresses a record whole into memory (a 1 MB file whose
+    ``data.pkl`` inflated to 1 GB opened, holding 2 GB; a 100 MB one would exhaust the
+    machine). Whether ``f`` is a readable zip archive."""
+    from .zipindex import index_of
+
+    index = index_of(f)
     if index is None:
-        return  # not a zip archive (torch.load's legacy format), or one torch.load refuses
+        return False  # not a zip archive (torch.load's legacy format), or one torch.load refuses
     packed = sum(n for n, m in zip(index.sizes, index.methods) if m != zipfile.ZIP_STORED)
     if packed > _EXPANSION * size + (1 << 20):
         raise DumpFormatError(f"{path}: compressed records would expand to {packed} bytes from a "
                               f"{size}-byte file (torch.save compresses nothing): refused, "
                               "not decompressed")
+    return True
 
 
 def encode_arg(value: Any, tensor_key: str | None = None) -> Any:
