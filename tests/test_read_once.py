@@ -3,6 +3,7 @@ without a sidecar, its pickle (the open's load is handed to the first read)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from collections import Counter
@@ -68,8 +69,10 @@ def test_the_fast_index_reads_what_zipfile_reads(tmp_path):
     assert zipindex.read_index(tmp_path / "cut.pt") is None
 
 
-def _spy(monkeypatch, module, name, key=lambda f: str(f.name if hasattr(f, "read") else f)):
-    """Count the calls of ``module.name`` by their first argument."""
+def _spy(monkeypatch, module, name,
+         key=lambda f: os.path.realpath(f.name if hasattr(f, "read") else f)):
+    """Count the calls of ``module.name`` by the file of their first argument (a path, an open
+    file, or ``/proc/self/fd/N``: load_pass maps a file by its descriptor's name)."""
     calls = Counter()
     real = getattr(module, name)
 
