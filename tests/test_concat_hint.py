@@ -8,27 +8,19 @@ import sys
 import torch
 
 from tdinspect import DumpSet
-from tdinspect.dumper.recorder import Recorder
 
-
-def _write(root, entries):
-    rec = Recorder(root, level="module")
-    for key, t in entries.items():
-        rec.record(key, t, module_type="Linear")
-    rec.step()
-    rec.close()
-    return root
+from .recorded import record_dump
 
 
 def _runs(tmp_path):
     g = torch.Generator().manual_seed(0)
     full = torch.randn(2, 10, 4, generator=g)
-    ref = _write(tmp_path / "ref", {"m.attn": full, "m.norm": torch.ones(3)})
+    ref = record_dump(tmp_path / "ref", [{"m.attn": full, "m.norm": torch.ones(3)}])
     # the engine: a prefill of 6 tokens, then one call per decoded token
     calls = [full[:, :6]] + [full[:, i:i + 1] for i in range(6, 10)]
     eng = {("m.attn" if i == 0 else f"m.attn::call{i}"): c.clone() for i, c in enumerate(calls)}
     eng["m.norm"] = torch.ones(2)  # a plain shape mismatch: no calls to put end to end
-    return ref, _write(tmp_path / "eng", eng)
+    return ref, record_dump(tmp_path / "eng", [eng])
 
 
 def test_a_decode_run_against_a_full_forward_names_the_concat(tmp_path):

@@ -16,9 +16,9 @@ import tdinspect.rawpass as rawpass
 import tdinspect.zipindex as zipindex
 from tdinspect import passindex
 from tdinspect.dumpset import DumpSet
-from tdinspect.dumper.recorder import Recorder
 from tdinspect.metrics import same_bits
 
+from .recorded import record_dump
 from .test_dumpset_diff import write_dump
 
 
@@ -28,13 +28,7 @@ def _run(root, passes=3, scale=1.0, sidecars=True):
                 for e in range(4)} for p in range(passes)]
     if not sidecars:
         return write_dump(root, tensors)
-    rec = Recorder(root, level="module")
-    for step in tensors:
-        for key, t in step.items():
-            rec.record(key, t, module_type="Linear")
-        rec.step()
-    rec.close()
-    return root
+    return record_dump(root, tensors)
 
 
 def test_the_fast_index_reads_what_zipfile_reads(tmp_path):

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 import tdinspect
 from tdinspect import DumpSet, kernels, metrics_batch, smallpairs
-from tdinspect.dumper.recorder import Recorder
 from tdinspect.metrics import TENSOR_METRICS, compare_tensors
 from tdinspect.rawpass import layout, read_raw
 from tdinspect.rawspans import element_starts
 
+from .recorded import record_dump
 from .test_rawpass import BAD_LAYOUTS
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -113,15 +113,6 @@ def test_the_single_path_sums_in_the_batch_order():
     assert alone.sabs == pytest.approx(math.fsum(abs(d)), rel=1e-14)
 
 
-def _write(root, passes):
-    rec = Recorder(root, level="module")
-    for entries in passes:
-        for key, t in entries.items():
-            rec.record(key, t, module_type="Linear")
-        rec.step()
-    rec.close()
-    return root
-
 
 def _mixed_passes(seed: int, wrong: bool):
     """Entries of every kind a batch must take or leave: float dtypes, integers, NaN and
@@ -178,8 +169,8 @@ def _assert_bitwise_equal(batched: pd.DataFrame, single: pd.DataFrame) -> None:
 
 
 def test_rows_of_a_recorded_dump_are_the_pair_by_pair_rows(tmp_path, monkeypatch):
-    a = _write(tmp_path / "a", _mixed_passes(1, wrong=False))
-    b = _write(tmp_path / "b", _mixed_passes(2, wrong=True))
+    a = record_dump(tmp_path / "a", _mixed_passes(1, wrong=False))
+    b = record_dump(tmp_path / "b", _mixed_passes(2, wrong=True))
     read = []
     real = smallpairs.element_starts
     monkeypatch.setattr(smallpairs, "element_starts", lambda *args: read.append(real(*args))
@@ -280,8 +271,8 @@ def test_element_starts_finds_the_bytes_read_raw_views(tmp_path):
 def test_a_pass_whose_layout_is_refused_is_batched_from_its_tensors(tmp_path, monkeypatch):
     """A sidecar layout that does not check out: the batch reads the loaded tensors (torch.load)
     and the rows are the same."""
-    a = _write(tmp_path / "a", _mixed_passes(1, wrong=False))
-    b = _write(tmp_path / "b", _mixed_passes(2, wrong=True))
+    a = record_dump(tmp_path / "a", _mixed_passes(1, wrong=False))
+    b = record_dump(tmp_path / "b", _mixed_passes(2, wrong=True))
     want, _, _ = _tables(a, b, monkeypatch)
     refused = []
     real = smallpairs.element_starts
