@@ -141,9 +141,10 @@ def _all_plain(col: str, values: list, stat_width: int) -> bool:
     if col == "shape":
         if not inner <= {int} or (flat and min(flat) < 0):
             return False
-        # no element count reaches 2^63 when max ** (longest shape) cannot (else count them)
+        # no element count reaches 2^63 when max ** (longest shape) cannot (else check each
+        # size and count them, as _shape_ok does: [10**30, 0] counts 0 elements)
         return not flat or max(flat).bit_length() * max(map(len, rows)) < 63 \
-            or max(map(math.prod, rows)) < _INT64
+            or (max(flat) < _INT64 and max(map(math.prod, rows)) < _INT64)
     return set(map(len, rows)) <= {stat_width} and inner <= {int, float, _NONE}
 
 

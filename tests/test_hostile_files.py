@@ -238,7 +238,7 @@ def test_a_bound_sidecar_shape_beyond_int64_is_a_dump_format_error(tmp_path, cap
     run = capture_model_run(tmp_path / "run", steps=1)
     sidecar = only_folder(run) / "pass00000.json"
     doc = json.loads(sidecar.read_text())
-    for shape in ([2**63], [2**40, 2**40], [10**30, 10**30]):
+    for shape in ([2**63], [2**40, 2**40], [10**30, 10**30], [10**30, 0]):
         doc["entries"]["shape"][0] = shape
         rewrite_sidecar(sidecar, doc)  # bound again, as a careful forger would
         with pytest.raises(DumpFormatError, match=r"pass00000\.json: sidecar column 'shape'"):
