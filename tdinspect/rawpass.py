@@ -180,14 +180,21 @@ def checked_map(path: str | os.PathLike, keys: list[str], raw: list[Any],
     if opened is None:
         return None
     mapped, index = opened
+    prefix = _little_endian(mapped, index)
+    pickled = None if prefix is None else _small_record(mapped, index, prefix + "data.pkl")
+    if pickled is None or not _pickle_agrees(pickled, keys, raw):
+        return None
+    return mapped, index, prefix
+
+
+def _little_endian(mapped: mmap.mmap, index: ZipIndex) -> str | None:
+    """The records' folder + ``"/"`` of an archive whose byte order (if it says one) is
+    little-endian, else ``None``."""
     prefix = index.first.split("/", 1)[0] + "/" if index.first else ""
     if prefix + "byteorder" in index.names and \
             _small_record(mapped, index, prefix + "byteorder") != b"little":
         return None
-    pickled = _small_record(mapped, index, prefix + "data.pkl")
-    if pickled is None or not _pickle_agrees(pickled, keys, raw):
-        return None
-    return mapped, index, prefix
+    return prefix
 
 
 def _mapped(path: str | os.PathLike, index: ZipIndex | None) -> tuple[mmap.mmap, ZipIndex] | None:
@@ -221,11 +228,9 @@ def mapping_files() -> bool:
 
 def _views(mapped: mmap.mmap, index: ZipIndex, prefix: str, keys: list[str],
            raw: list[Any]) -> dict[str, torch.Tensor] | None:
-    """``{key: tensor}`` viewing the map as ``raw`` lays the records out, every claim checked
-    against the archive; ``None`` if one does not hold."""
-    if prefix + "byteorder" in index.names and \
-            _small_record(mapped, index, prefix + "byteorder") != b"little":
-        return None
+    """``{key: tensor}`` viewing the map (its byte order checked: :func:`_little_endian`) as
+    ``raw`` lays the records out, every claim checked against the archive; ``None`` if one
+    does not hold."""
     storages: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = {}
     for key, entry in zip(keys, raw):
@@ -263,8 +268,8 @@ def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],
     if opened is None or not opened[1].first:
         return None
     mapped, index = opened
-    prefix = index.first.split("/", 1)[0] + "/"
-    pickled = _small_record(mapped, index, prefix + "data.pkl")
+    prefix = _little_endian(mapped, index)
+    pickled = None if prefix is None else _small_record(mapped, index, prefix + "data.pkl")
     parsed = None if pickled is None else layout_of_pickle(pickled)
     if parsed is None:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import tdinspect
 from tdinspect.dumpset import DumpSet
 from tdinspect.format import load_pass
-from tdinspect.rawpass import layout, read_raw
+from tdinspect.rawpass import layout, read_plain, read_raw
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
           torch.float8_e5m2, torch.complex64, torch.int64, torch.int32, torch.int8, torch.uint8,
@@ -122,6 +123,18 @@ BAD_LAYOUTS = [
 def test_a_layout_that_does_not_check_out_is_refused(tmp_path, bad):
     path = _saved(tmp_path, {"a": torch.arange(4.0)})
     assert read_raw(path, ["a"], [bad]) is None
+
+
+def test_a_big_endian_archive_is_not_viewed(tmp_path):
+    tensors = {"a": torch.arange(4.0)}
+    path = _saved(tmp_path, tensors)
+    assert read_raw(path, ["a"], layout(tensors)) is not None and read_plain(path) is not None
+    with zipfile.ZipFile(path) as src:
+        records = [(i, src.read(i)) for i in src.infolist()]
+    with zipfile.ZipFile(path, "w") as dst:  # the same records, the byte order said big
+        for info, data in records:
+            dst.writestr(info, b"big" if info.filename.endswith("/byteorder") else data)
+    assert read_raw(path, ["a"], layout(tensors)) is None and read_plain(path) is None
 
 
 def test_a_refused_layout_falls_back_to_torch_load(tmp_path, model, tokens, monkeypatch):
