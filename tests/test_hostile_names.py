@@ -92,3 +92,9 @@ def test_side_by_side_and_tensor_titles_are_literal():
     t = torch.arange(6.0).reshape(2, 3)
     assert MATH.replace("$", r"\$") in _drawn(tdinspect.plot.tensor(t, title=MATH))
     _drawn(tdinspect.plot.side_by_side(t, t + 1, title=MATH))
+
+
+def test_per_position_plot_draws_names_literally(tmp_path):
+    a, b = _runs(tmp_path)
+    fig = tdinspect.plot.per_position(a.diff(b), dim=1)
+    assert MATH.replace("$", r"\$") in _drawn(fig)  # mathtext would raise at draw time

@@ -567,7 +567,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
             continue  # no such dim, or not held by both sides with one shape
         worst = da.max if m.higher_is_worse else da.min
         rows.append(worst([d for d in da.dims if d != "position"]).to_numpy())
-        names.append(key)
+        names.append(_plain(key))
         thrs.append(da.attrs["threshold"])
     if not rows:
         raise ValueError(f"no entry of this diff has a dim {dim!r} held by both sides")
