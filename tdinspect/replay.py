@@ -30,6 +30,7 @@ from .align.args import describe_args
 from .format import DumpFormatError
 from .metrics import compare_tensors
 from .naming import make_key, parse_key, split_call
+from .terminal import visible
 
 
 @dataclass
@@ -82,7 +83,7 @@ class ReplayResult:
                 f"against a {str(self.dtype).removeprefix('torch.')} re-run; args: {shown(self.args)}")
         if self.other_args is not None:
             text += f"; other run's args: {shown(self.other_args)}"
-        return text + ")"
+        return visible(text + ")")  # the key and arguments come from the dump
 
 
 # operators refused whatever their schema says: they reach files, other devices' state,

@@ -157,3 +157,13 @@ def test_html_text_is_what_every_view_writes(name):
     page = styled(pd.DataFrame({name: [name, 1.5e-9]}))
     _sendable(page, name)
     assert page.count(html_text(name)) == 2  # the column name and the cell
+
+
+def test_replay_repr_shows_names_from_the_dump_as_escapes():
+    from tdinspect.replay import ReplayResult
+
+    r = ReplayResult(op="aten.add.Tensor", key="model.esc\x1b[2J\udcff/aten.add.Tensor",
+                     dtype=torch.float64, args=[("alpha", "\x1b]0;x\x07")])
+    text = repr(r)
+    _sendable(text, text)
+    assert "model.esc\\x1b[2J\\udcff" in text and "\\x1b]0;x\\x07" in text
