@@ -80,7 +80,7 @@ def _table(headers: list[str], rows: list[list[Any]], bad_row: int | None = None
 
 def section(title: str, body: str, *, count: Any = None, open_: bool = False) -> str:
     """A collapsible section (``<details>``); ``count`` is shown beside the title."""
-    n = "" if count is None else f" <span class='n'>({html_text(str(count))})</span>"
+    n = "" if count is None else f" <span class='n'>({html_text(count)})</span>"
     return (f"<details{' open' if open_ else ''}><summary>{html_text(title)}{n}</summary>"
             f"{body}</details>")
 
@@ -228,8 +228,8 @@ class DiffSummary:
 
     def _repr_html_(self) -> str:
         d = self.diff
-        head = (f"<b>Diff</b> A (reference) = {html_text(str(d.a.path))}<br>"
-                f"B = {html_text(str(d.b.path))}<br>mode: {d.mode}, align: {d.align}, "
+        head = (f"<b>Diff</b> A (reference) = {html_text(d.a.path)}<br>"
+                f"B = {html_text(d.b.path)}<br>mode: {d.mode}, align: {d.align}, "
                 f"metric: {html_text(self.metric)}, threshold: {self._thr_text()}")
         parts = [head]
         differ = side_differences(d)

@@ -383,7 +383,7 @@ class DiffExplorer:
             try:
                 sides.append(side.tensor(key, pass_=pass_, rank=rank if len(side.ranks) > 1 else None))
             except (KeyError, ValueError) as exc:
-                self.message.value = f"{html_text(key)}, pass {pass_}: {html_text(str(exc))}"
+                self.message.value = f"{html_text(key)}, pass {pass_}: {html_text(exc)}"
                 return
         a, b = sides
         if a.shape != b.shape:
@@ -438,7 +438,7 @@ class DumpSetExplorer:
         try:
             pattern = re.compile(change["new"])
         except re.error as exc:
-            self.stats.value = f"invalid regex: {html_text(str(exc))}"
+            self.stats.value = f"invalid regex: {html_text(exc)}"
             return
         options = [o for o in self.ds.ops if pattern.search(o)]
         self.op.options = _labelled(options)  # ipywidgets keeps the old value only if still an option
