@@ -55,6 +55,7 @@ from .format import _stats_row, atomic_write, rank_dirname
 from .runs import new_folder
 from .metrics import metric as metric_named, unit_roundoff
 from .stats import STAT_NAMES, tensor_stats
+from .terminal import visible
 
 ACTIONS = ("raise", "warn", "record")
 
@@ -267,9 +268,9 @@ class LiveCompare:
             raise DivergenceError(div, self.evidence)
         if self.action == "warn" and div.pass_ not in self._warned:
             self._warned.add(div.pass_)
-            warnings.warn(f"tdinspect: live comparison, first divergence of pass {div.pass_}: "
-                          f"{div.key} (call {div.call}): {div.reason}", RuntimeWarning,
-                          stacklevel=5)
+            warnings.warn(visible(f"tdinspect: live comparison, first divergence of pass "
+                                  f"{div.pass_}: {div.key} (call {div.call}): {div.reason}"),
+                          RuntimeWarning, stacklevel=5)  # names from the reference's files
 
     def _upstream(self, row: dict[str, Any]) -> str:
         """The coarsest floating dtype either side went through so far in this pass

@@ -422,3 +422,34 @@ def test_a_rerun_never_replaces_or_mixes_into_earlier_evidence(runs, tmp_path):
     assert sorted(p.name for p in ev.iterdir() if p.name.startswith("live")) == [
         "live", "live_run2"]
     assert {p: p.read_bytes() for p in first} == first  # the first runs' files, intact
+
+
+def test_warning_shows_names_from_the_reference_as_escapes(tmp_path):
+    """on_divergence="warn" prints the entry's name on the terminal: a control character in a
+    module name (the reference's files) is written as its escape."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("esc\x1b[2J", torch.nn.Linear(4, 4))
+
+        def forward(self, x):
+            return getattr(self, "esc\x1b[2J")(x)
+
+    x = torch.ones(2, 4)
+    for name, scale in (("ref", 1.0), ("run", 2.0)):
+        torch.manual_seed(0)
+        model = Net()
+        with torch.no_grad():
+            model.get_submodule("esc\x1b[2J").weight.mul_(scale)
+            if name == "ref":
+                with tdinspect.capture(model, tmp_path / "ref") as cap:
+                    model(x)
+                    cap.step()
+                continue
+            with pytest.warns(RuntimeWarning, match="first divergence") as caught:
+                with tdinspect.capture(model, compare_to=tmp_path / "ref",
+                                       on_divergence="warn") as cap:
+                    model(x)
+                    cap.step()
+    text = " ".join(str(w.message) for w in caught)
+    assert "model.esc\\x1b" in text and "\x1b" not in text
