@@ -425,8 +425,8 @@ def test_a_rerun_never_replaces_or_mixes_into_earlier_evidence(runs, tmp_path):
 
 
 def test_warning_shows_names_from_the_reference_as_escapes(tmp_path):
-    """on_divergence="warn" prints the entry's name on the terminal: a control character in a
-    module name (the reference's files) is written as its escape."""
+    """on_divergence="warn" and "raise" print the entry's name on the terminal: a control
+    character in a module name (the reference's files) is written as its escape."""
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -451,5 +451,9 @@ def test_warning_shows_names_from_the_reference_as_escapes(tmp_path):
                                        on_divergence="warn") as cap:
                     model(x)
                     cap.step()
-    text = " ".join(str(w.message) for w in caught)
-    assert "model.esc\\x1b" in text and "\x1b" not in text
+        with pytest.raises(tdinspect.DivergenceError) as raised:
+            with tdinspect.capture(model, compare_to=tmp_path / "ref") as cap:
+                model(x)
+                cap.step()
+    for text in (" ".join(str(w.message) for w in caught), str(raised.value)):
+        assert "model.esc\\x1b" in text and "\x1b" not in text

@@ -34,6 +34,7 @@ import torch
 
 from ..config import ConfigError
 from ..naming import split_call
+from ..terminal import visible
 from ..stats import broadcast_dims, first_slice
 from .kinds import flat_values, holds_no_data
 
@@ -115,9 +116,9 @@ class DivergenceError(CaptureCheckError):
 
     def __init__(self, divergence: Any, evidence: Any = None):
         where = f"; evidence in {evidence}" if evidence else ""
-        super().__init__(f"live comparison: first divergence at {divergence.key} "
-                         f"(call {divergence.call}, pass {divergence.pass_}): "
-                         f"{divergence.reason}{where}")
+        super().__init__(visible(f"live comparison: first divergence at {divergence.key} "
+                                 f"(call {divergence.call}, pass {divergence.pass_}): "
+                                 f"{divergence.reason}{where}"))  # names from the files
         self.divergence = divergence
         self.evidence = evidence
 
