@@ -232,27 +232,46 @@ def _views(mapped: mmap.mmap, index: ZipIndex, prefix: str, keys: list[str],
     ``raw`` lays the records out, every claim checked against the archive; ``None`` if one
     does not hold."""
     storages: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    located: dict[str, Any] = {}
     out = {}
     for key, entry in zip(keys, raw):
-        if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
-                and isinstance(entry[4], str) and entry[4] in _DTYPES):
+        span = entry_span(mapped, index, prefix, entry, located)
+        if span is None:
             return None
-        record, offset, shape, strides, dtype = entry[:4] + [_DTYPES[entry[4]]]
+        dtype, start, size = span
+        record, offset, shape, strides = entry[:4]
         storage = storages.get((record, dtype))
         if storage is None:
-            located = _data_start(mapped, index, f"{prefix}data/{record}")
-            if located is None:
-                return None
-            start, size = located
-            if size % dtype.itemsize or start + size > len(mapped):
-                return None
-            storage = torch.frombuffer(mapped, dtype=dtype, count=size // dtype.itemsize,
-                                       offset=start) if size else torch.empty(0, dtype=dtype)
-            storages[(record, dtype)] = storage
-        if not _valid_view(shape, strides, offset, storage.numel()):
-            return None
+            storage = storages[(record, dtype)] = torch.frombuffer(
+                mapped, dtype=dtype, count=size // dtype.itemsize, offset=start) \
+                if size else torch.empty(0, dtype=dtype)
         out[key] = storage.as_strided(shape, strides, offset)
     return out
+
+
+def entry_span(mapped: mmap.mmap, index: ZipIndex, prefix: str, entry: Any,
+               located: dict[str, Any]) -> tuple[torch.dtype, int, int] | None:
+    """``(dtype, start, size)`` of one raw entry's record in the map once the entry's claims
+    hold (five fields, a dtype torch knows, a stored record whose size fits the map and is a
+    whole number of items, a view inside it), else ``None``. ``located`` caches each record's
+    ``(start, size)`` across the entries of a pass; the one check for :func:`read_raw` and
+    :func:`tdinspect.rawspans.element_starts`."""
+    if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)
+            and isinstance(entry[4], str) and entry[4] in _DTYPES):
+        return None
+    record, offset, shape, strides, name = entry
+    dtype = _DTYPES[name]
+    where = located.get(record)
+    if where is None:
+        where = located[record] = _data_start(mapped, index, f"{prefix}data/{record}")
+        if where is None:
+            return None
+    start, size = where
+    item = dtype.itemsize
+    if size % item or start + size > len(mapped) \
+            or not _valid_view(shape, strides, offset, size // item):
+        return None
+    return dtype, start, size
 
 
 def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],

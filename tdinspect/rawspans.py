@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .rawpass import _DTYPES, _data_start, _valid_view, checked_map
+from .rawpass import _DTYPES, checked_map, entry_span
 from .reindex import _contiguous
 from .zipindex import ZipIndex
 
@@ -117,20 +117,11 @@ def element_starts(path: str | os.PathLike, keys: list[str], raw: list[Any],
     located: dict[str, Any] = {}
     starts: list[Any] = []
     for entry in raw:
-        if not (len(entry) == 5 and type(entry[4]) is str):
+        span = entry_span(mapped, index, prefix, entry, located)
+        if span is None:
             return None
-        record, offset, shape, strides, name = entry
-        dtype = _DTYPES.get(name)
-        where = located.get(record)
-        if where is None:
-            where = located[record] = _data_start(mapped, index, f"{prefix}data/{record}")
-        if dtype is None or where is None:
-            return None
-        start, size = where
-        item = dtype.itemsize
-        if size % item or start + size > len(mapped) \
-                or not _valid_view(shape, strides, offset, size // item):
-            return None
-        starts.append((start + offset * item, math.prod(shape), name)
+        dtype, start, _ = span
+        _, offset, shape, strides, name = entry
+        starts.append((start + offset * dtype.itemsize, math.prod(shape), name)
                       if _contiguous(shape, strides) else None)
     return Spans(np.frombuffer(mapped, np.uint8), starts, keys, raw, located)
