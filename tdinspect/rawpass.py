@@ -242,11 +242,15 @@ def _views(mapped: mmap.mmap, index: ZipIndex, prefix: str, keys: list[str],
         record, offset, shape, strides = entry[:4]
         storage = storages.get((record, dtype))
         if storage is None:
-            storage = storages[(record, dtype)] = torch.frombuffer(
-                mapped, dtype=dtype, count=size // dtype.itemsize, offset=start) \
-                if size else torch.empty(0, dtype=dtype)
+            storage = storages[(record, dtype)] = record_storage(mapped, dtype, start, size)
         out[key] = storage.as_strided(shape, strides, offset)
     return out
+
+
+def record_storage(buffer, dtype: torch.dtype, start: int, size: int) -> torch.Tensor:
+    """A record's ``size`` bytes from ``start`` as a 1-D ``dtype`` tensor viewing ``buffer``."""
+    return torch.frombuffer(buffer, dtype=dtype, count=size // dtype.itemsize, offset=start) \
+        if size else torch.empty(0, dtype=dtype)
 
 
 def entry_span(mapped: mmap.mmap, index: ZipIndex, prefix: str, entry: Any,

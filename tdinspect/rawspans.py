@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .rawpass import _DTYPES, checked_map, entry_span
+from .rawpass import _DTYPES, checked_map, entry_span, record_storage
 from .reindex import _contiguous
 from .zipindex import ZipIndex
 
@@ -82,10 +82,8 @@ class Views(Mapping):
         storage = self.storages.get((record, dtype))
         if storage is None:
             start, size = self.spans.records[record]
-            storage = torch.frombuffer(self.spans.data, dtype=torch.uint8, count=size,
-                                       offset=start).view(dtype) if size \
-                else torch.empty(0, dtype=dtype)
-            self.storages[(record, dtype)] = storage
+            storage = self.storages[(record, dtype)] = record_storage(self.spans.data, dtype,
+                                                                      start, size)
         return storage.as_strided(shape, strides, offset)
 
     def __iter__(self):
