@@ -384,7 +384,6 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
     return rows
 
 
-
 def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> None:
     """Say so where a shape mismatch is a decode run against one full forward: the entry is
     called several times on one side (a prefill call, then a call per token) and those
@@ -422,6 +421,7 @@ def _concat_dim(shapes: list, other: list) -> int | None:
                for s in shapes) and sum(s[dim] for s in shapes) == target[dim]:
             return dim
     return None
+
 
 def _apply(transform, xb, ya):
     """``(transformed B tensor, structural reason or "")``; a callable may fail or change the shape."""

@@ -16,6 +16,8 @@ tensor is not contiguous goes back to ``compare_pair``. The rows are the ones
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
