@@ -48,6 +48,9 @@ from .smallpairs import compare_batch, pass_spans, small_plain
 from .terminal import visible
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
+# the reason of numbers, not structure: a row that says it is judged by its metric
+# (Diff._layout_rows, live comparison's structural="report")
+NONFINITE = "NaN/Inf on one side"
 STRUCTURAL_COLUMNS = ["rank", "pass", "order", "key", "key_b", "reason"]
 COLUMNS = ["rank", "pass", "op", "call", "order", "key", "key_b", "dtype_a", "dtype_b", "shape",
            "structural", "reason", *ROW_METRICS]
@@ -273,7 +276,7 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
         row["stats_rel"] = stats_rel(sb, sa)
         row["equal"] = _same_checksum(a, b)
         if (sa["nan"] + sa["inf"] > 0) != (sb["nan"] + sb["inf"] > 0):
-            row.update(structural=True, reason="NaN/Inf on one side")
+            row.update(structural=True, reason=NONFINITE)
     else:
         try:
             found = _tensor_metrics(a, b, transform, chunk)
@@ -286,7 +289,7 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
         row.update(found)
         bad = row.pop("nonfinite_mismatch", 0)
         if bad:
-            row.update(structural=True, reason=f"NaN/Inf on one side ({int(bad)} elements)")
+            row.update(structural=True, reason=f"{NONFINITE} ({int(bad)} elements)")
     if args_why:  # the metrics stay in the row: how much the other argument changed
         row.update(structural=True, reason=args_why)
 
@@ -719,7 +722,7 @@ class Diff:
         """Rows that differ in structure (one-sided, unmatched, shape, transform, arguments),
         as opposed to numbers (NaN/Inf on one side counts as numbers)."""
         reason = rows["reason"].astype(str)
-        return rows["structural"].to_numpy(bool) & ~reason.str.startswith("NaN/Inf").to_numpy(bool)
+        return rows["structural"].to_numpy(bool) & ~reason.str.startswith(NONFINITE).to_numpy(bool)
 
     def structural_entries(self, progress: bool | None = None) -> pd.DataFrame:
         """Every entry that differs in structure rather than in numbers (reads every pass).

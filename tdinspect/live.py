@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from .diff import (_NOT_STORED, BEFORE, COLUMNS, PassJob, Side, _mapped_key, _missing,
-                   compare_pair, divergence_of, divergent, new_row, same_ref_pass, side_of,
+from .diff import (_NOT_STORED, BEFORE, COLUMNS, NONFINITE, PassJob, Side, _mapped_key,
+                   _missing, compare_pair, divergence_of, divergent, new_row, same_ref_pass, side_of,
                    threshold_fn, upstream_of)
 from .align.mapping import Mapping
 from .dumper.checks import DivergenceError
@@ -251,7 +251,7 @@ class LiveCompare:
         self._pass_rows.append(row)
         if self.action == "record":
             self.rows.append(row)
-        if self.report and row["structural"] and not str(row["reason"]).startswith("NaN/Inf"):
+        if self.report and row["structural"] and not str(row["reason"]).startswith(NONFINITE):
             self.set_aside.append(row)  # Diff._layout_rows: structure, not numbers
             return
         m = self.metric
