@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -478,9 +479,12 @@ def _from_sums(s: PairSums, sxy: float) -> dict[str, float]:
     return out
 
 
+_NORMAL_MIN = sys.float_info.min  # the smallest normal float64
+
+
 def sqnr_of_ratio(syy: float, sdd: float) -> float:
     """``10·log10(Σy² / Σ(x-y)²)`` for two positive sums, also where their quotient leaves
-    float64's range (``Σy²`` of 1e-300 against 1e300: the logarithms' difference, finite).
+    float64's normal range (``Σy²`` of 1e-300 against 1e300: the logarithms' difference, finite).
 
     Examples
     --------
@@ -488,7 +492,7 @@ def sqnr_of_ratio(syy: float, sdd: float) -> float:
     (20.0, -6000.0)
     """
     ratio = syy / sdd
-    if ratio == 0 or math.isinf(ratio):
+    if not _NORMAL_MIN <= ratio < math.inf:  # 0, subnormal (few bits left) or inf
         return 10 * (math.log10(syy) - math.log10(sdd))
     return 10 * math.log10(ratio)
 

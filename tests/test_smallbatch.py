@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tdinspect
-from tdinspect import DumpSet, kernels, metrics_batch, smallpairs
+from tdinspect import DumpSet, kernels, metrics, metrics_batch, smallpairs
 from tdinspect.metrics import TENSOR_METRICS, compare_tensors
 from tdinspect.rawpass import layout, read_raw
 from tdinspect.rawspans import element_starts
@@ -346,3 +346,8 @@ def test_an_sqnr_beyond_float64s_range_is_its_finite_value_alone_and_batched(x, 
                                                      torch.float64)
     if settled[0]:  # the batch gives the same bits where it settles the pair
         same_numbers({k: float(values[k][0]) for k in TENSOR_METRICS}, alone)
+
+
+def test_an_sqnr_whose_quotient_is_subnormal_keeps_its_digits():
+    """Σy²/Σ(x-y)² of 1e-320 is subnormal: log10 of it was off by 5e-5 dB."""
+    assert metrics.sqnr_of_ratio(1e-300, 1e20) == pytest.approx(-3200.0, rel=1e-13)
