@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from .parallel import map_in_waves
 from .passindex import PassIndex
 from .runs import RunWarning, list_runs, select_run
 from .stats import STAT_NAMES
+from .terminal import warn
 
 if TYPE_CHECKING:  # for annotations and completion only; diff imports this module
     from .diff import Diff
@@ -108,9 +108,9 @@ class DumpSet:
             rules = DimsRules(dims, what="DumpSet.open(dims=...)")
         chosen, runs = select_run(path, run)
         if run is None and len(runs) > 1:
-            warnings.warn(f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
-                          f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
-                          "lists them)", RunWarning, stacklevel=2)
+            warn(f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
+                 f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
+                 "lists them)", RunWarning, stacklevel=2)
         folders = chosen.folders
         passes: dict[tuple[int, int], PassIndex] = {}
         skipped = []
@@ -124,7 +124,7 @@ class DumpSet:
                     if on_error == "raise":
                         raise
                     skipped.append(str(exc))
-                    warnings.warn(f"skipping unreadable pass: {exc}", RuntimeWarning, stacklevel=2)
+                    warn(f"skipping unreadable pass: {exc}", RuntimeWarning, stacklevel=2)
                     continue
                 if files.tensors is None and not pi.stats_only:
                     continue  # sidecar written, pass file not yet: a pass in progress

@@ -32,12 +32,12 @@ import secrets
 import shutil
 import socket
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .format import RANK_DIR_RE, DumpFormatError, RankFolder, atomic_write, scan_rank_folder
 from .regularfile import open_regular
+from .terminal import warn
 
 RUN_FILENAME = "run.json"
 _MANIFEST_BYTES = 1 << 16  # a manifest is ~300 bytes; a longer run.json is not one
@@ -155,13 +155,13 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
     if overwrite:
         for p in others:
             shutil.rmtree(p, ignore_errors=True)
-        warnings.warn(f"tdinspect: overwrite=True removed {len(others)} earlier run folder(s) from "
-                      f"{dump_dir}: {names}", RunWarning, stacklevel=6)
+        warn(f"tdinspect: overwrite=True removed {len(others)} earlier run folder(s) from "
+             f"{dump_dir}: {names}", RunWarning, stacklevel=6)
     else:
-        warnings.warn(f"tdinspect: {dump_dir} already holds {len(others)} earlier run(s) of rank "
-                      f"{rank} ({names}); this capture is a new run in {folder.name}, kept apart "
-                      "(DumpSet.open opens the newest run, run=-2 the one before; overwrite=True "
-                      "replaces earlier runs)", RunWarning, stacklevel=6)
+        warn(f"tdinspect: {dump_dir} already holds {len(others)} earlier run(s) of rank "
+             f"{rank} ({names}); this capture is a new run in {folder.name}, kept apart "
+             "(DumpSet.open opens the newest run, run=-2 the one before; overwrite=True "
+             "replaces earlier runs)", RunWarning, stacklevel=6)
 
 
 def read_manifest(folder: Path) -> dict | None:

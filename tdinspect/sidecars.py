@@ -34,12 +34,12 @@ import hashlib
 import json
 import math
 import os
-import warnings
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 from .format import DumpFormatError
+from .terminal import warn
 from .zipindex import ZipIndex, read_index
 
 _BINDING = b',"binding":'
@@ -85,8 +85,8 @@ def mismatch(raw: bytes, doc: dict, pass_file: Path, index: ZipIndex | None = No
 
 
 def warn_ignored(path: Path, reason: str) -> None:
-    warnings.warn(f"tdinspect: {path}: sidecar {reason}; ignored, facts are recomputed from the "
-                  "tensors", RuntimeWarning, stacklevel=4)
+    warn(f"tdinspect: {path}: sidecar {reason}; ignored, facts are recomputed from the "
+         "tensors", RuntimeWarning, stacklevel=4)
 
 
 _INT64 = 1 << 63  # torch and numpy count elements in int64

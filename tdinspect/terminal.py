@@ -83,6 +83,15 @@ class _Visible:
         return getattr(self._stream, name)
 
 
+def warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` with the message through :func:`visible`: paths and names from a
+    dump reach a notebook's or script's stderr as escapes, as the CLI's output does.
+    ``stacklevel`` counts from the caller, as for ``warnings.warn``."""
+    import warnings
+
+    warnings.warn(visible(message), category, stacklevel=stacklevel + 1)
+
+
 @contextlib.contextmanager
 def visible_streams():
     """``sys.stdout`` and ``sys.stderr`` through :func:`visible` for the duration."""

@@ -465,3 +465,29 @@ def test_records_at_any_byte_offset_read_as_torch_load_reads_them(tmp_path, dtyp
         assert ds.diff(folder.parent).first_divergence() is None
     assert {read_plain(tmp_path / f"pad{p}" / "rank0_pid1" / "pass00000.pt")[2]["model.a"]
             .data_ptr() % dtype.itemsize for p in (1, 2, 3, 5)} != {0}  # some are misaligned
+
+
+def test_warnings_show_names_from_the_dump_as_escapes(tmp_path):
+    """A warning's text reaches a notebook's stderr raw (the CLI escapes its own streams):
+    a folder name with ESC must not clear the screen through 'skipping unreadable pass'."""
+    import warnings
+
+    from tdinspect.dumper.recorder import Recorder
+
+    root = tmp_path / "run\x1b[2J\x07"
+    rec = Recorder(root, level="module")
+    for p in range(2):
+        rec.record("m.x", torch.ones(3) * p, module_type="Linear")
+        rec.step()
+    rec.close()
+    broken = sorted(root.rglob("pass00001.pt"))[0]
+    broken.write_bytes(b"not a zip archive")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DumpSet.open(root, on_error="warn")
+    texts = [str(w.message) for w in caught if "skipping unreadable pass" in str(w.message)]
+    assert texts, [str(w.message) for w in caught]
+    assert all("\x1b" not in t and "\x07" not in t for t in texts)
+    assert "\\x1b[2J" in texts[0] or "\\x1b" in texts[0], texts[0]
+    # the warning still points at the caller's line, not at tdinspect's helper
+    assert {w.filename for w in caught if "skipping" in str(w.message)} == {__file__}
