@@ -372,7 +372,7 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
         outside = [(p, m) for p, m in _AUDIT.opened  # lazily imported modules aside
                    if not p.startswith(str(root)) and not p.endswith((".py", ".pyc", ".so"))
                    and not p.startswith((sys.prefix, sys.base_prefix, "/proc/", "/sys/",
-                                         "/usr/share/zoneinfo/"))]  # dask's system probes
+                                         "/usr/share/zoneinfo/"))]  # CPU count probes, time zones
         assert not outside, outside
         assert not any(p.startswith(str(canary)) for p, _ in _AUDIT.opened)
         assert not any(isinstance(m, str) and set(m) & set("wax+") and not p.startswith(str(dump))
