@@ -43,6 +43,7 @@ from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_t
 from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
+from .passframes import PassFrames, typed_columns
 from .passindex import PassIndex
 from .smallpairs import compare_batch, pass_spans, small_plain
 from .terminal import visible
@@ -518,7 +519,7 @@ class Diff:
         signatures per pass (honest lists of what did not match).
     client : dask.distributed.Client, optional
         Run the per-pass comparisons on this cluster (default: ``a.client``,
-        else dask's local threads).
+        else a local thread pool, :mod:`tdinspect.parallel`).
     chunk : int
         Elements converted at a time when a pair needs a dtype conversion or
         a copy (bounds memory for huge tensors).
@@ -576,8 +577,9 @@ class Diff:
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
         self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
         self._want_stats_rel = False  # tensor mode: statistics compared once that is asked for
-        # one DataFrame per pass read (~560 B an entry; row dictionaries took ~1.1 KB)
-        self._results: dict[tuple[int, int], pd.DataFrame] = {}
+        # one DataFrame per pass read, kept as typed columns until asked for (~560 B an
+        # entry; row dictionaries took ~1.1 KB)
+        self._results = PassFrames()
         self.passes_read: list[tuple[int, int]] = []
 
     # -- jobs ---------------------------------------------------------------------------
@@ -603,19 +605,23 @@ class Diff:
 
         ``rows`` is a DataFrame with :data:`COLUMNS`, in the pass's execution order.
         """
+        for k in self._computed(growing):
+            if self._want_stats_rel and self.mode == "tensor":
+                self._fill_stats_rel(k, self._results[k])
+            yield k, self._results[k]
+
+    def _computed(self, growing: bool = False) -> Iterator[tuple[int, int]]:
+        """Every ``(rank, pass)`` in order, once its rows are in ``_results`` (computed in
+        waves where not cached), without building its frame."""
         jobs = self._jobs()
         todo = [j for j in jobs if (j.rank, j.pass_) not in self._results]
         computed = self._compute(todo, growing)
         for job in jobs:
             k = (job.rank, job.pass_)
             if k not in self._results:
-                frame = pd.DataFrame(next(computed), columns=COLUMNS)
-                frame["upstream"] = upstream_of(frame["dtype_a"], frame["dtype_b"])
-                self._results[k] = frame
+                self._results.store(k, _pass_rows(next(computed)))
                 self.passes_read.append(k)
-            if self._want_stats_rel and self.mode == "tensor":
-                self._fill_stats_rel(k, self._results[k])
-            yield k, self._results[k]
+            yield k
 
     def _fill_stats_rel(self, k: tuple[int, int], rows: pd.DataFrame) -> None:
         """``stats_rel`` of compared tensor entries (from the sidecars' statistics, or
@@ -927,9 +933,12 @@ class Diff:
         """
         from .progress import bar
 
-        frames = [rows for _, rows in bar(self.iter_passes(), progress, total=len(self._jobs()),
-                                          desc="diff")]
-        frames = [f for f in frames if len(f)]
+        keys = list(bar(self._computed(), progress, total=len(self._jobs()), desc="diff"))
+        if not (self._want_stats_rel and self.mode == "tensor"):
+            whole = self._results.joined(keys)  # one frame, not one a pass and their concat
+            if whole is not None:
+                return whole
+        frames = [f for _, f in self.iter_passes() if len(f)]  # cached now: nothing computed
         if not frames:
             return pd.DataFrame(columns=COLUMNS)
         return pd.concat(frames, ignore_index=True)
@@ -1227,6 +1236,18 @@ class Thresholds:
                     values.setdefault(source[6:], value)
         shown = "; ".join(f"{d} {_thr_text(v)}" for d, v in values.items())
         return f"{self.given()} ({rule}" + (f": {shown}" if shown else "") + ")"
+
+
+def _pass_rows(rows: list[dict[str, Any]]):
+    """One pass's rows as :data:`COLUMNS` plus ``upstream``: typed columns
+    (:mod:`tdinspect.passframes`), or the DataFrame pandas makes of them where they mix kinds."""
+    columns = typed_columns(rows, COLUMNS)
+    if columns is None:
+        frame = pd.DataFrame(rows, columns=COLUMNS)
+        frame["upstream"] = upstream_of(frame["dtype_a"], frame["dtype_b"])
+        return frame
+    columns["upstream"] = upstream_of(columns["dtype_a"], columns["dtype_b"])
+    return columns
 
 
 def upstream_of(dtype_a, dtype_b) -> np.ndarray:
