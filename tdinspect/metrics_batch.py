@@ -36,12 +36,15 @@ import numpy as np
 import torch
 
 from .kernels import UINT_OF, decoded, segment_sums
-from .metrics import _IDENTICAL, _TINY_SUMS, sqnr_of_ratio, tolerances
+from .metrics import _FLOAT8_RTOL, _IDENTICAL, _TINY_SUMS, sqnr_of_ratio, tolerances
 
 # the dtypes a batch takes, with the numpy dtype of their stored elements (or raw bits) and
-# the name segment_sums' decoder knows them by
+# the name segment_sums' decoder knows them by (float8: every code through decode_table,
+# as a float8 pair alone is decoded)
 BATCHED = {torch.float32: (np.float32, None), torch.float64: (np.float64, None),
-           torch.bfloat16: (np.uint16, "bfloat16"), torch.float16: (np.uint16, "float16")}
+           torch.bfloat16: (np.uint16, "bfloat16"), torch.float16: (np.uint16, "float16"),
+           **{getattr(torch, name): (np.uint8, name) for name in _FLOAT8_RTOL
+              if isinstance(getattr(torch, name, None), torch.dtype)}}
 
 
 def compare_segments(x: np.ndarray, y: np.ndarray, starts: np.ndarray,

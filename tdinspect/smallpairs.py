@@ -24,6 +24,7 @@ import torch
 from . import kernels
 from .align.args import arg_difference
 from .align.logical import LogicalPass
+from .metrics import _CODED
 from .metrics_batch import BATCHED, compare_segments
 from .rawspans import element_starts
 
@@ -120,8 +121,8 @@ def _flat(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
     if type(t) is not torch.Tensor or t.dtype != dtype or t.layout != torch.strided \
             or not t.is_contiguous():
         return None
-    if dtype in (torch.bfloat16, torch.float16):
-        t = t.view(torch.uint16)
+    if dtype in _CODED:  # bfloat16, float16, float8: their bits
+        t = t.view(_CODED[dtype])
     return t.numpy().reshape(-1)
 
 
