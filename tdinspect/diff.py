@@ -45,6 +45,7 @@ from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, map_in_waves
 from .passframes import PassFrames, typed_columns
 from .passindex import PassIndex
+from .plainpairs import compare_plain, plain_dtypes
 from .smallpairs import compare_batch, pass_spans, small_plain
 from .terminal import visible
 
@@ -348,10 +349,12 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
     def loaded_b():
         return loaded("b", pb)
 
-    rows, batch, single = [], [], []
-    # small plain pairs wait to be compared together (tdinspect.smallpairs): same numbers
-    small_a, small_b = (small_plain(p) if job.mode == "tensor" and p is not None
-                        else None for p in (pa, pb))
+    rows, batch, plain, single = [], [], [], []
+    # small plain pairs wait to be compared together (tdinspect.smallpairs), larger ones are
+    # read straight from the files' bytes (tdinspect.plainpairs): same numbers
+    small_a, small_b, plain_a, plain_b = (
+        find(p) if job.mode == "tensor" and p is not None else None
+        for find in (small_plain, plain_dtypes) for p in (pa, pb))
     for ia, ib, order in _pairs(pa, pb, job.keep, job.align, job.mapping):
         ref, idx = (pa, ia) if ia is not None else (pb, ib)
         key = ref.keys[idx]
@@ -371,15 +374,19 @@ def compare_pass(job: PassJob) -> list[dict[str, Any]]:
         if small_a is not None and small_a[ia] is not None and small_a[ia] == small_b[ib] \
                 and pa.shape[ia] == pb.shape[ib] and transform is None:
             batch.append((row, ia, ib))
+        elif plain_a is not None and plain_a[ia] is not None and plain_a[ia] == plain_b[ib] \
+                and pa.shape[ia] == pb.shape[ib] and transform is None:
+            plain.append((row, ia, ib))
         else:
             single.append((row, ia, ib, transform))
-    if batch:
+    if batch or plain:
         spans = [pass_spans(pa), pass_spans(pb)]
         for side, found in zip("ab", spans):
             if found is not None:  # the other pairs read these records too (no second read)
                 files[side] = found[2]
-        left = compare_batch(batch, pa, pb, [s if s is not None else f for s, f in
-                                             zip(spans, (loaded_a, loaded_b))])
+        sources = [s if s is not None else f for s, f in zip(spans, (loaded_a, loaded_b))]
+        left = compare_batch(batch, pa, pb, sources) if batch else []
+        left += compare_plain(plain, pa, pb, sources)
         single += [(row, ia, ib, None) for row, ia, ib in left]
     for row, ia, ib, transform in single:
         compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),

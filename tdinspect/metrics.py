@@ -117,7 +117,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels import EPS, NUMBA_MIN_BYTES, PairSums, pair_sums
+from .kernels import EPS, NUMBA_MIN_BYTES, UINT_OF, PairSums, pair_sums
 from .stats import broadcast_dims, first_slice
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
@@ -360,6 +360,79 @@ _CODED = {dt: torch.uint8 if torch.empty((), dtype=dt).element_size() == 1 else 
                                                       if hasattr(torch, n)))}
 
 
+# every dtype compared as stored when both sides have it (no copy): the numpy dtype of its
+# elements as the kernel reads them (narrow floats: their bits) and the kernel's codec name
+STORED = {torch.float32: (np.float32, None), torch.float64: (np.float64, None),
+          **{dt: (UINT_OF[dt.itemsize], str(dt).removeprefix("torch.")) for dt in _CODED}}
+
+
+def stored_metrics(x: np.ndarray, y: np.ndarray, dtype: torch.dtype) -> tuple[
+        dict[str, float] | None, PairSums | None]:
+    """:func:`compare_tensors` of two flat, non-empty arrays of one dtype of :data:`STORED`,
+    as stored (``x`` the compared side, ``y`` the reference), where its plain course
+    settles them: ``(metrics, None)``; else ``(None, the kernel's sums)`` (NaN/Inf, float64
+    sums beyond range, ``Σxy`` to sum directly: :func:`compare_tensors`' other steps).
+
+    The one per-pair computation of :func:`compare_tensors` for contiguous tensors of one
+    dtype, and of :mod:`tdinspect.plainpairs` on a pass file's bytes: the same bits either
+    way.
+
+    Examples
+    --------
+    >>> y = np.array([1.0, 2.0], np.float32)
+    >>> stored_metrics(np.array([1.0, 2.5], np.float32), y, torch.float32)[0]["max_abs"]
+    0.5
+    """
+    out = dict.fromkeys(TENSOR_METRICS, math.nan)
+    out["nonfinite_mismatch"] = 0.0
+    if equal_bytes(x.view(np.uint8), y.view(np.uint8)):
+        out.update(_IDENTICAL)
+        return out, None
+    rtol, atol = tolerances(dtype, dtype)
+    s = pair_sums(x, y, rtol=rtol, atol=atol, codes=STORED[dtype][1])
+    found = settled(s, dtype == torch.float64)
+    if found is None:
+        return None, s
+    out.update(found)
+    return out, None
+
+
+def settled(s: PairSums, wide: bool) -> dict[str, float] | None:
+    """:func:`compare_tensors`' metrics from the sums of a pair of one float dtype that is not
+    bitwise equal (``wide``: float64), or ``None`` where it takes a special road: a NaN or
+    Inf (masked), float64 sums out of range (rescaled), ``Σxy`` summed directly."""
+    if not (math.isfinite(s.sxx) and math.isfinite(s.syy)):
+        return None
+    if wide and needs_rescaling(s):
+        return None
+    sxy = sxy_derived(s)
+    return None if sxy is None else _from_sums(s, sxy)
+
+
+def _stored_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """Two non-empty dense contiguous CPU tensors of one dtype of :data:`STORED` as flat numpy
+    arrays of what they store (no copy), else ``None``."""
+    if x.dtype != y.dtype or not x.numel():
+        return None
+    xs, ys = as_stored(x, x.dtype), as_stored(y, x.dtype)
+    return None if xs is None or ys is None else (xs, ys)
+
+
+def as_stored(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
+    """A dense contiguous CPU tensor of ``dtype`` (one of :data:`STORED`) as a flat numpy array
+    of what it stores (narrow floats: their bits; no copy), else ``None``."""
+    if t.dtype != dtype or dtype not in STORED or t.device.type != "cpu" \
+            or t.layout != torch.strided or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    bits = _CODED.get(dtype)
+    if bits is None and STORED[dtype][1] is not None:  # not handed as bits: the float32 copy
+        return None
+    try:
+        return (t if bits is None else t.view(bits)).detach().numpy().reshape(-1)
+    except (RuntimeError, TypeError):  # a size-1 dim of stride 0, which view() refuses
+        return None
+
+
 def _sums(xr: torch.Tensor, yr: torch.Tensor, dt: torch.dtype, rtol: float, atol: float,
           chunk: int, scale: float = 1.0, min_numba: int = NUMBA_MIN_BYTES) -> PairSums:
     """The kernel's sums of two flat tensors (times ``scale``), converted to ``dt`` a chunk
@@ -523,11 +596,18 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
     """
     if x.shape != y.shape:
         raise ValueError(f"shape mismatch: {list(x.shape)} vs {list(y.shape)}")
-    both = broadcast_dims(x) & broadcast_dims(y)  # broadcast on both sides: one copy says it all
-    x, y = first_slice(x, both), first_slice(y, both)
+    s = None
+    stored = _stored_pair(x, y)
+    if stored is not None:  # the usual pair, in few calls: one dtype, contiguous, as stored
+        found, s = stored_metrics(*stored, x.dtype)
+        if found is not None:
+            return found
+    else:
+        both = broadcast_dims(x) & broadcast_dims(y)  # broadcast on both sides: one copy says all
+        x, y = first_slice(x, both), first_slice(y, both)
     out = {k: math.nan for k in TENSOR_METRICS}
     out["nonfinite_mismatch"] = 0.0
-    if same_bits(x, y):  # the common case in same-backend runs: nothing to do
+    if s is None and same_bits(x, y):  # the common case in same-backend runs: nothing to do
         out.update(_IDENTICAL)
         return out
     rtol, atol = tolerances(x.dtype, y.dtype)
@@ -536,7 +616,8 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, *, chunk: int = 1 << 18) -
         s, sxy = _integer_sums(xr, yr, chunk)
     else:
         dt = _compute_dtype(xr, yr)
-        s = _sums(xr, yr, dt, rtol, atol, chunk)
+        if s is None:  # (a stored pair's sums are these: the same call on the same arrays)
+            s = _sums(xr, yr, dt, rtol, atol, chunk)
         if not (math.isfinite(s.sxx) and math.isfinite(s.syy)):
             # A NaN/Inf somewhere (or float64 squares beyond its range): count where the sides
             # disagree, then compare only the elements finite on both. Finite tensors, the

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from .kernels import EPS, NUMBA_MIN_BYTES, UINT_OF, PairSums, decode_table
-from .metrics import (_CODED, _IDENTICAL, TENSOR_METRICS, _compute_dtype, _from_sums, _sums,
-                      compare_tensors, metric, needs_rescaling, same_bits, sxy_derived, tolerances)
+from .metrics import (_CODED, _IDENTICAL, TENSOR_METRICS, _compute_dtype, _sums, compare_tensors,
+                      metric, same_bits, settled, tolerances)
 
 
 def _plain_float(dtype: torch.dtype) -> bool:
@@ -83,23 +83,11 @@ def compare_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
     for x, y in pieces:
         s += _sums(x.detach().reshape(-1), y.detach().reshape(-1), dt, rtol, atol, chunk,
                    min_numba=min_numba)
-    row = _settled(s, dt == torch.float64)
+    row = settled(s, dt == torch.float64)
     if row is None:
         return None
     out.update(row)
     return out
-
-
-def _settled(s: PairSums, wide: bool) -> dict[str, float] | None:
-    """``compare_tensors``' metrics from the sums of a pair of one float dtype that is not
-    bitwise equal (``wide``: float64), or ``None`` where it takes a special road: a NaN or
-    Inf (masked), float64 sums out of range (rescaled), ``Σxy`` summed directly."""
-    if not (math.isfinite(s.sxx) and math.isfinite(s.syy)):
-        return None
-    if wide and needs_rescaling(s):
-        return None
-    sxy = sxy_derived(s)
-    return None if sxy is None else _from_sums(s, sxy)
 
 
 def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *,
@@ -198,7 +186,7 @@ class _Work:
             if same[j]:
                 values[j], slow[j] = _IDENTICAL[name], False
                 continue
-            row = _settled(PairSums(n, float(sxx[j]), float(syy[j]), float(sdd[j]),
+            row = settled(PairSums(n, float(sxx[j]), float(syy[j]), float(sdd[j]),
                                     float(sabs[j]), float(max_abs[j]), float(max_rel[j]),
                                     int(mismatch[j])), wide)
             if row is not None:

@@ -24,8 +24,8 @@ import torch
 from . import kernels
 from .align.args import arg_difference
 from .align.logical import LogicalPass
-from .metrics import _CODED
 from .metrics_batch import BATCHED, compare_segments
+from .plainpairs import plain_dtypes, stored_reader
 from .rawspans import element_starts
 
 GROUP_ELEMENTS = 1 << 16  # elements per side compared in one call (float64 temporaries in cache)
@@ -33,23 +33,13 @@ _NAMES = {str(dt): dt for dt in BATCHED}
 
 
 def small_plain(pi) -> list[torch.dtype | None]:
-    """Per entry of a pass: its dtype where it can join a batch, else ``None``."""
-    if isinstance(pi, LogicalPass) or pi.files.tensors is None:
-        return [None] * len(pi.keys)
+    """Per entry of a pass: its dtype where it can join a batch, else ``None``: a plain
+    entry (:func:`~tdinspect.plainpairs.plain_dtypes`) of a dtype of
+    :data:`~tdinspect.metrics_batch.BATCHED`, under :func:`~tdinspect.kernels.segment_limit`
+    bytes."""
     limit = kernels.segment_limit()
-    storage, skipped = pi.storage, pi.skipped
-    out = []
-    for i, dt in enumerate(pi.dtype):
-        dtype = _NAMES.get(dt)
-        ok = dtype is not None and pi.stored[i] and not pi.uninitialized[i] \
-            and (storage is None or storage[i] is None) \
-            and (skipped is None or not isinstance(skipped[i], str))
-        if ok:
-            shape = pi.shape[i]
-            numel = math.prod(shape) if isinstance(shape, list) else 0
-            ok = 0 < numel * dtype.itemsize < limit
-        out.append(dtype if ok else None)
-    return out
+    return [dt if dt in BATCHED and dt.itemsize * math.prod(shape) < limit else None
+            for dt, shape in zip(plain_dtypes(pi), pi.shape)]
 
 
 def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, sources) -> list:
@@ -58,7 +48,7 @@ def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, sources) -> list:
     passes' :func:`pass_spans`, or callables giving their loaded tensors."""
     left = []
     groups: dict[torch.dtype, list] = {}
-    read_a, read_b = (_reader(pi, src) for pi, src in zip((pa, pb), sources))
+    read_a, read_b = (stored_reader(pi, src) for pi, src in zip((pa, pb), sources))
     for row, ia, ib in pairs:
         dtype = _NAMES[pa.dtype[ia]]
         xa, xb = read_a(ia, dtype), read_b(ib, dtype)
@@ -76,23 +66,6 @@ def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, sources) -> list:
             left += _settle(members[start:stop], dtype, pa, pb)
             start = stop
     return left
-
-
-def _reader(pi, source):
-    """``read(i, dtype)``: entry ``i``'s elements as a flat numpy array (narrow floats as
-    their bits), or ``None`` (not a contiguous tensor of ``dtype``)."""
-    if callable(source):
-        tensors = source()
-        return lambda i, dtype: _flat(tensors[pi.keys[i]], dtype)
-    data, starts, _ = source
-
-    def read(i, dtype):
-        where = starts[i]
-        if where is None or where[2] != pi.dtype[i]:
-            return None
-        first, count, _ = where
-        return data[first:first + count * dtype.itemsize].view(BATCHED[dtype][0])
-    return read
 
 
 def pass_spans(pi) -> tuple[np.ndarray, list, Mapping] | None:
@@ -113,17 +86,6 @@ def pass_spans(pi) -> tuple[np.ndarray, list, Mapping] | None:
     for i, where in zip(rows, found.starts):
         starts[i] = where
     return found.data, starts, found.tensors()
-
-
-def _flat(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
-    """A stored tensor's elements as a 1-D numpy view (narrow floats as their bits), or
-    ``None`` unless it is a dense contiguous tensor of ``dtype``."""
-    if type(t) is not torch.Tensor or t.dtype != dtype or t.layout != torch.strided \
-            or not t.is_contiguous():
-        return None
-    if dtype in _CODED:  # bfloat16, float16, float8: their bits
-        t = t.view(_CODED[dtype])
-    return t.numpy().reshape(-1)
 
 
 def _settle(members: list, dtype: torch.dtype, pa, pb) -> list:

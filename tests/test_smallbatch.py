@@ -12,13 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tdinspect
 from tdinspect import DumpSet, kernels, metrics, metrics_batch, smallpairs
 from tdinspect.metrics import TENSOR_METRICS, compare_tensors
 from tdinspect.rawpass import layout, read_raw
 from tdinspect.rawspans import element_starts
 
-from .recorded import record_dump
+from .recorded import capture_llama, record_dump
 from .test_rawpass import BAD_LAYOUTS
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -158,6 +157,7 @@ def _tables(a, b, monkeypatch):
     batched = DumpSet.open(a).diff(b).table(progress=False)
     with monkeypatch.context() as m:
         m.setattr("tdinspect.diff.small_plain", lambda pi: [None] * len(pi.keys))
+        m.setattr("tdinspect.diff.plain_dtypes", lambda pi: [None] * len(pi.keys))
         single = DumpSet.open(a).diff(b).table(progress=False)
     return batched, single, sum(seen)
 
@@ -199,17 +199,7 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
 
     def run(name, change=None, dtype=torch.float32, **live):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = transformers.LlamaForCausalLM(config).eval().to(dtype)
-        if change:
-            with torch.no_grad():
-                model.get_parameter(change).mul_(1.01)
-        with tdinspect.capture(model, name and tmp_path / name, **live) as cap, torch.no_grad():
-            for _ in range(2):
-                model(ids)
-                cap.step()
-        return cap.live.table() if live else tmp_path / name
+        return capture_llama(config, ids, name and tmp_path / name, change, dtype, **live)
 
     ref, bf16 = run("ref"), run("bf16", dtype=torch.bfloat16)
     norm = "model.layers.1.post_attention_layernorm.weight"
