@@ -368,5 +368,7 @@ def pair_sums(x: np.ndarray, y: np.ndarray, *, rtol: float, atol: float,
     codec = "value" if codes is None else codes if codes in _ARITHMETIC else "table"
     if codec == "table":
         lut = decode_table(codes)
+    # contiguous (a no-op for callers keeping the contract): bfloat16 is read a word at a time
+    x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
     out = _numba_kernels()[codec](x, y, float(rtol), float(atol), EPS, lut)
     return PairSums(x.shape[0], *(float(v) for v in out[:6]), int(out[6]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -238,15 +239,20 @@ def test_every_dtype_decoded_in_the_loop_agrees_with_the_definitions(n, dtype, s
         assert (math.isfinite(s.sxx), math.isfinite(s.syy)) == (x_finite, y_finite), backend
 
 
-def _decoded_one_by_one(kernel, codes: np.ndarray) -> np.ndarray:
-    """Each code's value as a compiled kernel decodes it, read back from the sums of 16 copies
-    against 16 copies of its absolute value: Σx² = 16v² (magnitude), Σ(x-y)² = 64v² for a
-    negative v and 0 for a positive one (sign)."""
+def _decoded_one_by_one(kernel, codes: np.ndarray, n: int = 16, first: int = 0) -> np.ndarray:
+    """Each code's value as a compiled kernel decodes it, read back from the sums of k copies
+    at every other element from ``first`` (zeros between) against k copies of its absolute
+    value: Σx² = k·v² (magnitude), Σ(x-y)² = 4k·v² for a negative v and 0 for a positive
+    one (sign). 16 elements take the loop's tail, a block its vectorised body (bfloat16 two
+    elements a 32-bit word: ``first`` 0 and 1 decode each half)."""
     out = np.empty(codes.shape[0])
     top = codes.dtype.type(1 << (8 * codes.dtype.itemsize - 1))
+    x, y = np.zeros(n, codes.dtype), np.zeros(n, codes.dtype)
+    k = x[first::2].shape[0]
     for i, c in enumerate(codes):
-        sxx, _, sdd = kernel(np.full(16, c), np.full(16, c & ~top), 0.0, 0.0, 1e-12, None)[:3]
-        v = math.sqrt(sxx / 16)
+        x[first::2], y[first::2] = c, c & ~top
+        sxx, _, sdd = kernel(x, y, 0.0, 0.0, 1e-12, None)[:3]
+        v = math.sqrt(sxx / k)
         out[i] = -v if sdd > 0 else v  # -inf - inf = -inf; inf - inf = NaN
     return out
 
@@ -266,12 +272,14 @@ def test_every_bit_pattern_decodes_as_torch_reads_it(dtype):
     decoders = {False: fused_loop.compile_kernels(cache=False, f16c=False)[name]}
     if dtype in (torch.float16, torch.float8_e5m2) and fused_loop.has_f16c():
         decoders[True] = fused_loop.compile_kernels(cache=False, f16c=True)[name]
-    for f16c, kernel in decoders.items():
-        got = _decoded_one_by_one(kernel, codes)
+    places = ((16, 0), (fused_loop.BLOCK, 0), (fused_loop.BLOCK, 1))  # tail, body's halves
+    for (f16c, kernel), (n, first) in itertools.product(decoders.items(), places):
+        got = _decoded_one_by_one(kernel, codes, n, first)
         nan = np.isnan(want)
-        assert (np.isnan(got) == nan).all(), f16c
+        assert (np.isnan(got) == nan).all(), (f16c, n, first)
         # values and infinities exactly (zero's sign does not reach any sum)
-        assert (got[~nan] == want[~nan]).all(), (f16c, codes[~nan][got[~nan] != want[~nan]][:5])
+        wrong = codes[~nan][got[~nan] != want[~nan]][:5]
+        assert (got[~nan] == want[~nan]).all(), (f16c, n, first, wrong)
     chunk = np.empty(codes.shape[0])
     with np.errstate(invalid="ignore"):  # signalling NaNs quieted by the cast
         kernels._numpy_decoder(name)(codes, chunk, np.empty(codes.shape[0], np.uint32))
@@ -366,6 +374,57 @@ def test_max_rel_divides_only_where_a_quotient_may_win_and_stays_exact():
     assert oracle(*edge, 0, 0)["max_rel"] == 3.9284588074743034 > 3.928458807474303  # the case bites
 
 
+def _word_halves_case() -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """float32 values, exact in bfloat16, whose largest quotient moves from one half of a
+    bfloat16 word to the other and back, block after block (one lane passes the filter each
+    time: both elements of its words divided one at a time); and the ends of prefixes each
+    of whose largest quotient is a later one of these."""
+    from tdinspect.fused_loop import BLOCK
+
+    n = 12 * BLOCK + 37
+    x, y = np.ones(n, np.float32), np.ones(n, np.float32)  # quotient 0: no lane passes
+    ends = []
+
+    def put(block, at, xv, yv=1.0):
+        x[block * BLOCK + at], y[block * BLOCK + at] = xv, yv
+        ends.append((block + 1) * BLOCK + 5)
+
+    # each quotient at most 1.34 times the one before: a filter off by a factor 1.34 misses
+    put(0, 3, 1 + 2.0 ** -6)  # 0.0156, a word's second element
+    put(2, 11, 1.5 + 2.0 ** -5, 1.5)  # 0.0208, second
+    put(3, 18, 1 + 3 * 2.0 ** -7)  # 0.0234, first
+    put(6, 40, 1.5 + 5 * 2.0 ** -7, 1.5)  # 0.0260, first
+    put(10, 77, 1 + 4 * 2.0 ** -7)  # 0.0312, second
+    put(11, 100, 1.5 + 8 * 2.0 ** -7, 1.5)  # 0.0417, first
+    return x, y, ends
+
+
+def test_bfloat16_read_a_word_at_a_time_keeps_max_rel_exact():
+    """bfloat16 is read two elements a 32-bit word, a lane holding neighbours: each planted
+    quotient, the largest of its prefix, must be found in either half of a word (bit for bit
+    a division per element); a strided pair gives what its contiguous copy does."""
+    x, y, ends = _word_halves_case()
+    xb, yb = (torch.from_numpy(t).to(torch.bfloat16) for t in (x, y))
+    assert (xb.float().numpy() == x).all() and (yb.float().numpy() == y).all()
+    xb, yb = xb.view(torch.uint16).numpy(), yb.view(torch.uint16).numpy()
+    found = []
+    for end in [*ends, x.shape[0]]:
+        ref = oracle(x[:end], y[:end], 1e-3, 1e-12)
+        found.append(ref["max_rel"])
+        for codes, a, b in ((None, x, y), ("bfloat16", xb, yb)):
+            s = kernels.pair_sums(a[:end], b[:end], rtol=1e-3, atol=1e-12, backend="numba",
+                                  min_numba=0, codes=codes)
+            want = (ref["max_abs"], ref["max_rel"], ref["mismatch"])
+            assert (s.max_abs, s.max_rel, s.mismatch) == want, (codes, end)
+    assert found[:-1] == sorted(set(found[:-1])) and found[-1] == found[-2] == 8 * 2.0 ** -7 / 1.5
+    for first in (0, 1):  # every other element: the words' first halves, then their second
+        ref = oracle(x[first::2], y[first::2], 1e-3, 1e-12)
+        s = kernels.pair_sums(xb[first::2], yb[first::2], rtol=1e-3, atol=1e-12, backend="numba",
+                              min_numba=0, codes="bfloat16")
+        assert (s.max_abs, s.max_rel, s.mismatch) == (ref["max_abs"], ref["max_rel"], ref["mismatch"])
+        assert ref["mismatch"] == 3
+
+
 def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
     """For a CPU without FMA (``NUMBA_CPU_NAME=generic``) the filter's product is rounded:
     its margin must still keep every winning quotient (a fresh process, compiled for it)."""
@@ -374,11 +433,15 @@ def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
     import subprocess
     import sys
 
-    code = ("import json, numpy as np; from tdinspect import fused_loop, kernels; "
-            "from tests.test_kernels import _max_rel_cases; "
-            "k = fused_loop.compile_kernels(cache=False)['value']; "
-            "print(json.dumps({n: [float(v) for v in k(x, y, 1e-3, 1e-12, kernels.EPS, None)[4:]] "
-            "for n, (x, y) in _max_rel_cases().items() if x.dtype == np.float64}))")
+    code = ("import json, numpy as np, torch; from tdinspect import fused_loop, kernels; "
+            "from tests.test_kernels import _word_halves_case, _max_rel_cases; "
+            "ks = fused_loop.compile_kernels(cache=False); k = ks['value']; "
+            "got = {n: [float(v) for v in k(x, y, 1e-3, 1e-12, kernels.EPS, None)[4:]] "
+            "for n, (x, y) in _max_rel_cases().items() if x.dtype == np.float64}; "
+            "b = [torch.from_numpy(t).to(torch.bfloat16).view(torch.uint16).numpy() "
+            "for t in _word_halves_case()[:2]]; "
+            "got['bfloat16'] = [float(v) for v in ks['bfloat16'](*b, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
+            "print(json.dumps(got))")
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
@@ -389,3 +452,5 @@ def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
         if x.dtype == np.float64:
             ref = oracle(x, y, 1e-3, 1e-12)
             assert got[name] == [ref["max_abs"], ref["max_rel"], ref["mismatch"]], name
+    ref = oracle(*_word_halves_case()[:2], 1e-3, 1e-12)  # bfloat16 words, portably
+    assert got["bfloat16"] == [ref["max_abs"], ref["max_rel"], ref["mismatch"]]
