@@ -28,6 +28,9 @@ _KINDS = ((frozenset({float, np.float64}), np.float64), (frozenset({int, np.int6
           (frozenset({bool, np.bool_}), np.bool_), (frozenset({str}), object))
 
 Columns = dict  # column name -> numpy array, one element a row
+# rows of a pass taken a column at a time at most: beyond, pandas' own loop over the rows is
+# faster (one pass of 2,000 rows: 2.7 ms either way; 10^5 rows: 0.21 s here, 0.17 s pandas)
+MAX_ROWS = 1024
 
 
 def typed_columns(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> Columns | None:
@@ -36,9 +39,10 @@ def typed_columns(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> Colum
     A column of floats is float64, of ints int64, of bools bool, of strings an
     object array (pandas makes it its string dtype, as it does from rows). None
     when there are no rows or a column mixes kinds: only pandas' own inference
-    from the rows then says what the column becomes.
+    from the rows then says what the column becomes; None too beyond
+    :data:`MAX_ROWS` rows, where pandas' compiled loop over the rows is faster.
     """
-    if not rows:
+    if not rows or len(rows) > MAX_ROWS:
         return None
     columns = {}
     for name in names:

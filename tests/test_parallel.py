@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tdinspect.diff as diff_module
-from tdinspect import DumpSet, parallel
+from tdinspect import DumpSet, parallel, passframes
 from tdinspect.diff import COLUMNS, ROW_METRICS, compare_pass, upstream_of
 from tdinspect.passframes import frame_of, typed_columns
 
@@ -131,10 +131,15 @@ def _assert_same(got, expected):
                                   check_column_type=True)
 
 
-@pytest.mark.parametrize("other", ["wrong", "bf16"])
-def test_table_and_pass_frames_are_the_frames_pandas_makes_of_the_rows(runs, other):
+@pytest.mark.parametrize("other,max_rows", [("wrong", None), ("bf16", None), ("wrong", 3)])
+def test_table_and_pass_frames_are_the_frames_pandas_makes_of_the_rows(runs, other, max_rows,
+                                                                       monkeypatch):
+    if max_rows is not None:  # passes over MAX_ROWS rows: pandas' frames, then their concat
+        monkeypatch.setattr(passframes, "MAX_ROWS", max_rows)
     d = DumpSet.open(runs["ref"]).diff(runs[other])
     table = d.table(progress=False)
+    held = [type(v) for v in d._results._data.values()]  # the road each pass took
+    assert held == [pd.DataFrame if max_rows else dict] * 3
     text = pd.Series(["x"]).dtype  # pandas' string dtype (object before pandas 3)
     expected = {"rank": "int64", "pass": "int64", "op": text, "call": "int64", "order": "float64",
                 "key": text, "key_b": text, "dtype_a": text, "dtype_b": text, "shape": text,
