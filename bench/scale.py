@@ -7,8 +7,9 @@ has small noise everywhere), then reports, in one run:
 - peak resident memory (VmHWM, each operation in a fresh process, imports of
   torch, xarray and pandas included: about 260 MB) of open,
   full diff and first_divergence;
-- diff throughput single-threaded, on dask's local threaded scheduler and on
-  a ``dask.distributed.LocalCluster`` (2 worker processes);
+- diff throughput single-threaded, on the local thread pool
+  (:mod:`tdinspect.parallel`) and on a ``dask.distributed.LocalCluster``
+  (2 worker processes);
 - first_divergence with the divergence at pass 0, in the middle and at the
   last pass, as a fraction of the full diff of the same pair (variants share
   the reference's files through symbolic links, except the perturbed pass).
@@ -104,8 +105,8 @@ def main() -> None:
         A = DumpSet.open(a)
         A.diff(b).first_divergence()  # untimed: loads the kernel (once per process) and pass 0
         timings = {}
-        # one pass pair at a time runs inline, on this thread; the default wave uses dask threads
-        for name, in_flight in (("single thread", 1), ("dask threads", None)):
+        # one pass pair at a time runs inline, on this thread; the default wave uses the local pool
+        for name, in_flight in (("single thread", 1), ("local threads", None)):
             t0 = time.perf_counter()
             A.diff(b, passes_in_flight=in_flight).table(progress=False)
             timings[name] = time.perf_counter() - t0
