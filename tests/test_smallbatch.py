@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pandas as pd
@@ -110,6 +112,57 @@ def test_the_single_path_sums_in_the_batch_order():
     d = x[300:700] - y[300:700]
     assert alone.sdd == pytest.approx(math.fsum(d * d), rel=1e-14)
     assert alone.sabs == pytest.approx(math.fsum(abs(d)), rel=1e-14)
+
+
+def _batch(seed: int, codes: str | None):
+    """A batch of 64K-odd elements (a pass's group) of random pairs: ``(x, y, starts)``, as
+    stored (float32 values, or bfloat16 raw bits)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 40, size=3000)
+    y = torch.from_numpy(rng.standard_normal(int(lens.sum())) * (seed + 1))
+    x = y + 1e-3 * torch.from_numpy(rng.standard_normal(y.shape[0]))
+    if codes == "bfloat16":
+        x, y = (v.bfloat16().view(torch.uint16).numpy() for v in (x, y))
+    else:
+        x, y = x.float().numpy(), y.float().numpy()
+    return x, y, np.cumsum(np.r_[0, lens[:-1]]), codes
+
+
+def test_segment_sums_on_threads_at_once_each_get_their_own_answer():
+    """The float64 temporaries are this thread's own: two threads summing other data at
+    the same time (other sizes, other dtypes) each get the bits they get alone."""
+    batches = [_batch(0, None), _batch(1, "bfloat16")]
+    want = [kernels.segment_sums(x, y, st, 1e-3, 1e-5, codes) for x, y, st, codes in batches]
+    for (x, y, st, codes), w in zip(batches, want):  # and those are the definitions
+        x64, y64 = (kernels.decoded(v, codes) for v in (x, y))
+        d = x64 - y64
+        np.testing.assert_allclose(w[2], np.add.reduceat(d * d, st), rtol=1e-13)
+        np.testing.assert_array_equal(w[4], np.maximum.reduceat(np.abs(d), st))
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> list:
+        x, y, st, codes = batches[i]
+        got = []
+        for _ in range(30):
+            barrier.wait()
+            got.append(kernels.segment_sums(x, y, st, 1e-3, 1e-5, codes))
+        return got
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(2)))
+    for w, got in zip(want, results):
+        for g in got:
+            assert g.tobytes() == w.tobytes()
+
+
+def test_a_result_is_not_overwritten_by_a_later_call():
+    x, y, st, codes = _batch(2, None)
+    first = kernels.segment_sums(x, y, st, 1e-3, 1e-5, codes)
+    kept = first.copy()
+    for seed, codes in ((3, None), (4, "bfloat16")):
+        a, b, s, c = _batch(seed, codes)
+        kernels.segment_sums(a, b, s, 1e-3, 1e-5, c)
+    assert first.tobytes() == kept.tobytes()
 
 
 
