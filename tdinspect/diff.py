@@ -1260,14 +1260,14 @@ class Thresholds:
 def _pass_rows(rows: list[dict[str, Any]]):
     """One pass's rows as :data:`COLUMNS` plus ``upstream``: typed columns
     (:mod:`tdinspect.passframes`), or the DataFrame pandas makes of them where they mix kinds."""
-    with paused():  # as compare_pass: a list a column, an object a row in it
+    with paused():  # as compare_pass: a list or array a column, an object a row in it
         columns = typed_columns(rows, COLUMNS)
-    if columns is None:
-        frame = pd.DataFrame(rows, columns=COLUMNS)
-        frame["upstream"] = upstream_of(frame["dtype_a"], frame["dtype_b"])
-        return frame
-    columns["upstream"] = upstream_of(columns["dtype_a"], columns["dtype_b"])
-    return columns
+        if columns is None:
+            frame = pd.DataFrame(rows, columns=COLUMNS)
+            frame["upstream"] = upstream_of(frame["dtype_a"], frame["dtype_b"])
+            return frame
+        columns["upstream"] = upstream_of(columns["dtype_a"], columns["dtype_b"])
+        return columns
 
 
 def upstream_of(dtype_a, dtype_b) -> np.ndarray:
