@@ -23,6 +23,19 @@ BATCH, SEQ = 8, 128
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCK["wall"]
 
+# torch's OpenMP workers spin on after a parallel region: 8.9 ms of this process's CPU in a
+# 20 ms sleep after the floor's compare of 64 MB (2 threads, measured). A call timed right after
+# the floor found one of the two cores taken (a diff of 2 passes of one 16 MB bfloat16 pair:
+# 10.2 ms, against 6.8 ms after a 20 ms pause), while the floor, timed after our pool's threads
+# (which sleep at once), paid nothing. Every side-by-side round pauses this long before each
+# timed call, whichever side ran before it.
+SETTLE_S = 0.05
+
+
+def settle() -> None:
+    """Wait until the threads of the call before (torch's spinning OpenMP workers) are idle."""
+    time.sleep(SETTLE_S)
+
 
 @contextmanager
 def scratch_dir(name: str, under: str | None) -> Iterator[Path]:

@@ -7,7 +7,8 @@ Run: ``python bench/diff.py``. In one run, on files it writes and removes:
 2. diff throughput (bytes of both runs compared per second, all metrics)
    against the floor: ``torch.load(mmap=True, weights_only=True)`` both pass
    files and compute ``(a - b).abs().max()`` per pair, on the same files
-   (medians of ``--rounds`` alternating runs, both warmed first);
+   (medians of ``--rounds`` alternating runs, both warmed first, each timed
+   call after a pause for the threads of the one before: ``common.settle``);
 3. ``first_divergence`` with the divergence in pass 0 vs a full diff;
 4. the same ratio for float32, bfloat16, float16, float8_e4m3fn and
    float8_e5m2 dumps, tensors of ``--dtype-sizes`` bytes each (1 KB to 1 GB;
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import scratch_dir, synthetic_run as write_run  # noqa: E402
+from common import scratch_dir, settle, synthetic_run as write_run  # noqa: E402
 
 from tdinspect import DumpSet, kernels  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
@@ -99,7 +100,7 @@ def cheapest_compare(a: DumpSet, b: DumpSet):
     speeds = {}
     for compare in COMPARES:
         try:
-            speeds[compare] = max(floor_throughput(a, b, compare) for _ in range(2))
+            speeds[compare] = max(floor_throughput(a, b, compare, settled=True) for _ in range(2))
         except (RuntimeError, NotImplementedError):  # float8 has no subtraction
             continue
     return max(speeds, key=speeds.get), speeds
@@ -119,7 +120,8 @@ def alternate(a: DumpSet, b: DumpSet, rounds: int, compare) -> tuple[list, list,
     a.diff(b).table(progress=False)
     floors, times = [], []
     for _ in range(rounds):
-        floors.append(floor_throughput(a, b, compare))
+        floors.append(floor_throughput(a, b, compare, settled=True))
+        settle()
         t0 = time.perf_counter()
         a.diff(b).table(progress=False)
         times.append(time.perf_counter() - t0)
@@ -128,7 +130,13 @@ def alternate(a: DumpSet, b: DumpSet, rounds: int, compare) -> tuple[list, list,
     return floors, times, total
 
 
-def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff) -> float:
+def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff,
+                    settled: bool = False) -> float:
+    """Bytes per second of the floor: both pass files mapped by ``torch.load``, ``compare``
+    on each pair (``settled``: after :func:`common.settle`, as a side-by-side round times
+    each call)."""
+    if settled:
+        settle()
     t0 = time.perf_counter()
     total = 0
     for pa in a.pass_indexes():
@@ -289,7 +297,8 @@ def main() -> None:
         t_first = time.perf_counter() - t0
         floors, times = [], []
         for _ in range(args.rounds):  # side by side, alternating: drifts hit both alike
-            floors.append(floor_throughput(A, B))
+            floors.append(floor_throughput(A, B, settled=True))
+            settle()
             t0 = time.perf_counter()
             table = A.diff(B).table(progress=False)
             times.append(time.perf_counter() - t0)

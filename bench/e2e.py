@@ -24,7 +24,8 @@ and removes:
    ``tdinspect first-divergence`` (``sample_dumps/float32`` against
    ``wrong_layer``) against ``python -c "import torch"``, fresh processes.
 
-Rounds alternate floor and ours (drifts of a shared machine hit both alike);
+Rounds alternate floor and ours (drifts of a shared machine hit both alike), each
+timed call after a pause for the threads of the one before (``common.settle``);
 medians and minima are reported, with the load average.
 """
 
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import synthetic_run  # noqa: E402
+from common import settle, synthetic_run  # noqa: E402
 
 from tdinspect import DumpSet  # noqa: E402
 from tdinspect.rawpass import read_raw  # noqa: E402
@@ -120,6 +121,7 @@ def alternate(rounds: int, cases: dict) -> dict[str, list[float]]:
         fn()
     for _ in range(rounds):
         for name, fn in cases.items():
+            settle()  # torch's OpenMP workers of the call before spin on (common.settle)
             times[name].append(fn())
     return times
 
