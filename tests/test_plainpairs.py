@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 import struct
+import zipfile
 from unittest import mock
 
 import numpy as np
@@ -187,3 +189,58 @@ def test_big_entries_compared_live_have_the_offline_bits(tmp_path):
     assert len(live) > 10 and (offline["max_abs"] > 0).any()
     for col in TENSOR_METRICS:
         assert live[col].to_numpy(float).tobytes() == offline[col].to_numpy(float).tobytes(), col
+
+
+def _saved_at(folder, tensors: dict, residue: int) -> None:
+    """``torch.save(tensors)`` rewritten by zipfile into ``folder`` with its first record's data
+    at a file offset (so a mapped address: maps start on a page) ``residue`` mod 4, shifted
+    by a padding record before it."""
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    archive = zipfile.ZipFile(buf)
+    folder.mkdir(parents=True, exist_ok=True)
+    for pad in range(1, 5):
+        with zipfile.ZipFile(folder / "pass00000.pt", "w") as out:
+            for info in archive.infolist():
+                if "/data/" in info.filename:
+                    out.writestr("archive/" + "x" * pad, b"")  # shifts the records after it
+                out.writestr(info.filename, archive.read(info))
+        info = zipfile.ZipFile(folder / "pass00000.pt").getinfo("archive/data/0")
+        start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+        if start % 4 == residue:
+            return
+    raise AssertionError("no padding gave the residue")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e4m3fn])
+def test_differing_records_at_any_byte_offset_compare_as_torch_load_reads_them(tmp_path, dtype):
+    """Records another zip writer left at odd addresses (torch.save aligns them to 64 bytes),
+    compared on the plain road (bfloat16 read two elements a 32-bit load): the rows of
+    compare_tensors on torch.load's copies. A dump diffed against itself never reaches the
+    loops (its bytes are equal), so the two sides differ here: one side's records at an odd
+    address, the other's between two 32-bit words."""
+    n = 12 * N // dtype.itemsize + 1  # 3 * N float32 and more, odd: blocks and a tail run
+    roots, records = [], []
+    for seed in (1, 2):
+        base = _big(torch.Generator().manual_seed(seed), n + 7).to(dtype)
+        folder = tmp_path / f"d{seed}" / "rank0_pid1"
+        _saved_at(folder, {"m.whole": base, "m.offset": base[7:]}, seed)  # one record, 2 views
+        roots.append(folder.parent)
+        records.append(torch.load(folder / "pass00000.pt", weights_only=True))
+    seen = []
+    real = plainpairs.stored_metrics
+
+    def spy(x, y, dtype):
+        seen.append((x.ctypes.data % 4, y.ctypes.data % 4))
+        return real(x, y, dtype)
+
+    with mock.patch.object(plainpairs, "stored_metrics", spy):
+        plain = DumpSet.open(roots[0]).diff(roots[1]).table(progress=False)
+    skip = 7 * dtype.itemsize  # m.offset starts 7 elements in
+    assert seen == [(2, 1), ((2 + skip) % 4, (1 + skip) % 4)]  # the records where they lie
+    for key, row in plain.set_index("key").iterrows():
+        want = compare_tensors(records[1][key], records[0][key])
+        assert [struct.pack("<d", row[k]) for k in TENSOR_METRICS] == \
+            [struct.pack("<d", want[k]) for k in TENSOR_METRICS], key
+        assert 0 < row["max_abs"] < math.inf and not row["structural"]
