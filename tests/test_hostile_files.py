@@ -491,3 +491,32 @@ def test_warnings_show_names_from_the_dump_as_escapes(tmp_path):
     assert "\\x1b[2J" in texts[0] or "\\x1b" in texts[0], texts[0]
     # the warning still points at the caller's line, not at tdinspect's helper
     assert {w.filename for w in caught if "skipping" in str(w.message)} == {__file__}
+
+
+@pytest.mark.parametrize("shift", [1, 10, 40_000])
+def test_a_rebound_sidecar_never_reads_past_its_record(tmp_path, shift):
+    """A forged layout bound anew (the binding is no signature) that runs an entry past the
+    end of its zip record: the diff refuses it or reads as ``torch.load`` does, never the
+    bytes after the record (docs/reliability.md, below its table of hostile inputs)."""
+    from tdinspect.metrics import TENSOR_METRICS, compare_tensors
+
+    from .conftest import rewrite_sidecar
+    from .recorded import record_dump
+
+    files = []
+    for seed, side in ((0, "a"), (1, "b")):
+        g = torch.Generator().manual_seed(seed)
+        root = record_dump(tmp_path / side, [{"m.x": torch.randn(40_001, generator=g)}])
+        sidecar = next(root.rglob("pass00000.json"))
+        doc = json.loads(sidecar.read_text())
+        doc["entries"]["raw"][0][1] = shift  # the storage offset, in elements
+        rewrite_sidecar(sidecar, doc)
+        files.append(next(root.rglob("pass00000.pt")))
+    truth = [torch.load(f, weights_only=True)["m.x"] for f in files]
+    want = compare_tensors(truth[1], truth[0])
+    try:
+        row = DumpSet.open(tmp_path / "a").diff(tmp_path / "b").table(progress=False).iloc[0]
+    except DumpFormatError as exc:
+        assert "pass00000" in str(exc)
+        return
+    assert [row[k] for k in TENSOR_METRICS] == [want[k] for k in TENSOR_METRICS]
