@@ -364,9 +364,10 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
     rows, batch, plain, single = [], [], [], []
     # small plain pairs wait to be compared together (tdinspect.smallpairs), larger ones are
     # read straight from the files' bytes (tdinspect.plainpairs): same numbers
-    small_a, small_b, plain_a, plain_b = (
-        find(p) if job.mode == "tensor" and p is not None else None
-        for find in (small_plain, plain_dtypes) for p in (pa, pb))
+    plain_a, plain_b = (plain_dtypes(p) if job.mode == "tensor" and p is not None else None
+                        for p in (pa, pb))
+    small_a, small_b = (None if plain is None else small_plain(p, plain)
+                        for p, plain in ((pa, plain_a), (pb, plain_b)))
     for ia, ib, order in _pairs(pa, pb, job.keep, job.align, job.mapping):
         ref, idx = (pa, ia) if ia is not None else (pb, ib)
         key = ref.keys[idx]

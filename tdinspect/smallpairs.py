@@ -32,14 +32,14 @@ GROUP_ELEMENTS = 1 << 16  # elements per side compared in one call (float64 temp
 _NAMES = {str(dt): dt for dt in BATCHED}
 
 
-def small_plain(pi) -> list[torch.dtype | None]:
+def small_plain(pi, plain: list | None = None) -> list[torch.dtype | None]:
     """Per entry of a pass: its dtype where it can join a batch, else ``None``: a plain
-    entry (:func:`~tdinspect.plainpairs.plain_dtypes`) of a dtype of
-    :data:`~tdinspect.metrics_batch.BATCHED`, under :func:`~tdinspect.kernels.segment_limit`
-    bytes."""
+    entry (:func:`~tdinspect.plainpairs.plain_dtypes`, or ``plain`` when the caller has
+    it already) of a dtype of :data:`~tdinspect.metrics_batch.BATCHED`, under
+    :func:`~tdinspect.kernels.segment_limit` bytes."""
     limit = kernels.segment_limit()
     return [dt if dt in BATCHED and dt.itemsize * math.prod(shape) < limit else None
-            for dt, shape in zip(plain_dtypes(pi), pi.shape)]
+            for dt, shape in zip(plain_dtypes(pi) if plain is None else plain, pi.shape)]
 
 
 def compare_batch(pairs: list[tuple[dict, int, int]], pa, pb, sources) -> list:

@@ -355,7 +355,7 @@ def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch)
     monkeypatch.setattr(diff_module, "compare_tensors", nan_for_y)
     # pair by pair (small pairs are otherwise compared in one batch, plain ones straight from
     # the files' bytes: not by compare_tensors)
-    monkeypatch.setattr(diff_module, "small_plain", lambda pi: [None] * len(pi.keys))
+    monkeypatch.setattr(diff_module, "small_plain", lambda pi, plain=None: [None] * len(pi.keys))
     monkeypatch.setattr(diff_module, "plain_dtypes", lambda pi: [None] * len(pi.keys))
     div = DumpSet.open(a).diff(DumpSet.open(b)).first_divergence(threshold=1e-3)
     assert div is not None and div.key == "y" and div.reason == "rel_diff could not be computed"

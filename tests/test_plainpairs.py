@@ -73,7 +73,7 @@ def _tables(a, b):
 
     with mock.patch.object(plainpairs, "stored_metrics", spy):
         plain = DumpSet.open(a).diff(b).table(progress=False)
-    with mock.patch("tdinspect.diff.small_plain", lambda pi: [None] * len(pi.keys)), \
+    with mock.patch("tdinspect.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys)), \
             mock.patch("tdinspect.diff.plain_dtypes", lambda pi: [None] * len(pi.keys)):
         single = DumpSet.open(a).diff(b).table(progress=False)
     return plain, seen, single

@@ -209,7 +209,7 @@ def _tables(a, b, monkeypatch):
     monkeypatch.setattr(smallpairs, "compare_segments", spy)
     batched = DumpSet.open(a).diff(b).table(progress=False)
     with monkeypatch.context() as m:
-        m.setattr("tdinspect.diff.small_plain", lambda pi: [None] * len(pi.keys))
+        m.setattr("tdinspect.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys))
         m.setattr("tdinspect.diff.plain_dtypes", lambda pi: [None] * len(pi.keys))
         single = DumpSet.open(a).diff(b).table(progress=False)
     return batched, single, sum(seen)
