@@ -120,6 +120,9 @@ def map_in_waves(fn: Callable[[T], R], items: Iterable[T], *, client: Any = None
         Without a client: the local pool's threads, or the calling thread alone.
         A job that maps in waves itself runs its items in its own thread (a job
         waiting on the pool that runs it could wait forever).
+        A job that starts threads of its own which map in waves, and waits for
+        them, must give them ``scheduler="sync"``: they are not the pool's,
+        so their items would queue behind the jobs waiting for them.
 
     Raises
     ------
