@@ -7,10 +7,11 @@ A codec says how the loop reads an element:
     float32/float64 arrays, widened to float64 in registers.
 ``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``
     unsigned-integer views of the raw bits, decoded in registers, then widened to float64:
-    bfloat16 as a float32's top half (read two a 32-bit word); float16 and e5m2 (a float16's top byte) by the CPU's
-    own conversion where :func:`has_f16c`; otherwise, and for e4m3fn, re-biased into a
-    float32 in 32-bit lanes, zero and subnormals by one exact subtraction of two normals (no
-    subnormal operand, so the flush-to-zero mode cannot change the result).
+    bfloat16 as a float32's top half (read two a 32-bit word); float16 and e5m2 (a
+    float16's top byte) by the CPU's own conversion where :func:`has_f16c`; otherwise, and
+    for e4m3fn, re-biased into a float32 in 32-bit lanes, zero and subnormals by one exact
+    subtraction of two normals (no subnormal operand, so the flush-to-zero mode cannot
+    change the result).
 ``"table"``
     raw bits looked up in a float64 table of every bit pattern (the other float8 formats).
 

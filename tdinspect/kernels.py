@@ -118,8 +118,11 @@ def segment_sums(x: np.ndarray, y: np.ndarray, starts: np.ndarray, rtol, atol,
     [[0.25, 4.0], [1.0, 1.0]]
     """
     m = x.shape[0]
-    bufs = _scratch(m) if m <= SCRATCH_MAX else _fresh(m)
-    xd, yd, t, d, ay, bits = (b[:m] for b in (*bufs[:5], bufs[7]))
+    if m <= SCRATCH_MAX:
+        bufs = _scratch(m)
+        xd, yd, t, d, ay, bits = (b[:m] for b in (*bufs[:5], bufs[7]))
+    else:  # only what this function uses (no ones, no bool buffer)
+        xd, yd, t, d, ay, bits = (*(np.empty(m) for _ in range(5)), np.empty(m, np.uint32))
     sums = np.empty((7, len(starts)))  # fresh: the caller keeps it, the buffers are reused
     with np.errstate(all="ignore"):  # NaN/Inf reach the sums on purpose: the caller's signal
         if codes is not None or x.dtype != np.float64:

@@ -70,18 +70,17 @@ class PassFrames(MutableMapping):
     def __init__(self) -> None:
         self._data: dict[tuple[int, int], Columns | pd.DataFrame] = {}
 
-    def store(self, key: tuple[int, int], value: Columns | pd.DataFrame) -> None:
+    def __setitem__(self, key: tuple[int, int], value: Columns | pd.DataFrame) -> None:
         """Keep a pass as :func:`typed_columns` (a frame when first asked for) or a frame."""
         self._data[key] = value
+
+    store = __setitem__
 
     def __getitem__(self, key: tuple[int, int]) -> pd.DataFrame:
         value = self._data[key]
         if not isinstance(value, pd.DataFrame):
             value = self._data[key] = frame_of(value)
         return value
-
-    def __setitem__(self, key: tuple[int, int], frame: pd.DataFrame) -> None:
-        self._data[key] = frame
 
     def __delitem__(self, key: tuple[int, int]) -> None:
         del self._data[key]
