@@ -22,6 +22,7 @@ Divergence(model.layers.2.mlp.down pass 0: rel_diff 0.0321 > 0.001)
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import re
@@ -43,9 +44,10 @@ from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_t
                       dtype_named, metric, stats_rel, unit_roundoff)
 from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
-from .parallel import default_wave, map_in_waves
+from .parallel import default_wave, in_pool, map_in_waves
 from .passframes import PassFrames, typed_columns
 from .passindex import PassIndex
+from .placement import held_apart
 from .plainpairs import compare_plain, plain_dtypes
 from .smallpairs import compare_batch, pass_spans, small_plain
 from .terminal import visible
@@ -361,9 +363,23 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
     def loaded_b():
         return loaded("b", pb)
 
+    # on a CPU of its own while only numpy and the compiled loops run (tdinspect.placement)
+    with held_apart() if in_pool() else contextlib.nullcontext():
+        rows, single = _plain_first(job, files, (loaded_a, loaded_b))
+    for row, ia, ib, transform in single:
+        compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
+                     transform, job.mode, job.chunk)
+    _hint_concat(rows, pa, pb)
+    return rows
+
+
+def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, list]:
+    """A pass's rows, those of its plain pairs filled (the small ones together:
+    :mod:`tdinspect.smallpairs`, the larger from the files' bytes: :mod:`tdinspect.plainpairs`;
+    same numbers); and the pairs left for ``compare_pair``: ``(row, i_a, i_b, transform)``.
+    ``files`` gets each side's tensors where the records were read; ``loaders`` load them."""
+    pa, pb = job.a, job.b
     rows, batch, plain, single = [], [], [], []
-    # small plain pairs wait to be compared together (tdinspect.smallpairs), larger ones are
-    # read straight from the files' bytes (tdinspect.plainpairs): same numbers
     plain_a, plain_b = (plain_dtypes(p) if job.mode == "tensor" and p is not None else None
                         for p in (pa, pb))
     small_a, small_b = (None if plain is None else small_plain(p, plain)
@@ -397,15 +413,11 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
         for side, found in zip("ab", spans):
             if found is not None:  # the other pairs read these records too (no second read)
                 files[side] = found[2]
-        sources = [s if s is not None else f for s, f in zip(spans, (loaded_a, loaded_b))]
+        sources = [s if s is not None else f for s, f in zip(spans, loaders)]
         left = compare_batch(batch, pa, pb, sources) if batch else []
         left += compare_plain(plain, pa, pb, sources)
         single += [(row, ia, ib, None) for row, ia, ib in left]
-    for row, ia, ib, transform in single:
-        compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
-                     transform, job.mode, job.chunk)
-    _hint_concat(rows, pa, pb)
-    return rows
+    return rows, single
 
 
 def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> None:

@@ -102,6 +102,11 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def in_pool() -> bool:
+    """Whether the calling thread is one of the local pool's."""
+    return getattr(_WORKER, "busy", False)
+
+
 def map_in_waves(fn: Callable[[T], R], items: Iterable[T], *, client: Any = None,
                  wave: int | None = None, scheduler: str = "threads") -> Iterator[R]:
     """``fn`` over ``items``, computed a wave at a time, yielded in order.
@@ -134,7 +139,7 @@ def map_in_waves(fn: Callable[[T], R], items: Iterable[T], *, client: Any = None
         raise ValueError(f"scheduler={scheduler!r}: expected 'threads' or 'sync'")
     items = list(items)
     wave = wave or default_wave(client)
-    inline = client is None and (scheduler == "sync" or getattr(_WORKER, "busy", False))
+    inline = client is None and (scheduler == "sync" or in_pool())
     for start in range(0, len(items), wave):
         chunk = items[start:start + wave]
         if client is not None:

@@ -1,0 +1,86 @@
+"""Keep the local pool's busy threads on distinct CPUs while they compare (Linux only).
+
+:func:`held_apart` holds the calling thread on one CPU that no other holder is on (the
+one it runs on where that is free), by its own affinity, and gives its affinity back on
+exit. :func:`tdinspect.diff.compare_pass` holds it, on the pool's threads, while it reads
+and compares a pass's plain pairs: numpy and the compiled loops, which start no threads
+(a thread started while held would inherit the one CPU); torch's ops for the other pairs
+run after it, free.
+
+Why: two pool threads released at once, or handing the GIL to each other, are woken by
+Linux onto one CPU although the other is idle (on a virtual machine an idle virtual CPU
+may be reported as preempted by its host, and wake-ups avoid it), and the load balancer
+moves one only at a later tick: traces showed one pool thread waiting ~4 ms for the CPU
+where the other ran its loop. Measured on the 2-CPU development VM, ``diff().table()`` of
+two passes of one 16 MB float16 pair (30 rounds): 12.5-12.8 ms median unheld, 9.8-10.0 ms
+held; moving a thread once at the start of its job, then leaving it free, gave 12.4 ms (the
+GIL hand-overs that follow put it back). Elsewhere (no ``sched_getcpu``, a single CPU, all
+CPUs held) nothing is done.
+
+Examples
+--------
+>>> with held_apart():
+...     pass   # reads and compares, on a CPU no other holder is on
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+_LOCK = threading.Lock()
+_HELD: dict[int, int] = {}  # thread ident -> the CPU it is held on
+
+
+def _cpu_getter() -> Callable[[], int] | None:
+    """glibc's ``sched_getcpu`` (the CPU the calling thread runs on), or ``None``."""
+    if not (hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        getcpu = libc.sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+    return getcpu if getcpu() >= 0 else None
+
+
+_GETCPU = _cpu_getter()
+
+
+def _hold() -> set[int] | None:
+    """Hold the calling thread on a CPU no other holder is on; its affinity before, or
+    ``None`` (not held)."""
+    mask = os.sched_getaffinity(0)  # 0: the calling thread
+    with _LOCK:
+        free = mask - set(_HELD.values())
+        if len(mask) < 2 or not free:
+            return None
+        cpu = _GETCPU()
+        cpu = cpu if cpu in free else min(free)
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:  # a cpuset that does not allow it
+            return None
+        _HELD[threading.get_ident()] = cpu
+    return mask
+
+
+@contextlib.contextmanager
+def held_apart() -> Iterator[None]:
+    """Run the body held on one CPU that no other holder is on, where one is free (see the
+    module's text); the thread's affinity is given back on exit. The body must start no
+    threads."""
+    mask = _hold() if _GETCPU is not None else None
+    try:
+        yield
+    finally:
+        if mask is not None:
+            with _LOCK:
+                _HELD.pop(threading.get_ident(), None)
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, mask)

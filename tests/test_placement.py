@@ -1,0 +1,158 @@
+"""The pool's threads held on CPUs of their own while they compare plain pairs
+(:mod:`tdinspect.placement`): one CPU each, never two on one, affinity given back, torch's
+ops left free, the same numbers held or not."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pandas as pd
+import pytest
+import torch
+
+import tdinspect.diff as diff_module
+from tdinspect import DumpSet, parallel, placement
+from tdinspect.dumper.recorder import Recorder
+
+CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+holds = pytest.mark.skipif(placement._GETCPU is None or len(CPUS) < 2,
+                           reason="needs Linux's sched_getcpu and two CPUs to hold threads apart")
+
+
+def _in_thread(fn):
+    """``fn()`` in a fresh thread (the test's own affinity is never touched); its result."""
+    out = {}
+
+    def run():
+        out["value"] = fn()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out["value"]
+
+
+@holds
+def test_a_holder_runs_on_one_cpu_and_gets_its_affinity_back():
+    def body():
+        before = os.sched_getaffinity(0)
+        with placement.held_apart():
+            inside, cpu = os.sched_getaffinity(0), placement._GETCPU()
+        return before, inside, cpu, os.sched_getaffinity(0)
+
+    before, inside, cpu, after = _in_thread(body)
+    assert inside == {cpu} and cpu in before
+    assert after == before
+    assert not placement._HELD
+
+
+@holds
+def test_holders_at_once_are_on_distinct_cpus_and_one_more_is_left_free():
+    n = len(CPUS)
+    all_in, release = threading.Barrier(n + 1), threading.Event()
+    seen, lock = [], threading.Lock()
+
+    def holder():
+        with placement.held_apart():
+            with lock:
+                seen.append((os.sched_getaffinity(0), placement._GETCPU()))
+            all_in.wait(timeout=30)
+            release.wait(timeout=30)
+
+    threads = [threading.Thread(target=holder) for _ in range(n)]
+    for t in threads:
+        t.start()
+    all_in.wait(timeout=30)
+    try:
+        masks = [m for m, _ in seen]
+        assert all(len(m) == 1 for m in masks)
+        assert set().union(*masks) == CPUS  # one CPU each, every one taken
+        assert all(m == {cpu} for m, cpu in seen)
+
+        def one_too_many():
+            with placement.held_apart():
+                return os.sched_getaffinity(0)
+        assert _in_thread(one_too_many) == CPUS  # no CPU free: not held
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
+    assert not placement._HELD
+
+
+def test_where_nothing_can_be_held_the_body_runs_as_it_is(monkeypatch):
+    monkeypatch.setattr(placement, "_GETCPU", None)
+
+    def body():
+        before = os.sched_getaffinity(0) if CPUS else None
+        with placement.held_apart():
+            inside = os.sched_getaffinity(0) if CPUS else None
+        return before, inside
+
+    before, inside = _in_thread(body)
+    assert inside == before
+
+
+def test_an_error_in_the_body_gives_the_affinity_back():
+    def body():
+        before = os.sched_getaffinity(0) if CPUS else None
+        with pytest.raises(KeyError):
+            with placement.held_apart():
+                raise KeyError("the body failed")
+        return before, os.sched_getaffinity(0) if CPUS else None
+
+    before, after = _in_thread(body)
+    assert after == before and not placement._HELD
+
+
+def _runs(root, noise):
+    """Two runs of 4 passes: a 128 KB float32 and a 8 KB bfloat16 plain pair (held: the
+    compiled loop and the small pairs' batch), and a pair stored as float32 on one side and
+    float16 on the other (compared by torch, free)."""
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, generator=g) for n in (32768, 4096, 4096)]
+    for name, scale in (("a", 0.0), ("b", noise)):
+        rec = Recorder(root / name, level="module")
+        jitter = torch.Generator().manual_seed(1)
+        for p in range(4):
+            for i, (key, dtype) in enumerate((("m.fc", torch.float32), ("m.act", torch.bfloat16),
+                                              ("m.out", torch.float32))):
+                t = base[i] * (1 + p) + scale * torch.randn(base[i].shape, generator=jitter)
+                if key == "m.out" and name == "b":
+                    dtype = torch.float16
+                rec.record(key, t.to(dtype), module_type="Linear")
+            rec.step()
+        rec.close()
+    return DumpSet.open(root / "a"), DumpSet.open(root / "b")
+
+
+def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_numbers(
+        tmp_path, monkeypatch):
+    a, b = _runs(tmp_path, 1e-3)
+    unheld = a.diff(b, passes_in_flight=1).table(progress=False)  # one pass a wave: inline
+
+    masks: dict[str, list] = {"plain": [], "pair": []}
+    for name, key in (("compare_plain", "plain"), ("compare_pair", "pair")):
+        real = getattr(diff_module, name)
+
+        def spy(*args, real=real, key=key, **kwargs):
+            if parallel.in_pool():
+                masks[key].append(os.sched_getaffinity(0) if CPUS else None)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(diff_module, name, spy)
+    held = a.diff(b).table(progress=False)
+
+    pd.testing.assert_frame_equal(held, unheld)  # bit for bit: one kernel a pair either way
+    assert list(held["dtype_b"][:3]) == ["torch.float32", "torch.bfloat16", "torch.float16"]
+    assert (held["max_abs"] > 0).all() and not held["structural"].any()
+    if parallel.local_threads() < 2:
+        return  # one thread: every wave of one pass runs inline, nothing to hold
+    assert masks["plain"] and masks["pair"]
+    assert all(m == CPUS for m in masks["pair"])  # torch's ops: never held
+    if placement._GETCPU is not None and len(CPUS) >= 2:
+        assert all(len(m) == 1 for m in masks["plain"])
+    after = list(parallel.map_in_waves(lambda _: os.sched_getaffinity(0) if CPUS else None,
+                                       range(8), wave=4))
+    assert all(m == (CPUS or None) for m in after)  # the pool's threads given back
+    assert not placement._HELD
