@@ -11,7 +11,8 @@ not on dask's threaded scheduler. The jobs are independent, so a task graph
 buys nothing here, while building, optimising and scheduling one cost about
 1 ms a call (a no-op ``dask.compute`` of two tasks: 1.06 ms, the pool: 0.04 ms),
 a third of a diff of two 16 MB passes; and ``import dask`` is 70 ms of a small
-CLI diff. The heavy lifting is the compiled loops, which release the GIL.
+CLI diff. The heavy lifting is the compiled loops, which release the GIL; a pool thread
+comparing a pass's plain pairs holds a CPU no other does (:mod:`tdinspect.placement`).
 
 Examples
 --------
