@@ -178,3 +178,34 @@ def test_rerun_capture_cells_give_the_new_run(tmp_path):
                      f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)"])
     assert "PASSES [0] rank0_pid" in out[2] and "several folders" not in out[2]
     assert "DIV False" in out[3]
+
+
+def test_rerun_cell_with_an_unclosed_capture_leaves_one_set_of_hooks(tmp_path):
+    """`cap = tdinspect.capture(m, DIR)` in a cell run twice: the first capture, never closed,
+    kept its hooks on the model and recorded every later forward (doubled hooks, its passes
+    growing in memory). Now the new capture closes it, writing what it held, and says so."""
+    run = tmp_path / "run"
+    setup = ("import torch, tdinspect\ntorch.manual_seed(0)\n"
+             "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\nx = torch.ones(2, 4)\n"
+             "hooks = lambda: sum(len(s._forward_hooks) for s in m.modules())")
+    cell = f"cap = tdinspect.capture(m, {str(run)!r})\nm(x)\ncap.step()\nprint('HOOKS', hooks())"
+    out = _notebook([setup, cell, f"m(x)\n{cell}",
+                     "cap.close()\nm(x)\nprint('HOOKS', hooks())"])
+    assert "HOOKS 2" in out[1]
+    assert "HOOKS 2" in out[2], out[2]  # one capture's hooks, not two
+    assert "closed the earlier capture" in out[2] and "still open" in out[2]
+    assert "HOOKS 0" in out[3]
+    first, second = sorted(run.iterdir())
+    assert second.name == first.name + "_run2"
+    # the first run keeps its pass and the forward run before the second cell's capture
+    # (written when it was closed); nothing of the second cell went into it
+    assert sorted(p.name for p in first.glob("pass*.pt")) == ["pass00000.pt", "pass00001.pt"]
+    assert sorted(p.name for p in second.glob("pass*.pt")) == ["pass00000.pt"]
+    x = torch.ones(2, 4)
+    for folder in (first, second):
+        for p in folder.glob("pass*.pt"):
+            assert list(load_pass(p)) == ["model.0", "model.1"]
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with torch.no_grad():
+        assert torch.equal(load_pass(second / "pass00000.pt")["model.1"], ref(x))

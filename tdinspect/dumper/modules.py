@@ -34,6 +34,7 @@ import dataclasses
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,10 @@ from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
 from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 from .checks import Guarded, HealthCheck, StopsOnCheck, open_live
 from .recorder import Recorder, current_rank
+
+
+# model -> its captures still open that no ``with`` holds (see ModuleCapture._close_stale)
+_UNMANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def _eager(fn):
@@ -262,6 +267,7 @@ class ModuleCapture(StopsOnCheck):
             raise ConfigError(f"the filter selects no module of {type(model).__name__}, so nothing "
                               f"would be captured (filter={config.filter!r}, "
                               f"filter_fn={config.filter_fn!r}); names look like {sample}")
+        self._close_stale(model)
         if compare_to is not None:  # dump_dir then holds the evidence only, not a full dump
             self.live = open_live(compare_to, evidence_dir=config.dump_dir if config.enabled else None,
                                   rank=current_rank(), level="module", **(compare_options or {}))
@@ -295,6 +301,25 @@ class ModuleCapture(StopsOnCheck):
                     if param.requires_grad:
                         self._handles.append(param.register_post_accumulate_grad_hook(
                             self._make_grad_hook(f"{name}.{pname}.grad", mtype)))
+        self._model_ref = weakref.ref(model)
+        _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
+
+    def _close_stale(self, model: nn.Module) -> None:
+        """Close this model's earlier captures that are still open outside any ``with``.
+
+        ``cap = tdinspect.capture(model, DIR)`` in a notebook cell run twice leaves the
+        first capture unreachable but hooked: it would record every later forward too
+        (twice the hooks, its pass growing in memory, never written). Its pending pass is
+        written, as ``close()`` does. A capture inside a ``with`` is nested on purpose and
+        stays.
+        """
+        for old in list(_UNMANAGED.get(model, ())):
+            folder = old.folder
+            old.close()
+            warnings.warn(f"tdinspect: closed the earlier capture of this "
+                          f"{type(model).__name__} still open outside a `with` (into "
+                          f"{folder}; a re-run cell?): its hooks are removed and what it had "
+                          f"recorded is written", RuntimeWarning, stacklevel=4)
 
     def _make_pre_hook(self, name: str, module_type: str):
         rec, record = self.recorder, self.record
@@ -437,6 +462,7 @@ class ModuleCapture(StopsOnCheck):
         """Write a pending non-empty pass, remove every hook, wait for the writer."""
         if not self.enabled or self.recorder is None:
             return
+        self._forget()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -451,7 +477,14 @@ class ModuleCapture(StopsOnCheck):
             warnings.warn(f"tdinspect: {len(unfired)} selected module(s) never ran a hooked forward: "
                           f"{shown}", RuntimeWarning, stacklevel=2)
 
+    def _forget(self) -> None:
+        """Leave the registry of open captures outside a ``with``."""
+        model = self._model_ref() if getattr(self, "_model_ref", None) else None
+        if model is not None and model in _UNMANAGED:
+            _UNMANAGED[model].discard(self)
+
     def __enter__(self) -> "ModuleCapture":
+        self._forget()  # a with block closes it: nesting captures is deliberate
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
