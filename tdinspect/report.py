@@ -145,19 +145,33 @@ def divergence_html(div) -> str:
     return _box(body)
 
 
+def _numbers(values) -> str:
+    """Sorted ints as a short list, runs folded: ``[2]``, ``[1..326] (326)``, ``[0, 4..9] (7)``."""
+    values = sorted(values)
+    runs = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    parts = [str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}" for a, b in runs]
+    shown = ", ".join(parts[:6]) + (", ..." if len(parts) > 6 else "")
+    return f"[{shown}]" + (f" ({len(values)})" if len(values) > 3 else "")
+
+
 def side_differences(diff) -> list[str]:
     """What differs in structure between the two sides, from metadata only (nothing is read).
 
-    Lines such as ``"passes only in B: [3]"`` or ``"entries only in A: 2 (pass 0, rank 0: ...)"``;
+    Lines such as ``"passes only in B: [3]"``, ``"passes only in B: [1..326] (326)"`` or ``"entries only in A: 2 (pass 0, rank 0: ...)"``;
     empty when both sides hold the same ranks, passes and entry names.
     """
     a, b = diff.a, diff.b
     out = []
     for what, sa, sb in (("ranks", set(a.ranks), set(b.ranks)), ("passes", set(a.passes), set(b.passes))):
         if sa - sb:
-            out.append(f"{what} only in A: {sorted(sa - sb)}")
+            out.append(f"{what} only in A: {_numbers(sa - sb)}")
         if sb - sa:
-            out.append(f"{what} only in B: {sorted(sb - sa)}")
+            out.append(f"{what} only in B: {_numbers(sb - sa)}")
     only = {"A": [], "B": []}
     for key in sorted(set(a._passes) & set(b._passes), key=lambda k: (k[1], k[0])):
         ka = {k for k in a._passes[key].keys if a._keep(k)}

@@ -530,3 +530,19 @@ def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
         assert bool(marked()) == marks and ("model.layers.2.mlp.down", 0, 0) in (
             marked() if marks else [("model.layers.2.mlp.down", 0, 0)])
     assert marked() == at_auto  # back where it started: the same marks
+
+
+def test_many_passes_on_one_side_are_named_as_a_range(tmp_path):
+    """A loop interrupted after 326 passes against one pass: the summary listed all 326 numbers."""
+    from tdinspect.report import DiffSummary
+
+    torch = pytest.importorskip("torch")
+    m, x = torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.ones(2, 4)
+    for name, steps in (("one", 1), ("loop", 40)):
+        with torch.no_grad(), tdinspect.capture(m, tmp_path / name) as dump:
+            for _ in range(steps):
+                m(x)
+                dump.step()
+    text = str(DiffSummary(DumpSet.open(tmp_path / "one").diff(tmp_path / "loop")))
+    assert "passes only in B: [1..39] (39)" in text, text
+    assert ", 2," not in text
