@@ -38,6 +38,7 @@ _LAZY = {
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.diff", "Diff"),
     "Divergence": ("tdinspect.diff", "Divergence"),
+    "UncomparedWarning": ("tdinspect.diff", "UncomparedWarning"),
     "suggest_mapping": ("tdinspect.align.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
     "dashboard": ("tdinspect.jupyter.dashboard", "dashboard"),
@@ -47,7 +48,7 @@ _LAZY = {
 __all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
            "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
            "list_runs", "RunWarning",
-           "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "suggest_mapping", "explore", "dashboard", "plot",
+           "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "UncomparedWarning", "suggest_mapping", "explore", "dashboard", "plot",
            "load_ipython_extension", "unload_ipython_extension"]
 
 

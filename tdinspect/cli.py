@@ -212,6 +212,9 @@ def cmd_first_divergence(args) -> int:
     if div is None:
         print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
               f"\n  threshold: {summary['threshold']}")
+        gap = summary.get("uncompared_after")
+        if gap:
+            print(f"  but {visible(gap['text'])}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
         print(f"first divergence: {visible(div['key'])} ({where}, call {div['call']})\n"

@@ -26,6 +26,7 @@ import contextlib
 import difflib
 import math
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -539,6 +540,11 @@ def _read(pi: PassIndex, i: int, loaded, side: str, how=None):
         raise AlignError(f"{side}: {exc}") from None
 
 
+class UncomparedWarning(UserWarning):
+    """``first_divergence(structural="report")`` found no divergence, but A entries after
+    the last one compared were set aside: the answer covers the run only up to there."""
+
+
 class Diff:
     """Two dumps compared; the first is the reference.
 
@@ -770,6 +776,57 @@ class Diff:
         df = self.table(progress)
         return df[self._layout_rows(df)][STRUCTURAL_COLUMNS].reset_index(drop=True)
 
+    def uncompared_after(self, progress: bool | None = None) -> dict | None:
+        """Where the comparison stops covering the reference: A entries set aside (one-sided,
+        unmatched, reshaped) after the last A entry compared in numbers (reads every pass).
+
+        ``first_divergence(structural="report")`` answering ``None`` says nothing of
+        them: a port paired by a mapping that misses most of its entries (suggested
+        from a port whose values already differ) compares a few entries and sets the
+        rest aside. Entries set aside between compared ones (a reference's
+        ``rotary_emb``) are not counted.
+
+        Returns
+        -------
+        dict or None
+            For the first (pass, rank) whose tail was not compared: ``pass``,
+            ``rank``, ``last_compared`` (an A key, or None when none was),
+            ``position`` (its 1-based place among the pass's A entries), ``of``
+            (how many), ``after`` (the A keys set aside after it) and ``text``
+            (a sentence); None when every pass's last A entry was compared.
+        """
+        df = self.table(progress)
+        if not len(df):
+            return None
+        df = df.assign(layout=self._layout_rows(df)).sort_values(["pass", "rank", "order"])
+        for (p, rank), rows in df.groupby(["pass", "rank"], sort=True):
+            pi = self.a._passes.get((rank, p))
+            keys_a = set(pi.keys) if pi is not None else set()
+            rows = rows[rows["key"].isin(keys_a)]  # B-only rows name B's entries
+            if not len(rows):
+                continue
+            compared = np.flatnonzero(~rows["layout"].to_numpy(bool))
+            last = int(compared[-1]) if len(compared) else -1
+            after = rows["key"].iloc[last + 1:].tolist()
+            if not after:
+                continue
+            shown = ", ".join(after[:3]) + (", ..." if len(after) > 3 else "")
+            where = f"pass {p}" + (f", rank {rank}" if len(self.a.ranks) > 1 else "")
+            if last < 0:
+                text = (f"no entry of A was compared in numbers ({where}): all {len(after)} were "
+                        f"set aside ({shown})")
+                key = None
+            else:
+                key = rows["key"].iloc[last]
+                n = len(after)
+                text = (f"the comparison stops at {key} (A's entry {last + 1} of {len(rows)}, "
+                        f"{where}): the {n} A {'entry' if n == 1 else 'entries'} after it "
+                        f"{'was' if n == 1 else 'were'} set aside, not compared ({shown}); the "
+                        f"runs may part there unseen")
+            return {"pass": int(p), "rank": int(rank), "last_compared": key, "position": last + 1,
+                    "of": int(len(rows)), "after": after, "text": text}
+        return None
+
     # -- answers ------------------------------------------------------------------------
     def first_divergence(self, threshold: float | str | dict | None = None,
                          metric: str | None = None, structural: str = "diverge") -> Divergence | None:
@@ -797,7 +854,9 @@ class Diff:
             shape is a divergence. ``"report"``: such entries are set aside and
             listed in ``Divergence.structural_entries`` (those of the passes
             read) and the repr; the answer is the first numerical divergence
-            (``None`` when there is none: :meth:`structural_entries` lists them all).
+            (``None`` when there is none: :meth:`structural_entries` lists them all;
+            an :class:`UncomparedWarning` then names A entries set aside after the
+            last one compared, see :meth:`uncompared_after`).
 
         Returns
         -------
@@ -829,6 +888,11 @@ class Diff:
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
+            if report:
+                gap = self.uncompared_after(progress=False)
+                if gap is not None:
+                    warnings.warn(f"tdinspect: no numerical divergence, but {gap['text']}",
+                                  UncomparedWarning, stacklevel=2)
             return None
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
@@ -1105,7 +1169,9 @@ class Diff:
         return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
 
     def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
-        div = self.first_divergence(threshold, metric, structural)
+        with warnings.catch_warnings():  # the gap is part of the answer here: uncompared_after
+            warnings.simplefilter("ignore", UncomparedWarning)
+            div = self.first_divergence(threshold, metric, structural)
         name = div.metric if div else (metric or self.default_metric)
         out = {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
                 "metric": name, "threshold": self.threshold_text(threshold, name),
@@ -1116,6 +1182,8 @@ class Diff:
         if structural == "report":
             se = div.structural_entries if div is not None else self.structural_entries(False)
             out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
+            if div is None:
+                out["uncompared_after"] = self.uncompared_after(False)
         return out
 
     def threshold_text(self, threshold=None, metric: str | None = None) -> str:

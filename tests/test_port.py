@@ -10,6 +10,7 @@ and with its rules a fault in the port must be named at its first entry.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -138,6 +139,39 @@ def test_cli_suggest_then_diff(tmp_path, port, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert len(doc["pairs"]) == 21 and sorted(doc["unmatched_a"]) == sorted(ONLY_A)
 
+
+
+def test_rules_suggested_from_the_buggy_port_do_not_read_as_all_clear(tmp_path, port, suggestion,
+                                                                      capsys):
+    """The documented flow run on the port that has the bug (no good port to learn from): its
+    values agree up to layer 0's v_proj, so the rules pair those 7 entries and the other 18
+    were set aside; first_divergence(structural="report") said None and the CLI "no
+    divergence" in silence. Now both say where the comparison stopped: right before the bug."""
+    from tdinspect import UncomparedWarning
+
+    s = suggest_mapping(port["ref"], port["bad"])
+    d = DumpSet.open(port["ref"]).diff(port["bad"], mapping=s.rules)
+    with pytest.warns(UncomparedWarning, match=r"stops at model\.model\.layers\.0\.self_attn\.v_proj "
+                                               r"\(A's entry 7 of 25, pass 0\)"):
+        assert d.first_divergence(structural="report") is None
+    gap = d.uncompared_after()
+    assert gap["last_compared"] == "model.model.layers.0.self_attn.v_proj" and gap["pass"] == 0
+    assert gap["after"][0] == "model.model.layers.0.self_attn.o_proj"  # the RoPE bug's first entry
+    assert len(gap["after"]) == 18 and gap["after"][-1] == "model.lm_head"
+    f = s.save(tmp_path / "map.yaml")
+    args = ["first-divergence", str(port["ref"]), str(port["bad"]), "--mapping", str(f),
+            "--structural", "report"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "no divergence" in out and "but the comparison stops at model.model.layers.0.self_attn.v_proj" in out
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["uncompared_after"]["position"] == 7
+    # the good port's rules: compared up to A's last entry; one-sided entries between are no gap
+    good = DumpSet.open(port["ref"]).diff(port["good"], mapping=suggestion.rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncomparedWarning)
+        assert good.first_divergence(threshold=1e-10, structural="report") is None
+    assert good.uncompared_after() is None
 
 # -- op level: a non-tensor argument that differs ----------------------------------------
 @pytest.fixture(scope="module")
