@@ -437,26 +437,35 @@ def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> No
         base_a, base_b = split_call(row["key"])[0], split_call(row["key_b"] or row["key"])[0]
         for side, mine, other, theirs in (("A", base_a, "B", base_b), ("B", base_b, "A", base_a)):
             own = calls.get((side, mine), {})
-            dim = _concat_dim([own[c] for c in sorted(own)],
-                              list(calls.get((other, theirs), {}).values()))
-            if dim is not None:
-                row["reason"] += (f" ({side} calls this entry {len(own)} times: end to end "
-                                  f"along dim {dim} they match {other}; compare after "
-                                  f".concat('call', dim={dim}), CLI --concat call:{dim})")
-                break
+            found = _concat_dim([own[c] for c in sorted(own)],
+                                list(calls.get((other, theirs), {}).values()))
+            if found is None:
+                continue
+            dim, total, size = found
+            head = f" ({side} calls this entry {len(own)} times: end to end along dim {dim} they"
+            if total == size:
+                row["reason"] += (f"{head} match {other}; compare after .concat('call', "
+                                  f"dim={dim}), CLI --concat call:{dim})")
+            else:  # generate never feeds its last token back: the forward ran on more
+                row["reason"] += (f"{head} give the first {total} of {other}'s {size} positions; "
+                                  f"compare {other}.narrow({dim}, 0, {total}) with "
+                                  f"{side}.concat('call', dim={dim}), or capture {other} on those "
+                                  f"{total} tokens and use CLI --concat call:{dim})")
+            break
 
 
-def _concat_dim(shapes: list, other: list) -> int | None:
-    """The dim along which ``shapes`` (two or more calls) put end to end give the one shape
-    in ``other``, else ``None``."""
+def _concat_dim(shapes: list, other: list) -> tuple[int, int, int] | None:
+    """``(dim, length end to end, the other's length)`` for the dim along which ``shapes``
+    (two or more calls) put end to end give the one shape in ``other`` or its first
+    positions, else ``None``."""
     if len(shapes) < 2 or len(other) != 1 or not isinstance(other[0], list) \
             or not all(isinstance(s, list) for s in shapes):
         return None
     target = other[0]
     for dim in range(len(target)):
         if all(len(s) == len(target) and s[:dim] + s[dim + 1:] == target[:dim] + target[dim + 1:]
-               for s in shapes) and sum(s[dim] for s in shapes) == target[dim]:
-            return dim
+               for s in shapes) and sum(s[dim] for s in shapes) <= target[dim]:
+            return dim, sum(s[dim] for s in shapes), target[dim]
     return None
 
 

@@ -76,6 +76,19 @@ def test_decode_steps_concatenated_match_the_full_forward(decode_runs):
     assert unaligned.structural and "shape" in unaligned.reason
 
 
+def test_a_forward_over_every_generated_token_is_told_how_to_line_up(decode_runs):
+    """The forward a user runs over generate's output has one token more than generate fed:
+    the concat hint (end to end = the other's length) never fired, the reason was a bare
+    `shape [1, 21, 32] vs [1, 16, 32]`. Doing what the hint says leaves no divergence."""
+    div = tdinspect.DumpSet.open(decode_runs / "forward").diff(
+        decode_runs / "generate").first_divergence()
+    assert div.reason.startswith(f"shape [1, {PROMPT + NEW}, 32] vs [1, {PROMPT}, 32] (B calls "
+                                 f"this entry {NEW} times"), div.reason
+    assert f"give the first {FED} of A's {PROMPT + NEW} positions" in div.reason
+    assert f"A.narrow(1, 0, {FED}) with B.concat('call', dim=1)" in div.reason
+    assert _diff(decode_runs, "generate").first_divergence(threshold=THRESHOLD) is None
+
+
 def test_decode_bug_is_named_and_starts_at_the_first_decode_position(decode_runs):
     diff = _diff(decode_runs, "buggy")
     div = diff.first_divergence(threshold=THRESHOLD)
