@@ -36,6 +36,17 @@ _LOCK = threading.Lock()
 _HELD: dict[int, int] = {}  # thread ident -> the CPU it is held on
 
 
+def _forget_held() -> None:
+    """In a forked child: the parent's holders do not exist here, and a fork while one held
+    the lock (``sched_getcpu`` through ctypes lets the GIL go) would leave it locked."""
+    global _LOCK, _HELD
+    _LOCK, _HELD = threading.Lock(), {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_held)
+
+
 def _cpu_getter() -> Callable[[], int] | None:
     """glibc's ``sched_getcpu`` (the CPU the calling thread runs on), or ``None``."""
     if not (hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")):

@@ -5,6 +5,8 @@ ops left free, the same numbers held or not."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pandas as pd
@@ -156,3 +158,72 @@ def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_number
                                        range(8), wave=4))
     assert all(m == (CPUS or None) for m in after)  # the pool's threads given back
     assert not placement._HELD
+
+
+forks = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def _forks_fine(code: str) -> None:
+    """Run ``code`` (it forks; the child reports by exit status, 0: as it should be) in a
+    fresh interpreter: a fork from this one copies whatever other tests left in it (a
+    thread's state whose destructor waits on threads the child does not have)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(placement.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@holds
+@forks
+def test_a_child_forked_while_a_thread_is_held_starts_with_nothing_held():
+    # the parent's held thread does not exist in the child, and a fork while another thread
+    # holds the registry's lock (it asks sched_getcpu through ctypes, which lets the GIL go)
+    # left the child a lock nobody would release: its first diff waited forever
+    _forks_fine("""
+import os, threading
+from tdinspect import placement
+entered, locked, release = threading.Event(), threading.Event(), threading.Event()
+def holder():
+    with placement.held_apart():
+        entered.set()
+        release.wait(30)
+def lock_holder():
+    with placement._LOCK:
+        locked.set()
+        release.wait(30)
+threads = [threading.Thread(target=f) for f in (holder, lock_holder)]
+for t in threads:
+    t.start()
+assert entered.wait(30) and locked.wait(30) and placement._HELD
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if placement._LOCK.acquire(timeout=5) and not placement._HELD else 1)
+release.set()
+for t in threads:
+    t.join()
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "child"
+assert not placement._HELD
+""")
+
+
+@holds
+@forks
+def test_a_child_forked_by_a_held_thread_gets_its_affinity_back():
+    _forks_fine("""
+import os, threading
+from tdinspect import placement
+before, out = os.sched_getaffinity(0), {}
+def body():
+    with placement.held_apart():
+        pid = os.fork()
+        if pid == 0:
+            inside = os.sched_getaffinity(0)
+    if pid == 0:  # the child: the forking thread, alone, left its body
+        os._exit(0 if len(inside) == 1 and os.sched_getaffinity(0) == before else 1)
+    out["status"] = os.waitpid(pid, 0)[1]
+t = threading.Thread(target=body)
+t.start()
+t.join()
+assert os.waitstatus_to_exitcode(out["status"]) == 0, "child"
+""")
