@@ -63,9 +63,9 @@ def _cpu_getter() -> Callable[[], int] | None:
 _GETCPU = _cpu_getter()
 
 
-def _hold() -> set[int] | None:
-    """Hold the calling thread on a CPU no other holder is on; its affinity before, or
-    ``None`` (not held)."""
+def _hold() -> tuple[set[int], int] | None:
+    """Hold the calling thread on a CPU no other holder is on: its affinity before and that
+    CPU, or ``None`` (not held)."""
     mask = os.sched_getaffinity(0)  # 0: the calling thread
     with _LOCK:
         free = mask - set(_HELD.values())
@@ -78,20 +78,23 @@ def _hold() -> set[int] | None:
         except OSError:  # a cpuset that does not allow it
             return None
         _HELD[threading.get_ident()] = cpu
-    return mask
+    return mask, cpu
 
 
 @contextlib.contextmanager
 def held_apart() -> Iterator[None]:
     """Run the body held on one CPU that no other holder is on, where one is free (see the
     module's text); the thread's affinity is given back on exit. The body must start no
-    threads."""
-    mask = _hold() if _GETCPU is not None else None
+    threads. An affinity set from outside while held (``taskset -a``) is left as set."""
+    held = _hold() if _GETCPU is not None else None
     try:
         yield
     finally:
-        if mask is not None:
+        if held is not None:
+            mask, cpu = held
             with _LOCK:
                 _HELD.pop(threading.get_ident(), None)
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, mask)
+            # set from outside meanwhile (taskset -a, a cpuset): theirs, not given back
+            if os.sched_getaffinity(0) == {cpu}:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, mask)

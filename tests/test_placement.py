@@ -160,6 +160,22 @@ def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_number
     assert not placement._HELD
 
 
+def _held_until(release: threading.Event, held: threading.Event, out: dict) -> threading.Thread:
+    """A started thread that waits for ``release`` held (``out["inside"]``: its affinity
+    then), and records its affinity after (``out["after"]``)."""
+    def run():
+        with placement.held_apart():
+            out["inside"] = os.sched_getaffinity(0)
+            held.set()
+            release.wait(timeout=30)
+        out["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert held.wait(timeout=30)
+    return t
+
+
 forks = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 
@@ -205,6 +221,22 @@ for t in threads:
 assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "child"
 assert not placement._HELD
 """)
+
+
+@holds
+def test_an_affinity_set_from_outside_while_held_is_left_as_set():
+    # `taskset -a -p` (or a job's own sched_setaffinity) while a thread is held: giving the
+    # old affinity back on exit would undo it for that thread
+    release, held, out = threading.Event(), threading.Event(), {}
+    holder = _held_until(release, held, out)
+    try:
+        (cpu,) = out["inside"]
+        elsewhere = {min(CPUS - {cpu})}
+        os.sched_setaffinity(holder.native_id, elsewhere)
+    finally:
+        release.set()
+        holder.join()
+    assert out["after"] == elsewhere and not placement._HELD
 
 
 @holds
