@@ -327,7 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "10*log10(2/u), integers exact, fixed defaults for the other "
                                 "metrics; a number for every entry; REGEX=T per entry name "
                                 "(repeatable, T a number or auto)")
-            p.add_argument("--align", choices=["name", "sequence"], default="name")
+            p.add_argument("--align", choices=["name", "sequence"], default="name",
+                           help="pair entries by name (default) or by aligning the two sequences "
+                                "of (op, shape): op-level runs of two implementations whose op "
+                                "sequences differ (eager vs SDPA attention)")
             p.add_argument("--mapping", metavar="FILE", default=None,
                            help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
                                 "pairing differently named entries")
