@@ -209,3 +209,25 @@ def test_rerun_cell_with_an_unclosed_capture_leaves_one_set_of_hooks(tmp_path):
     ref = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with torch.no_grad():
         assert torch.equal(load_pass(second / "pass00000.pt")["model.1"], ref(x))
+
+
+
+def test_rerun_cell_with_an_unclosed_op_capture_leaves_one_mode(tmp_path):
+    """The same with `cap = tdinspect.capture_ops(DIR, model=m).start()`: the first capture's
+    dispatch mode stayed on the stack under the second, recording every op of every later cell,
+    and stayed there after `cap.close()` closed the second."""
+    run = tmp_path / "ops"
+    setup = ("import torch, tdinspect\ntorch.manual_seed(0)\n"
+             "from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as modes\n"
+             "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\nx = torch.ones(2, 4)")
+    cell = (f"cap = tdinspect.capture_ops({str(run)!r}, model=m).start()\nm(x)\ncap.step()\n"
+            "print('MODES', len(modes()))")
+    out = _notebook([setup, cell, cell, "cap.close()\nm(x)\nprint('MODES', len(modes()))"])
+    assert "MODES 1" in out[1] and "MODES 1" in out[2], out[2]
+    assert "closed the earlier op capture" in out[2]
+    assert "MODES 0" in out[3]
+    first, second = sorted(run.iterdir())
+    assert second.name == first.name + "_run2"
+    keys = [list(load_pass(f / "pass00000.pt")) for f in (first, second)]
+    assert keys[0] == keys[1] and any("aten.addmm" in k for k in keys[0])  # each op once
+    assert not (first / "pass00001.pt").exists() and not (second / "pass00001.pt").exists()

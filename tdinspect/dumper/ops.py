@@ -38,13 +38,15 @@ What is stored (the sidecar says which, see :mod:`tdinspect.format`):
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any, TextIO
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, treespec_dumps
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                          _get_current_dispatch_mode_stack)
 
 from ..config import ConfigError, DumpConfig, FilterSpec
 from ..format import encode_arg
@@ -168,6 +170,10 @@ class _OpRecorderMode(TorchDispatchMode):
         return self.owner._checked(self.owner._dispatch, func, args, kwargs or {})
 
 
+# op captures started outside any ``with`` and not closed yet (see OpCapture._close_stale)
+_UNMANAGED: "weakref.WeakSet[OpCapture]" = weakref.WeakSet()
+
+
 class OpCapture(StopsOnCheck):
     """A running op-level capture; made by :func:`capture_ops`.
 
@@ -221,6 +227,7 @@ class OpCapture(StopsOnCheck):
         """Begin recording (``with`` calls this)."""
         if not self.enabled or self._mode is not None:
             return self
+        self._close_stale()
         if self._compare is not None and self.live is None:
             target, options = self._compare
             self.live = open_live(target, level="op", rank=current_rank(), **options,
@@ -233,7 +240,36 @@ class OpCapture(StopsOnCheck):
         self._tracker.attach(self._model)
         self._mode = _OpRecorderMode(self)
         self._mode.__enter__()
+        if not getattr(self, "_managed", False):
+            _UNMANAGED.add(self)
         return self
+
+    @staticmethod
+    def _close_stale() -> None:
+        """Close the op captures started outside a ``with`` and still recording.
+
+        ``cap = tdinspect.capture_ops(DIR).start()`` in a notebook cell run twice
+        leaves the first one's dispatch mode on the stack: it records every later op
+        (each one twice), its pass growing in memory. A mode leaves the stack from the
+        top only, so one is closed only while it is the innermost mode; otherwise a
+        warning says it is still open.
+        """
+        for old in list(_UNMANAGED):
+            if old._mode is None:
+                _UNMANAGED.discard(old)
+                continue
+            modes = _get_current_dispatch_mode_stack()
+            if modes and modes[-1] is old._mode:
+                folder = old.folder
+                old.close()
+                warnings.warn(f"tdinspect: closed the earlier op capture still recording outside "
+                              f"a `with` (into {folder}; a re-run cell?): its mode is off the "
+                              f"stack and what it had recorded is written", RuntimeWarning,
+                              stacklevel=3)
+            else:
+                warnings.warn(f"tdinspect: an earlier op capture (into {old.folder}) is still "
+                              f"recording outside a `with`, under other dispatch modes: close() "
+                              f"it, or it records every op", RuntimeWarning, stacklevel=3)
 
     def step(self, failed: str | None = None):
         """End the pass and write it (always, even when empty); returns its path.
@@ -264,6 +300,7 @@ class OpCapture(StopsOnCheck):
 
     def close(self, write_pending: bool = True) -> None:
         """Stop recording, write a pending non-empty pass, wait for the writer."""
+        _UNMANAGED.discard(self)
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -273,6 +310,7 @@ class OpCapture(StopsOnCheck):
             rec.close(write_pending=write_pending)
 
     def __enter__(self) -> "OpCapture":
+        self._managed = True  # a with block closes it: not a stale capture
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
