@@ -193,3 +193,29 @@ def test_per_position_title_names_a_dict_threshold_as_given(decode_runs):
     title = tdinspect.plot.per_position(diff, dim=1, keys=keys, threshold=rules).axes[0].get_title()
     assert title.endswith("(threshold rotary=100, o_proj=100, else auto): no position past the "
                           "threshold")
+
+
+def test_op_level_decode_calls_of_fewer_dims_are_a_reason_not_a_crash(tmp_path):
+    """capture_ops around generate: `aten.ones` makes the mask as [1, 8] at prefill and [1] at
+    each decode step. `.concat('call', dim=1)` took [1] as fitting (the dims off dim 1 agree)
+    and raised IndexError building the plan; now that entry is a structural divergence and the
+    rest lines up with the forward over the tokens generate fed."""
+    model = _llama()
+    prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with tdinspect.capture_ops(tmp_path / "generate", model=model) as dump:
+            tokens = model.generate(prompt, max_new_tokens=3, do_sample=False)
+            dump.step()
+        with tdinspect.capture_ops(tmp_path / "forward", model=model) as dump:
+            model(tokens[:, :-1])
+            dump.step()
+    from tdinspect.align.logical import AlignError
+
+    gen = tdinspect.DumpSet.open(tmp_path / "generate").concat("call", dim=1)
+    with pytest.raises(AlignError, match=r"shapes do not concatenate along dim 1 "
+                                         r"\(call 0: \[1, 8\], call 1: \[1\]"):
+        gen.tensor("model/aten.ones.default[out0]")
+    table = tdinspect.DumpSet.open(tmp_path / "forward").diff(gen).table(progress=False)
+    compared = table[~table["structural"]]
+    assert len(compared) > 30 and compared["key"].str.contains(r"layers\.1\.").any()
+    assert compared["rel_diff"].max() < THRESHOLD

@@ -76,7 +76,8 @@ def _cat(key: str, parts: list[tuple[Any, PassIndex, str, str]], dim) -> dict:
     if len(parts) == 1:
         return read(parts[0][0], k0)
     shapes = [pi.shape[pi.position[k]] for _, pi, k, _ in parts]
-    rest = {tuple(s[:d] + s[d + 1:]) if s is not None else None for s in shapes}
+    # a part of fewer dims can still agree off dim d ([1] with [1, 8] at d=1): count dims too
+    rest = {(len(s), tuple(s[:d] + s[d + 1:])) if s is not None else None for s in shapes}
     if len(rest) != 1 or None in rest:
         seen = ", ".join(f"{label}: {s}" for (_, _, _, label), s in zip(parts, shapes))
         return error(f"shapes do not concatenate along dim {dim!r} ({seen})")
