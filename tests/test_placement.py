@@ -18,8 +18,37 @@ from tdinspect import DumpSet, parallel, placement
 from tdinspect.dumper.recorder import Recorder
 
 CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-holds = pytest.mark.skipif(placement._GETCPU is None or len(CPUS) < 2,
-                           reason="needs Linux's sched_getcpu and two CPUs to hold threads apart")
+
+
+def _may_set_affinity() -> bool:
+    """Whether this sandbox lets a thread set its own affinity (a fresh thread tries)."""
+    out = []
+
+    def attempt():
+        try:
+            os.sched_setaffinity(0, os.sched_getaffinity(0))
+            out.append(True)
+        except OSError:
+            out.append(False)
+
+    t = threading.Thread(target=attempt)
+    t.start()
+    t.join()
+    return out[0]
+
+
+holds = pytest.mark.skipif(placement._GETCPU is None or len(CPUS) < 2 or not _may_set_affinity(),
+                           reason="needs Linux's sched_getcpu, two CPUs and leave to set a "
+                                  "thread's affinity")
+REAL_JUDGE = placement._judge
+
+
+@pytest.fixture(autouse=True)
+def _no_backoff(monkeypatch):
+    """Every test starts holding, and (but those of the backoff) a loaded machine never
+    makes it stop: what it checks is where threads are held, not when."""
+    monkeypatch.setattr(placement, "_backoff", {"until": 0.0, "length": 0.0})
+    monkeypatch.setattr(placement, "_judge", lambda waited_ns, took_ns: None)
 
 
 def _in_thread(fn):
@@ -259,3 +288,59 @@ t.start()
 t.join()
 assert os.waitstatus_to_exitcode(out["status"]) == 0, "child"
 """)
+
+
+# -- backing off where other work shares the CPUs --------------------------------------------
+def test_a_hold_that_waited_for_its_cpu_stops_holding_for_a_while_doubling(monkeypatch):
+    monkeypatch.setattr(placement, "_judge", REAL_JUDGE)
+    ms = 1_000_000
+    placement._judge(waited_ns=3 * ms, took_ns=10 * ms)  # waited 30%: other work
+    first = dict(placement._backoff)
+    assert first["length"] == placement.BACKOFF_S and first["until"] > 0
+    placement._judge(waited_ns=5 * ms, took_ns=10 * ms)  # again, in a row: twice as long
+    assert placement._backoff["length"] == 2 * placement.BACKOFF_S
+    assert placement._backoff["until"] > first["until"]
+    placement._judge(waited_ns=0, took_ns=500_000)  # too short to tell: nothing changes
+    assert placement._backoff["length"] == 2 * placement.BACKOFF_S
+    until = placement._backoff["until"]
+    placement._judge(waited_ns=2 * ms, took_ns=10 * ms)  # 20%: clean, the doubling restarts
+    assert placement._backoff == {"until": until, "length": 0.0}
+    for _ in range(12):
+        placement._judge(waited_ns=9 * ms, took_ns=10 * ms)
+    assert placement._backoff["length"] == placement.BACKOFF_MAX_S
+
+
+@holds
+def test_while_backing_off_nothing_is_held(monkeypatch):
+    import time
+    monkeypatch.setattr(placement, "_backoff", {"until": time.monotonic() + 60, "length": 60.0})
+
+    def body():
+        with placement.held_apart():
+            return os.sched_getaffinity(0)
+    assert _in_thread(body) == CPUS and not placement._HELD
+
+
+@holds
+@pytest.mark.skipif(placement._waited_ns() is None, reason="no /proc/thread-self/schedstat")
+def test_a_busy_program_on_the_held_cpu_makes_holding_back_off(monkeypatch):
+    """A shell busy-looping on the held thread's CPU: the thread waits for its CPU about half
+    the time (the scheduler's fair share), so holding stops."""
+    import time
+    monkeypatch.setattr(placement, "_judge", REAL_JUDGE)
+
+    def body():
+        with placement.held_apart():
+            cpu = placement._HELD[threading.get_ident()]
+            hog = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+            try:
+                os.sched_setaffinity(hog.pid, {cpu})
+                end = time.perf_counter() + 0.4
+                x = torch.zeros(1 << 12).numpy()
+                while time.perf_counter() < end:  # our own work, on the held CPU
+                    x += 1.0
+            finally:
+                hog.kill()
+                hog.wait()
+        return placement._backoff["until"] - time.monotonic()
+    assert _in_thread(body) > 0  # backing off now
