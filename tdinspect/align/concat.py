@@ -16,6 +16,7 @@ Examples
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from ..naming import split_call
@@ -100,10 +101,21 @@ def concat(ds, over: str = "call", dim: int | str = 1):
 
     Entries that cannot be concatenated (missing in some pass, shapes that
     do not fit) become structural divergences with the reason.
+
+    Over calls, this is right where an entry runs once per forward step (module
+    level). At op level an op that runs k times in one forward has k different
+    calls per step, all put end to end (a RuntimeWarning says so): a tiny Llama's
+    ``input_layernorm/aten.mul`` then "diverged" at rel_diff 0.51 with no bug.
     """
     from ..dumpset import DumpSet
 
     over, dim = parse_concat((over, dim))
+    if over == "call" and ds.level == "op":
+        warnings.warn(f"tdinspect: {ds.path}: concatenating the calls of an op-level dump puts "
+                      "every call of an op end to end, and an op that runs several times in "
+                      "one forward (an RMSNorm's two aten.mul) has its different tensors "
+                      "mixed: compare a decode run at module level, or read only the ops that "
+                      "run once per forward", RuntimeWarning, stacklevel=3)
     out = {}
     if over == "pass":
         by_rank: dict[int, dict[int, PassIndex]] = {}
