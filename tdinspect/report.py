@@ -208,11 +208,20 @@ class DiffSummary:
     >>> DiffSummary(diff, threshold=0.999, metric="cosine")   # doctest: +SKIP
     """
 
-    def __init__(self, diff, threshold: float | dict | None = None, metric: str | None = None):
+    def __init__(self, diff, threshold: float | dict | None = None, metric: str | None = None,
+                 structural: str = "diverge"):
+        import warnings
+
+        from .diff import UncomparedWarning
+
         self.diff = diff
         self.metric = metric or diff.default_metric
         self.threshold = threshold
-        self.divergence = diff.first_divergence(threshold, self.metric)
+        with warnings.catch_warnings():  # the summary says it: self.gap
+            warnings.simplefilter("ignore", UncomparedWarning)
+            self.divergence = diff.first_divergence(threshold, self.metric, structural)
+        self.gap = diff.uncompared_after(False) if structural == "report" and \
+            self.divergence is None else None
 
     def structural(self) -> Counter:
         """Structural problems by kind, over the passes compared so far."""
@@ -230,6 +239,8 @@ class DiffSummary:
         lines.append(f"  threshold: {self.threshold_text()}")
         lines.append(f"  first divergence: {self.divergence!r}" if self.divergence else
                      f"  no divergence ({self.metric})")
+        if self.gap:
+            lines.append(f"  but {self.gap['text']}")
         return visible("\n".join(lines), keep="\n")  # paths and names from the dump
 
     def threshold_text(self) -> str:
@@ -253,6 +264,8 @@ class DiffSummary:
         if self.divergence is None:
             parts.append(f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
                          f"at threshold {self._thr_text()})</p>")
+            if self.gap:
+                parts.append(f"<div class='note'>but {html_text(self.gap['text'])}</div>")
         else:
             parts.append(section("first divergence", _divergence_body(self.divergence), open_=True))
         kinds = self.structural()

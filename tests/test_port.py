@@ -173,6 +173,23 @@ def test_rules_suggested_from_the_buggy_port_do_not_read_as_all_clear(tmp_path, 
         assert good.first_divergence(threshold=1e-10, structural="report") is None
     assert good.uncompared_after() is None
 
+
+def test_tdi_diff_takes_a_mapping_and_sets_structural_entries_aside(tmp_path, port, suggestion):
+    """%tdi_diff had no --mapping: a port could not be compared from a magic at all (every
+    entry "only in A"). Now --mapping, --structural report and the stopping point, as the CLI."""
+    from .test_runs import _notebook
+
+    good_map = suggestion.save(tmp_path / "good.yaml")
+    bad_map = suggest_mapping(port["ref"], port["bad"]).save(tmp_path / "bad.yaml")
+    out = _notebook(["%load_ext tdinspect",
+                     f"%tdi_diff {port['ref']} {port['bad']} --mapping {good_map} --structural report",
+                     f"%tdi_diff {port['ref']} {port['bad']} --mapping {bad_map} --structural report",
+                     f"%tdi_diff {port['ref']} {port['bad']} --mapping {tmp_path / 'nosuch.yaml'}"])
+    assert "first divergence: Divergence(model.model.layers.0.self_attn.o_proj" in out[1], out[1]
+    assert "no divergence" in out[2] and \
+        "but the comparison stops at model.model.layers.0.self_attn.v_proj" in out[2], out[2]
+    assert "UsageError" in out[3] and "nosuch.yaml" in out[3], out[3]
+
 # -- op level: a non-tensor argument that differs ----------------------------------------
 @pytest.fixture(scope="module")
 def eps_runs(tmp_path_factory):

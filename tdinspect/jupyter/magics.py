@@ -95,6 +95,12 @@ class TdinspectMagics(Magics):
     @argument("--metric", default=None, help="rel_diff (default), max_abs, cosine, ...")
     @argument("--threshold", type=threshold_arg, default="auto",
               help="divergence threshold: auto (default, from each entry's dtypes) or a number")
+    @argument("--mapping", default=None,
+              help="YAML/JSON rules pairing differently named entries (a port)")
+    @argument("--concat", default=None,
+              help="OVER:DIM, e.g. call:1: decode calls end to end (a decode run vs a forward)")
+    @argument("--structural", default="diverge", choices=["diverge", "report"],
+              help="report: set one-sided and reshaped entries aside")
     @argument("--as", dest="as_", default=None, help="bind the Diff to this variable")
     @line_magic
     def tdi_diff(self, line):
@@ -108,9 +114,10 @@ class TdinspectMagics(Magics):
         args = parse_argstring(self.tdi_diff, line)
         a, b = self._dumpset(args.a), self._dumpset(args.b)
         try:
-            diff = a.diff(b)
-            summary = DiffSummary(diff, threshold=args.threshold, metric=args.metric)
-        except (ValueError, TypeError) as exc:  # an unknown metric, a stats-only mismatch
+            diff = a.diff(b, mapping=args.mapping, concat=args.concat)
+            summary = DiffSummary(diff, threshold=args.threshold, metric=args.metric,
+                                  structural=args.structural)
+        except (ValueError, TypeError, OSError) as exc:  # a bad metric, mapping file, concat
             raise _usage(exc) from exc
         if args.as_:
             self.shell.user_ns[args.as_] = diff
