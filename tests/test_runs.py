@@ -231,3 +231,22 @@ def test_rerun_cell_with_an_unclosed_op_capture_leaves_one_mode(tmp_path):
     keys = [list(load_pass(f / "pass00000.pt")) for f in (first, second)]
     assert keys[0] == keys[1] and any("aten.addmm" in k for k in keys[0])  # each op once
     assert not (first / "pass00001.pt").exists() and not (second / "pass00001.pt").exists()
+
+
+def test_captures_of_one_model_into_two_folders_both_record_and_a_warning_says_so(tmp_path):
+    """Two captures meant side by side (one per filter, each its own folder) are not a
+    re-run cell's: the second keeps the first open, and says both record."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.ones(2, 4)
+    first = tdinspect.capture(m, tmp_path / "linear", filter=[r"\.0$"])
+    with pytest.warns(RuntimeWarning, match="still open outside a `with`: both record"):
+        second = tdinspect.capture(m, tmp_path / "relu", filter=[r"\.1$"])
+    m(x)
+    first.step()
+    second.step()
+    first.close()
+    second.close()
+    (a,), (b,) = (list((tmp_path / n).glob("*/pass00000.pt")) for n in ("linear", "relu"))
+    assert list(load_pass(a)) == ["model.0"] and list(load_pass(b)) == ["model.1"]
+    assert torch.equal(load_pass(b)["model.1"], m(x))

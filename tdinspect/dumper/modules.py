@@ -53,6 +53,11 @@ from .recorder import Recorder, current_rank
 _UNMANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
+def _folder_identity(dump_dir) -> str | None:
+    """A dump folder as one string whatever the spelling (``None``: no folder)."""
+    return None if dump_dir is None else os.path.realpath(os.fspath(dump_dir))
+
+
 def _eager(fn):
     """``fn`` run eagerly even inside a ``torch.compile``d forward: dynamo does not trace it
     (tracing the recorder's statistics hit recompile limits and crashed the user's forward);
@@ -305,16 +310,25 @@ class ModuleCapture(StopsOnCheck):
         _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
 
     def _close_stale(self, model: nn.Module) -> None:
-        """Close this model's earlier captures that are still open outside any ``with``.
+        """Close this model's earlier captures into the same folder that are still open
+        outside any ``with``; warn of those into another folder.
 
         ``cap = tdinspect.capture(model, DIR)`` in a notebook cell run twice leaves the
         first capture unreachable but hooked: it would record every later forward too
         (twice the hooks, its pass growing in memory, never written). Its pending pass is
-        written, as ``close()`` does. A capture inside a ``with`` is nested on purpose and
-        stays.
+        written, as ``close()`` does. Captures into other folders may be meant (one per
+        filter): they stay, and a warning says that both record. A capture inside a
+        ``with`` is nested on purpose and stays.
         """
+        here = _folder_identity(self.config.dump_dir)
         for old in list(_UNMANAGED.get(model, ())):
             folder = old.folder
+            if _folder_identity(old.config.dump_dir) != here:
+                warnings.warn(f"tdinspect: an earlier capture of this {type(model).__name__} "
+                              f"into {folder} is still open outside a `with`: both record every "
+                              f"forward (close it with .close() if it is a re-run cell's)",
+                              RuntimeWarning, stacklevel=4)
+                continue
             old.close()
             warnings.warn(f"tdinspect: closed the earlier capture of this "
                           f"{type(model).__name__} still open outside a `with` (into "
