@@ -335,7 +335,11 @@ def _table(name: str) -> np.ndarray:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize > 2:
         raise ValueError(f"codes={name!r}: expected a 1- or 2-byte torch float dtype")
     codes = torch.from_numpy(np.arange(1 << (8 * dtype.itemsize), dtype=UINT_OF[dtype.itemsize]))
-    table = codes.view(dtype).to(torch.float64).numpy()
+    table = np.empty(codes.shape[0], np.float64)
+    # converted 8K codes at a time: under torch's grain (32K), so no OpenMP team is started
+    # here, which a pool thread held on one CPU (tdinspect.placement) would pass to it for life
+    for i in range(0, codes.shape[0], 1 << 13):
+        table[i:i + (1 << 13)] = codes[i:i + (1 << 13)].view(dtype).to(torch.float64).numpy()
     table.setflags(write=False)
     return table
 

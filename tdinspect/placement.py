@@ -21,9 +21,15 @@ Where other programs take the CPUs, a held thread cannot leave a CPU they share 
 (measured: 1-20% slower than free threads with a busy process beside, up to 50% back to
 back under a test suite). So each hold reads, from ``/proc/thread-self/schedstat``, how
 long its thread waited runnable for its CPU: a hold that waited over a quarter of its time
-stops holding for a while (:data:`BACKOFF_S`, doubled at each such hold in a row, at most
-:data:`BACKOFF_MAX_S`); one that did not resets the doubling. The first diff on a busy
-machine pays it once; on an idle one nothing changes.
+stops holding on that CPU for a while (:data:`BACKOFF_S`, doubled at each such hold there in
+a row, at most :data:`BACKOFF_MAX_S`); one there that did not resets the doubling. Per CPU,
+because other work often takes some CPUs only (one busy process: a thread held on the other
+CPU is as fast as ever, and its clean holds reset a machine-wide doubling, so the busy CPU
+kept being held every other diff: 1.04x unheld). Short at first, because
+contention is often brief (torch's OpenMP threads spin ~10 ms after an op: a 1 s backoff
+taken from a diff right after a torch compare left the diffs of the next second unheld, 5.0
+against 6.8-7.9 GB/s for 1 MB pairs), and doubling so that lasting load stops it within a
+dozen holds. On an idle machine nothing changes.
 
 Examples
 --------
@@ -43,8 +49,9 @@ from collections.abc import Callable, Iterator
 
 _LOCK = threading.Lock()
 _HELD: dict[int, int] = {}  # thread ident -> the CPU it is held on
-BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # no holding this long after a hold that waited
-_backoff = {"until": 0.0, "length": 0.0}  # time.monotonic() to hold again; the last length
+BACKOFF_S, BACKOFF_MAX_S = 0.1, 60.0  # no holding on a CPU this long after a hold that waited
+_BACKOFF: dict[int, tuple[float, float]] = {}  # CPU -> (time.monotonic() to hold there again,
+#                                                 the last length)
 
 
 def _forget_held() -> None:
@@ -84,25 +91,30 @@ def _waited_ns() -> int | None:
         return None
 
 
-def _judge(waited_ns: int, took_ns: int) -> None:
-    """Back off from holding after a hold that waited for its CPU over a quarter of its time
-    (other work on the CPUs); reset the doubling after one that did not."""
+def _judge(cpu: int, waited_ns: int, took_ns: int) -> None:
+    """Back off from holding on ``cpu`` after a hold there that waited for it over a quarter
+    of its time (other work on that CPU); reset its doubling after one that did not."""
     if took_ns < 1_000_000:  # too short to tell
         return
     with _LOCK:
         if 4 * waited_ns > took_ns:
-            length = min(max(2 * _backoff["length"], BACKOFF_S), BACKOFF_MAX_S)
-            _backoff.update(until=time.monotonic() + length, length=length)
-        else:
-            _backoff["length"] = 0.0
+            length = min(max(2 * _BACKOFF.get(cpu, (0.0, 0.0))[1], BACKOFF_S), BACKOFF_MAX_S)
+            _BACKOFF[cpu] = (time.monotonic() + length, length)
+        elif cpu in _BACKOFF:
+            _BACKOFF[cpu] = (_BACKOFF[cpu][0], 0.0)
+
+
+def _backing_off(now: float) -> set[int]:
+    """The CPUs not to hold on now (call with the lock)."""
+    return {cpu for cpu, (until, _) in _BACKOFF.items() if now < until}
 
 
 def _hold() -> tuple[set[int], int] | None:
-    """Hold the calling thread on a CPU no other holder is on: its affinity before and that
-    CPU, or ``None`` (not held)."""
+    """Hold the calling thread on a CPU no other holder is on and none backs off from: its
+    affinity before and that CPU, or ``None`` (not held)."""
     mask = os.sched_getaffinity(0)  # 0: the calling thread
     with _LOCK:
-        free = mask - set(_HELD.values())
+        free = mask - set(_HELD.values()) - _backing_off(time.monotonic())
         if len(mask) < 2 or not free:
             return None
         cpu = _GETCPU()
@@ -119,9 +131,9 @@ def _hold() -> tuple[set[int], int] | None:
 def held_apart() -> Iterator[None]:
     """Run the body held on one CPU that no other holder is on, where one is free (see the
     module's text); the thread's affinity is given back on exit. The body must start no
-    threads. An affinity set from outside while held (``taskset -a``) is left as set. Not
-    held while backing off from other work (see the module's text)."""
-    held = _hold() if _GETCPU is not None and time.monotonic() >= _backoff["until"] else None
+    threads. An affinity set from outside while held (``taskset -a``) is left as set. Never
+    held on a CPU backing off from other work (see the module's text)."""
+    held = _hold() if _GETCPU is not None else None
     waited, start = (_waited_ns(), time.perf_counter_ns()) if held is not None else (None, 0)
     try:
         yield
@@ -136,4 +148,4 @@ def held_apart() -> Iterator[None]:
                     os.sched_setaffinity(0, mask)
             now = _waited_ns() if waited is not None else None
             if now is not None:
-                _judge(now - waited, time.perf_counter_ns() - start)
+                _judge(cpu, now - waited, time.perf_counter_ns() - start)

@@ -47,8 +47,8 @@ REAL_JUDGE = placement._judge
 def _no_backoff(monkeypatch):
     """Every test starts holding, and (but those of the backoff) a loaded machine never
     makes it stop: what it checks is where threads are held, not when."""
-    monkeypatch.setattr(placement, "_backoff", {"until": 0.0, "length": 0.0})
-    monkeypatch.setattr(placement, "_judge", lambda waited_ns, took_ns: None)
+    monkeypatch.setattr(placement, "_BACKOFF", {})
+    monkeypatch.setattr(placement, "_judge", lambda cpu, waited_ns, took_ns: None)
 
 
 def _in_thread(fn):
@@ -291,41 +291,46 @@ assert os.waitstatus_to_exitcode(out["status"]) == 0, "child"
 
 
 # -- backing off where other work shares the CPUs --------------------------------------------
-def test_a_hold_that_waited_for_its_cpu_stops_holding_for_a_while_doubling(monkeypatch):
+def test_a_hold_that_waited_for_its_cpu_stops_holding_there_for_a_while_doubling(monkeypatch):
     monkeypatch.setattr(placement, "_judge", REAL_JUDGE)
-    ms = 1_000_000
-    placement._judge(waited_ns=3 * ms, took_ns=10 * ms)  # waited 30%: other work
-    first = dict(placement._backoff)
-    assert first["length"] == placement.BACKOFF_S and first["until"] > 0
-    placement._judge(waited_ns=5 * ms, took_ns=10 * ms)  # again, in a row: twice as long
-    assert placement._backoff["length"] == 2 * placement.BACKOFF_S
-    assert placement._backoff["until"] > first["until"]
-    placement._judge(waited_ns=0, took_ns=500_000)  # too short to tell: nothing changes
-    assert placement._backoff["length"] == 2 * placement.BACKOFF_S
-    until = placement._backoff["until"]
-    placement._judge(waited_ns=2 * ms, took_ns=10 * ms)  # 20%: clean, the doubling restarts
-    assert placement._backoff == {"until": until, "length": 0.0}
+    ms, back = 1_000_000, placement._BACKOFF
+    placement._judge(0, waited_ns=3 * ms, took_ns=10 * ms)  # waited 30%: other work on CPU 0
+    until, length = back[0]
+    assert length == placement.BACKOFF_S and until > 0 and 1 not in back
+    placement._judge(1, waited_ns=0, took_ns=10 * ms)  # CPU 1 is clean: CPU 0's doubling stays
+    placement._judge(0, waited_ns=5 * ms, took_ns=10 * ms)  # CPU 0 again, in a row: twice
+    assert back[0][1] == 2 * placement.BACKOFF_S and back[0][0] > until
+    placement._judge(0, waited_ns=0, took_ns=500_000)  # too short to tell: nothing changes
+    assert back[0][1] == 2 * placement.BACKOFF_S
+    until = back[0][0]
+    placement._judge(0, waited_ns=2 * ms, took_ns=10 * ms)  # 20%: clean, the doubling restarts
+    assert back[0] == (until, 0.0)
     for _ in range(12):
-        placement._judge(waited_ns=9 * ms, took_ns=10 * ms)
-    assert placement._backoff["length"] == placement.BACKOFF_MAX_S
+        placement._judge(0, waited_ns=9 * ms, took_ns=10 * ms)
+    assert back[0][1] == placement.BACKOFF_MAX_S
+    assert placement._backing_off(back[0][0] - 1.0) == {0}
 
 
 @holds
-def test_while_backing_off_nothing_is_held(monkeypatch):
+def test_no_thread_is_held_on_a_cpu_backing_off(monkeypatch):
     import time
-    monkeypatch.setattr(placement, "_backoff", {"until": time.monotonic() + 60, "length": 60.0})
+    first, *others = sorted(CPUS)
+    later = time.monotonic() + 60
 
     def body():
         with placement.held_apart():
             return os.sched_getaffinity(0)
-    assert _in_thread(body) == CPUS and not placement._HELD
+    monkeypatch.setattr(placement, "_BACKOFF", {cpu: (later, 60.0) for cpu in others})
+    assert _in_thread(body) == {first}  # the one CPU not backing off
+    monkeypatch.setattr(placement, "_BACKOFF", {cpu: (later, 60.0) for cpu in CPUS})
+    assert _in_thread(body) == CPUS and not placement._HELD  # every CPU backing off: free
 
 
 @holds
 @pytest.mark.skipif(placement._waited_ns() is None, reason="no /proc/thread-self/schedstat")
-def test_a_busy_program_on_the_held_cpu_makes_holding_back_off(monkeypatch):
-    """A shell busy-looping on the held thread's CPU: the thread waits for its CPU about half
-    the time (the scheduler's fair share), so holding stops."""
+def test_a_busy_program_on_the_held_cpu_makes_holding_there_back_off(monkeypatch):
+    """A shell busy-looping on the held thread's CPU: the thread waits for it about half the
+    time (the scheduler's fair share), so the next hold is on another CPU."""
     import time
     monkeypatch.setattr(placement, "_judge", REAL_JUDGE)
 
@@ -342,5 +347,34 @@ def test_a_busy_program_on_the_held_cpu_makes_holding_back_off(monkeypatch):
             finally:
                 hog.kill()
                 hog.wait()
-        return placement._backoff["until"] - time.monotonic()
-    assert _in_thread(body) > 0  # backing off now
+        with placement.held_apart():
+            again = os.sched_getaffinity(0)
+        return cpu, placement._BACKOFF.get(cpu, (0.0, 0.0))[0] - time.monotonic(), again
+    cpu, left, again = _in_thread(body)
+    assert left > 0  # that CPU backs off now
+    assert len(again) == 1 and cpu not in again  # held on another
+
+
+@holds
+def test_a_two_byte_decode_table_built_on_a_held_thread_starts_no_thread_held_for_life():
+    """kernels._table converts 65,536 codes: in one torch call that went parallel, and the
+    OpenMP threads it started from a held thread kept its one CPU after the hold."""
+    code = """if True:
+        import os, threading, torch
+        from tdinspect import kernels, placement
+        def build():
+            with placement.held_apart():
+                assert len(os.sched_getaffinity(0)) == 1
+                table = kernels._table("float16")
+            assert table[0x3C00] == 1.0 and table.shape == (65536,)
+        t = threading.Thread(target=build)
+        t.start()
+        t.join()
+        full = os.sched_getaffinity(0)
+        for tid in os.listdir("/proc/self/task"):
+            assert os.sched_getaffinity(int(tid)) == full, tid
+        print("OK", torch.get_num_threads())
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": str(len(CPUS))})
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-2000:]
