@@ -871,6 +871,15 @@ class Diff:
         -------
         Divergence or None
         """
+        div, gap = self._answer(threshold, metric, structural)
+        if gap is not None:
+            warnings.warn(f"tdinspect: no numerical divergence, but {gap['text']}",
+                          UncomparedWarning, stacklevel=2)
+        return div
+
+    def _answer(self, threshold, metric, structural: str) -> tuple[Divergence | None, dict | None]:
+        """:meth:`first_divergence`'s answer, and with ``structural="report"`` and no
+        divergence, :meth:`uncompared_after` (else ``None``): said once by each caller."""
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
@@ -897,12 +906,7 @@ class Diff:
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
-            if report:
-                gap = self.uncompared_after(progress=False)
-                if gap is not None:
-                    warnings.warn(f"tdinspect: no numerical divergence, but {gap['text']}",
-                                  UncomparedWarning, stacklevel=2)
-            return None
+            return None, self.uncompared_after(progress=False) if report else None
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
         located = "" if row["structural"] else self._locate(row, m, thr_fn(row))
@@ -913,7 +917,7 @@ class Diff:
             listed = listed.sort_values(["pass", "order", "rank"])[STRUCTURAL_COLUMNS]\
                 .reset_index(drop=True)
         return divergence_of(row, m, thr_fn, list(zip(earlier["key"], earlier[m.name].astype(float))),
-                             listed, located)
+                             listed, located), None
 
     def _locate(self, row: dict, m, thr: float) -> str:
         """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ."""
@@ -1178,9 +1182,7 @@ class Diff:
         return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
 
     def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
-        with warnings.catch_warnings():  # the gap is part of the answer here: uncompared_after
-            warnings.simplefilter("ignore", UncomparedWarning)
-            div = self.first_divergence(threshold, metric, structural)
+        div, gap = self._answer(threshold, metric, structural)  # the gap is in the answer here
         name = div.metric if div else (metric or self.default_metric)
         out = {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align,
                 "metric": name, "threshold": self.threshold_text(threshold, name),
@@ -1192,7 +1194,7 @@ class Diff:
             se = div.structural_entries if div is not None else self.structural_entries(False)
             out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
             if div is None:
-                out["uncompared_after"] = self.uncompared_after(False)
+                out["uncompared_after"] = gap
         return out
 
     def threshold_text(self, threshold=None, metric: str | None = None) -> str:

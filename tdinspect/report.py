@@ -210,18 +210,11 @@ class DiffSummary:
 
     def __init__(self, diff, threshold: float | dict | None = None, metric: str | None = None,
                  structural: str = "diverge"):
-        import warnings
-
-        from .diff import UncomparedWarning
-
         self.diff = diff
         self.metric = metric or diff.default_metric
         self.threshold = threshold
-        with warnings.catch_warnings():  # the summary says it: self.gap
-            warnings.simplefilter("ignore", UncomparedWarning)
-            self.divergence = diff.first_divergence(threshold, self.metric, structural)
-        self.gap = diff.uncompared_after(False) if structural == "report" and \
-            self.divergence is None else None
+        # the summary says where the comparison stopped (self.gap), not a warning
+        self.divergence, self.gap = diff._answer(threshold, self.metric, structural)
 
     def structural(self) -> Counter:
         """Structural problems by kind, over the passes compared so far."""
