@@ -250,3 +250,27 @@ def test_captures_of_one_model_into_two_folders_both_record_and_a_warning_says_s
     (a,), (b,) = (list((tmp_path / n).glob("*/pass00000.pt")) for n in ("linear", "relu"))
     assert list(load_pass(a)) == ["model.0"] and list(load_pass(b)) == ["model.1"]
     assert torch.equal(load_pass(b)["model.1"], m(x))
+
+
+def test_op_captures_into_two_folders_both_record_and_a_warning_says_so(tmp_path):
+    """The same rule for op captures (one mechanism, :mod:`tdinspect.dumper.reruns`): an
+    earlier one into another folder stays on the stack, recording."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as modes
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    first = tdinspect.capture_ops(tmp_path / "one", model=m).start()
+    try:
+        with pytest.warns(RuntimeWarning, match="still open outside a `with`: both record"):
+            second = tdinspect.capture_ops(tmp_path / "two", model=m).start()
+        assert len(modes()) == 2
+        m(torch.ones(2, 4))
+        second.step()
+        first.step()
+    finally:
+        second.close()
+        first.close()
+    assert len(modes()) == 0
+    (a,), (b,) = (list((tmp_path / n).glob("*/pass00000.pt")) for n in ("one", "two"))
+    keys_a, keys_b = list(load_pass(a)), list(load_pass(b))
+    # both recorded the model's ops (the outer one also what the inner one ran to record them)
+    assert any("aten.addmm" in k for k in keys_b) and set(keys_b) <= set(keys_a)

@@ -47,15 +47,11 @@ from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
 from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 from .checks import Guarded, HealthCheck, StopsOnCheck, open_live
 from .recorder import Recorder, current_rank
+from .reruns import close_reruns
 
 
 # model -> its captures still open that no ``with`` holds (see ModuleCapture._close_stale)
 _UNMANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
-
-
-def _folder_identity(dump_dir) -> str | None:
-    """A dump folder as one string whatever the spelling (``None``: no folder)."""
-    return None if dump_dir is None else os.path.realpath(os.fspath(dump_dir))
 
 
 def _eager(fn):
@@ -310,30 +306,10 @@ class ModuleCapture(StopsOnCheck):
         _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
 
     def _close_stale(self, model: nn.Module) -> None:
-        """Close this model's earlier captures into the same folder that are still open
-        outside any ``with``; warn of those into another folder.
-
-        ``cap = tdinspect.capture(model, DIR)`` in a notebook cell run twice leaves the
-        first capture unreachable but hooked: it would record every later forward too
-        (twice the hooks, its pass growing in memory, never written). Its pending pass is
-        written, as ``close()`` does. Captures into other folders may be meant (one per
-        filter): they stay, and a warning says that both record. A capture inside a
-        ``with`` is nested on purpose and stays.
-        """
-        here = _folder_identity(self.config.dump_dir)
-        for old in list(_UNMANAGED.get(model, ())):
-            folder = old.folder
-            if _folder_identity(old.config.dump_dir) != here:
-                warnings.warn(f"tdinspect: an earlier capture of this {type(model).__name__} "
-                              f"into {folder} is still open outside a `with`: both record every "
-                              f"forward (close it with .close() if it is a re-run cell's)",
-                              RuntimeWarning, stacklevel=4)
-                continue
-            old.close()
-            warnings.warn(f"tdinspect: closed the earlier capture of this "
-                          f"{type(model).__name__} still open outside a `with` (into "
-                          f"{folder}; a re-run cell?): its hooks are removed and what it had "
-                          f"recorded is written", RuntimeWarning, stacklevel=4)
+        """Close this model's earlier captures into the same folder still open outside any
+        ``with`` (a re-run cell's); warn of those into another (:mod:`.reruns`)."""
+        close_reruns(_UNMANAGED.get(model, ()), self.config.dump_dir,
+                     f"capture of this {type(model).__name__}", stacklevel=4)
 
     def _make_pre_hook(self, name: str, module_type: str):
         rec, record = self.recorder, self.record

@@ -38,7 +38,6 @@ What is stored (the sidecar says which, see :mod:`tdinspect.format`):
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from typing import Any, TextIO
 
@@ -55,6 +54,7 @@ from .checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
 from .kinds import holds_no_data
 from .modules import resolve_config
 from .recorder import Recorder, current_rank, parallel_coords
+from .reruns import close_reruns
 
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "empty_permuted"}
@@ -244,32 +244,15 @@ class OpCapture(StopsOnCheck):
             _UNMANAGED.add(self)
         return self
 
-    @staticmethod
-    def _close_stale() -> None:
-        """Close the op captures started outside a ``with`` and still recording.
-
-        ``cap = tdinspect.capture_ops(DIR).start()`` in a notebook cell run twice
-        leaves the first one's dispatch mode on the stack: it records every later op
-        (each one twice), its pass growing in memory. A mode leaves the stack from the
-        top only, so one is closed only while it is the innermost mode; otherwise a
-        warning says it is still open.
-        """
-        for old in list(_UNMANAGED):
-            if old._mode is None:
-                _UNMANAGED.discard(old)
-                continue
-            modes = _get_current_dispatch_mode_stack()
-            if modes and modes[-1] is old._mode:
-                folder = old.folder
-                old.close()
-                warnings.warn(f"tdinspect: closed the earlier op capture still recording outside "
-                              f"a `with` (into {folder}; a re-run cell?): its mode is off the "
-                              f"stack and what it had recorded is written", RuntimeWarning,
-                              stacklevel=3)
-            else:
-                warnings.warn(f"tdinspect: an earlier op capture (into {old.folder}) is still "
-                              f"recording outside a `with`, under other dispatch modes: close() "
-                              f"it, or it records every op", RuntimeWarning, stacklevel=3)
+    def _close_stale(self) -> None:
+        """Close the earlier op captures into the same folder still recording outside a
+        ``with`` (a re-run cell's; :mod:`.reruns`). A mode leaves the stack from the top
+        only: one under other modes is not closed, a warning says it is still open."""
+        for old in [c for c in _UNMANAGED if c._mode is None]:
+            _UNMANAGED.discard(old)
+        close_reruns(_UNMANAGED, self.config.dump_dir, "op capture",
+                     closable=lambda old: _get_current_dispatch_mode_stack()[-1:] == [old._mode],
+                     unclosable="under other dispatch modes", stacklevel=3)
 
     def step(self, failed: str | None = None):
         """End the pass and write it (always, even when empty); returns its path.
