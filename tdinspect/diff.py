@@ -666,7 +666,7 @@ class Diff:
         for job in jobs:
             k = (job.rank, job.pass_)
             if k not in self._results:
-                self._results.store(k, _pass_rows(next(computed)))
+                self._results[k] = _pass_rows(next(computed))
                 self.passes_read.append(k)
             yield k
 

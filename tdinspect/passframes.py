@@ -10,7 +10,7 @@ is built on first access (``first_divergence``, the cube, the report).
 Examples
 --------
 >>> frames = PassFrames()
->>> frames.store((0, 0), typed_columns([{"x": 1.5, "k": "a"}], ["x", "k"]))
+>>> frames[0, 0] = typed_columns([{"x": 1.5, "k": "a"}], ["x", "k"])
 >>> frames[(0, 0)].dtypes["x"]
 dtype('float64')
 """
@@ -73,8 +73,6 @@ class PassFrames(MutableMapping):
     def __setitem__(self, key: tuple[int, int], value: Columns | pd.DataFrame) -> None:
         """Keep a pass as :func:`typed_columns` (a frame when first asked for) or a frame."""
         self._data[key] = value
-
-    store = __setitem__
 
     def __getitem__(self, key: tuple[int, int]) -> pd.DataFrame:
         value = self._data[key]
