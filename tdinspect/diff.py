@@ -364,9 +364,7 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
     def loaded_b():
         return loaded("b", pb)
 
-    # on a CPU of its own while only numpy and the compiled loops run (tdinspect.placement)
-    with held_apart() if in_pool() else contextlib.nullcontext():
-        rows, single = _plain_first(job, files, (loaded_a, loaded_b))
+    rows, single = _plain_first(job, files, (loaded_a, loaded_b))
     for row, ia, ib, transform in single:
         compare_pair(row, side_of(pa, ia, loaded_a, "A"), side_of(pb, ib, loaded_b, "B"),
                      transform, job.mode, job.chunk)
@@ -409,7 +407,10 @@ def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, li
             plain.append((row, ia, ib))
         else:
             single.append((row, ia, ib, transform))
-    if batch or plain:
+    if not (batch or plain):
+        return rows, single
+    # on a CPU of its own while only numpy and the compiled loops run (tdinspect.placement)
+    with held_apart() if _worth_holding(pa, plain_a, batch + plain) else contextlib.nullcontext():
         spans = [pass_spans(pa), pass_spans(pb)]
         for side, found in zip("ab", spans):
             if found is not None:  # the other pairs read these records too (no second read)
@@ -417,8 +418,26 @@ def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, li
         sources = [s if s is not None else f for s, f in zip(spans, loaders)]
         left = compare_batch(batch, pa, pb, sources) if batch else []
         left += compare_plain(plain, pa, pb, sources)
-        single += [(row, ia, ib, None) for row, ia, ib in left]
+    single += [(row, ia, ib, None) for row, ia, ib in left]
     return rows, single
+
+
+HOLD_MIN_BYTES = 1 << 20  # a side's plain pairs in a pass, from which a pool thread holds a CPU
+
+
+def _worth_holding(pa, dtypes: list, pairs: list) -> bool:
+    """Whether a pool thread comparing ``pairs`` should hold a CPU of its own
+    (:mod:`tdinspect.placement`): from :data:`HOLD_MIN_BYTES` a side. Below, the hold's
+    ~50 us a pass cost more than a misplaced thread does (300 passes of 10 pairs of 1 KB:
+    held 328-338 ms, unheld 314-321 ms, medians of 10 interleaved rounds)."""
+    if not in_pool():
+        return False
+    total = 0
+    for _, ia, _ in pairs:
+        total += dtypes[ia].itemsize * math.prod(pa.shape[ia])
+        if total >= HOLD_MIN_BYTES:
+            return True
+    return False
 
 
 def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> None:

@@ -3,7 +3,8 @@
 :func:`held_apart` holds the calling thread on one CPU that no other holder is on (the
 one it runs on where that is free), by its own affinity, and gives its affinity back on
 exit. :func:`tdinspect.diff.compare_pass` holds it, on the pool's threads, while it reads
-and compares a pass's plain pairs: numpy and the compiled loops, which start no threads
+and compares a pass's plain pairs of 1 MB a side or more (``diff.HOLD_MIN_BYTES``; below,
+the hold costs more than it saves): numpy and the compiled loops, which start no threads
 (a thread started while held would inherit the one CPU); torch's ops for the other pairs
 run after it, free.
 

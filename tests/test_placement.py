@@ -139,11 +139,11 @@ def test_an_error_in_the_body_gives_the_affinity_back():
 
 
 def _runs(root, noise):
-    """Two runs of 4 passes: a 128 KB float32 and a 8 KB bfloat16 plain pair (held: the
-    compiled loop and the small pairs' batch), and a pair stored as float32 on one side and
-    float16 on the other (compared by torch, free)."""
+    """Two runs of 4 passes: a 1 MB float32 and a 8 KB bfloat16 plain pair (held: the
+    compiled loop and the small pairs' batch, diff.HOLD_MIN_BYTES a side), and a pair stored
+    as float32 on one side and float16 on the other (compared by torch, free)."""
     g = torch.Generator().manual_seed(0)
-    base = [torch.randn(n, generator=g) for n in (32768, 4096, 4096)]
+    base = [torch.randn(n, generator=g) for n in (1 << 18, 4096, 4096)]
     for name, scale in (("a", 0.0), ("b", noise)):
         rec = Recorder(root / name, level="module")
         jitter = torch.Generator().manual_seed(1)
@@ -159,11 +159,8 @@ def _runs(root, noise):
     return DumpSet.open(root / "a"), DumpSet.open(root / "b")
 
 
-def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_numbers(
-        tmp_path, monkeypatch):
-    a, b = _runs(tmp_path, 1e-3)
-    unheld = a.diff(b, passes_in_flight=1).table(progress=False)  # one pass a wave: inline
-
+def _affinities_seen(monkeypatch) -> dict[str, list]:
+    """The pool threads' affinities as they enter ``compare_plain`` and ``compare_pair``."""
     masks: dict[str, list] = {"plain": [], "pair": []}
     for name, key in (("compare_plain", "plain"), ("compare_pair", "pair")):
         real = getattr(diff_module, name)
@@ -173,6 +170,14 @@ def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_number
                 masks[key].append(os.sched_getaffinity(0) if CPUS else None)
             return real(*args, **kwargs)
         monkeypatch.setattr(diff_module, name, spy)
+    return masks
+
+
+def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_numbers(
+        tmp_path, monkeypatch):
+    a, b = _runs(tmp_path, 1e-3)
+    unheld = a.diff(b, passes_in_flight=1).table(progress=False)  # one pass a wave: inline
+    masks = _affinities_seen(monkeypatch)
     held = a.diff(b).table(progress=False)
 
     pd.testing.assert_frame_equal(held, unheld)  # bit for bit: one kernel a pair either way
@@ -188,6 +193,15 @@ def test_a_diff_holds_its_threads_only_for_plain_pairs_and_gives_the_same_number
                                        range(8), wave=4))
     assert all(m == (CPUS or None) for m in after)  # the pool's threads given back
     assert not placement._HELD
+
+
+@holds
+def test_a_pass_of_little_plain_data_leaves_its_thread_free(tmp_path, monkeypatch):
+    a, b = _runs(tmp_path, 1e-3)  # 1 MB and 8 KB a side a pass: under a 2 MB threshold
+    monkeypatch.setattr(diff_module, "HOLD_MIN_BYTES", 2 << 20)
+    masks = _affinities_seen(monkeypatch)
+    a.diff(b).table(progress=False)
+    assert masks["plain"] and all(m == CPUS for m in masks["plain"])
 
 
 def _held_until(release: threading.Event, held: threading.Event, out: dict) -> threading.Thread:
