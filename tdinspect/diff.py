@@ -255,6 +255,21 @@ class Side:
     checksum: Any = None  # the sidecar's bitwise fingerprint
     dtype: Any = None
     pieces: Any = None  # () -> a concatenation's parts (align.logical.pieces), or None
+    replica: bool = False  # an unsharded entry without dims: every rank's copy, checked equal
+
+
+def _replica_problem(a: Side, b: Side, mode: str) -> str:
+    """Why a replicated side of a shape mismatch is no replica (a shard whose dims were not
+    given: the ranks' copies differ), or ``""``; the shapes alone would hide that."""
+    if mode != "tensor":
+        return ""
+    for side in (a, b):
+        if side.replica:
+            try:
+                side.tensor()
+            except AlignError as exc:
+                return str(exc)
+    return ""
 
 
 def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, chunk: int) -> None:
@@ -271,7 +286,7 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
         return
     why, _ = _layout_shapes(a.shape, b.shape, transform)
     if why:
-        row.update(structural=True, reason=why)
+        row.update(structural=True, reason=_replica_problem(a, b, mode) or why)
         return
     if mode == "stats" and transform is not None:
         row["reason"] = f"transform {transform.spec!r} needs tensors (statistics-only dump)"
@@ -334,7 +349,8 @@ def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
         if isinstance(pi, LogicalPass) else None
     return Side(pi.shape[i], pi.uninitialized[i], lambda: pi.stat_dict(i),
                 lambda: _read(pi, i, loaded(), side), _problem(pi, i, side), pi.call_args[i],
-                pi.checksum[i] if pi.checksum else None, pi.dtype[i], pieces)
+                pi.checksum[i] if pi.checksum else None, pi.dtype[i], pieces,
+                isinstance(pi, LogicalPass) and pi.plans[pi.keys[i]]["op"] == "same")
 
 
 def compare_pass(job: PassJob) -> list[dict[str, Any]]:

@@ -78,8 +78,9 @@ class Run:
         return f"{names} (started {when}, {self.n_passes} passes)"
 
 
-def _group_and_world() -> tuple[str | None, int | None]:
-    """What the processes of one launch share, and how many there are."""
+def _group_and_world(grid: int | None = None) -> tuple[str | None, int | None]:
+    """What the processes of one launch share, and how many there are (``grid``: the
+    size of the capture's parallel grid, the count when nothing else gives one)."""
     env = os.environ
     group = env.get("TDINSPECT_RUN_ID") or None
     if group is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
@@ -94,24 +95,26 @@ def _group_and_world() -> tuple[str | None, int | None]:
     elif env.get("WORLD_SIZE", "").isdigit():
         world = int(env["WORLD_SIZE"])
     elif "RANK" not in env:
-        world = 1  # no sign of other processes: a single-process run
+        world = grid or 1  # no sign of other processes: one process, or one emulating ranks
     return group, world
 
 
-def new_run_folder(dump_dir: str | os.PathLike, rank: int, *,
-                   overwrite: bool = False) -> tuple[Path, dict]:
+def new_run_folder(dump_dir: str | os.PathLike, rank: int, *, overwrite: bool = False,
+                   world: int | None = None) -> tuple[Path, dict]:
     """Create this capture's own rank folder and its manifest; say what else is there.
 
     The folder is ``rank<R>_pid<P>``, or ``rank<R>_pid<P>_run<N>`` when that
     name is taken (created with ``mkdir``, which fails if it exists, so two
     processes never share one). Earlier runs of this rank are kept, and a
     :class:`RunWarning` says so; ``overwrite=True`` removes them (and, from
-    rank 0, folders of ranks this run does not have) and says which.
+    rank 0, folders of ranks this run does not have) and says which. ``world``: the
+    size of the capture's parallel grid, the run's rank count when neither
+    ``torch.distributed`` nor ``$WORLD_SIZE`` / ``$RANK`` give one.
     """
     dump_dir = Path(dump_dir)
     pid = os.getpid()
     folder = new_folder(dump_dir, f"rank{rank}_pid{pid}")
-    group, world = _group_and_world()
+    group, world = _group_and_world(world)
     started = time.time()
     manifest = {"format": RUN_FORMAT, "version": RUN_VERSION, "run_id": secrets.token_hex(8),
                 "started": started,

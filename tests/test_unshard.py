@@ -141,6 +141,45 @@ def test_unsharded_entries_without_dims_must_agree(tmp_path):
     assert "B: no dims and not replicated: rank 0 and rank 1" in div.reason
 
 
+def test_a_shard_given_no_dims_is_named_as_one_not_as_a_shape(tmp_path):
+    """Each rank holds half of x.act but no dims say so: the diff says the copies differ
+    (what to fix), not only that rank 0's copy is half the reference's width."""
+    full = torch.arange(8.0)
+    for rank in range(2):
+        _write_rank(tmp_path / "b", rank, {"tp": (rank, 2)}, {"x.act": full.chunk(2)[rank]}, {})
+    _write_rank(tmp_path / "a", 0, {}, {"x.act": full}, {})
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True) \
+        .first_divergence()
+    assert div.key == "x.act" and div.structural
+    assert div.reason.startswith("B: no dims and not replicated: rank 0 and rank 1 differ")
+    assert "give the entry dims" in div.reason
+
+
+def test_ranks_emulated_in_one_process_are_one_run(tmp_path):
+    """One process captures each shard of a column-parallel Linear with parallel=: each
+    is its own rank folder of one run, and unsharded they meet the unsharded layer."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    x = torch.randn(2, 8, generator=gen)
+    with torch.no_grad(), tdinspect.capture(full, tmp_path / "ref") as dump:
+        full(x)
+        dump.step()
+    for rank in range(2):
+        part = torch.nn.Sequential(torch.nn.Linear(8, 3))
+        part[0].weight.data.copy_(full[0].weight.data.chunk(2)[rank])
+        part[0].bias.data.copy_(full[0].bias.data.chunk(2)[rank])
+        with torch.no_grad(), tdinspect.capture(part, tmp_path / "tp2", parallel={"tp": (rank, 2)},
+                                                dims={"0$": "b h(tp)"}) as dump:
+            part(x)
+            dump.step()
+    assert sorted(p.name.split("_")[0] for p in (tmp_path / "tp2").iterdir()) == ["rank0", "rank1"]
+    assert len(tdinspect.DumpSet.runs(tmp_path / "tp2")) == 1
+    tp2 = tdinspect.DumpSet.open(tmp_path / "tp2")
+    assert tp2.ranks == [0, 1]
+    table = tdinspect.DumpSet.open(tmp_path / "ref").diff(tp2, unshard=True).table(progress=False)
+    assert list(table["op"]) == ["model.0"] and table["max_abs"].item() == 0.0
+
+
 def test_replicas_are_compared_bit_for_bit(tmp_path):
     """A replica holding NaN is still one (NaN meets the same NaN); -0.0 against 0.0 is not."""
     nan = torch.tensor([1.0, math.nan, 3.0] * 3000)  # 36 KB: past the first compared block

@@ -46,7 +46,7 @@ from torch.utils._pytree import (GetAttrKey, MappingKey, SequenceKey, tree_flatt
 from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
 from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 from .checks import Guarded, HealthCheck, StopsOnCheck, open_live
-from .recorder import Recorder, current_rank
+from .recorder import Recorder, current_rank, parallel_coords
 from .reruns import close_reruns
 
 
@@ -241,7 +241,8 @@ class ModuleCapture(StopsOnCheck):
                  parallel: dict | None = None, dims: dict[str, str] | None = None,
                  compare_to=None, compare_options: dict | None = None, overwrite: bool = False):
         self.config = config
-        self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
+        rank = current_rank(parallel_coords(parallel))
+        self.health = HealthCheck(on_nonfinite, rank) if on_nonfinite else None
         self.live = None
         self.enabled = config.enabled or self.health is not None or compare_to is not None
         self.folder = None
@@ -271,7 +272,7 @@ class ModuleCapture(StopsOnCheck):
         self._close_stale(model)
         if compare_to is not None:  # dump_dir then holds the evidence only, not a full dump
             self.live = open_live(compare_to, evidence_dir=config.dump_dir if config.enabled else None,
-                                  rank=current_rank(), level="module", **(compare_options or {}))
+                                  rank=rank, level="module", **(compare_options or {}))
         if compiled:
             warnings.warn("tdinspect: the model is torch.compile'd; running it eagerly while "
                           "capturing (hooks do not fire inside compiled graphs)", stacklevel=3)
@@ -589,7 +590,9 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         This process's parallel coordinates, ``{"tp": (rank, size), "cp": ...}``,
         recorded so that :meth:`tdinspect.DumpSet.unshard` can reassemble
         sharded tensors. Default: the ``torch.distributed`` rank and world
-        size as tensor parallel when it is initialised.
+        size as tensor parallel when it is initialised. Without
+        ``torch.distributed`` or ``$RANK``, the coordinates also number the
+        rank folder, so one process can capture each rank it emulates in turn.
     dims : dict, optional
         ``{regex: dims spec}`` per entry name, e.g. ``{r"q_proj$": "b s h(tp)"}``
         (grammar: :mod:`tdinspect.align.dims`); a bad spec is an error here.

@@ -189,7 +189,8 @@ class OpCapture(StopsOnCheck):
                  compare_to=None, compare_options: dict | None = None, overwrite: bool = False,
                  checksum: bool = False):
         self.config = config
-        self.health = HealthCheck(on_nonfinite, current_rank()) if on_nonfinite else None
+        self._rank = current_rank(parallel_coords(parallel))
+        self.health = HealthCheck(on_nonfinite, self._rank) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
         self._compare = (compare_to, compare_options or {}) if compare_to is not None else None
         self.live = None
@@ -230,7 +231,7 @@ class OpCapture(StopsOnCheck):
         self._close_stale()
         if self._compare is not None and self.live is None:
             target, options = self._compare
-            self.live = open_live(target, level="op", rank=current_rank(), **options,
+            self.live = open_live(target, level="op", rank=self._rank, **options,
                                   evidence_dir=self.config.dump_dir if self.config.enabled else None)
         if self._write or self.health is not None or self.live is not None:
             self.recorder = Recorder(self.config.dump_dir if self._write else None, level="op",

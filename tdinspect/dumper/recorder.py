@@ -6,6 +6,7 @@ naming, layout, statistics, ``stats_only`` and the writer are one mechanism.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -36,15 +37,31 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def current_rank() -> int:
-    """The process's rank: ``torch.distributed`` when initialised, else ``$RANK``, else 0."""
+def current_rank(coords: dict[str, list[int]] | None = None) -> int:
+    """The process's rank: ``torch.distributed`` when initialised, else ``$RANK``, else
+    the position of ``coords`` (``capture(parallel=...)``) in the grid of its axes, else 0.
+
+    The last fallback lets one process that emulates the ranks of a sharded run, one
+    capture each, write them as the ranks of one run (each its own ``rank<R>`` folder).
+    """
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    if "RANK" in os.environ or not coords:
+        try:
+            return int(os.environ.get("RANK", "0"))
+        except ValueError:
+            return 0
+    rank = 0
+    for axis in sorted(coords):  # by name: the same order whatever order each rank gave
+        index, size = coords[axis]
+        rank = rank * size + index
+    return rank
+
+
+def grid_size(coords: dict[str, list[int]]) -> int | None:
+    """How many ranks the grid of ``coords`` holds (``None`` without coordinates)."""
+    return math.prod(size for _, size in coords.values()) if coords else None
 
 
 def parallel_coords(parallel: dict | None) -> dict[str, list[int]]:
@@ -181,7 +198,7 @@ class Recorder:
             from ..align.dims import DimsRules  # stdlib-only: checks the specs now
 
             self.dims = DimsRules(dims, what="capture(dims=...)")
-        self.rank = current_rank()
+        self.rank = current_rank(self.parallel)
         self.level = level
         self.stats_only = stats_only
         self.checksum = checksum
@@ -197,7 +214,8 @@ class Recorder:
         if dump_dir is None:
             self._new_pass()
             return
-        self.folder, self.run = new_run_folder(dump_dir, self.rank, overwrite=overwrite)
+        self.folder, self.run = new_run_folder(dump_dir, self.rank, overwrite=overwrite,
+                                               world=grid_size(self.parallel))
         self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
         self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give,
                                   threaded=background_write)
