@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -427,7 +428,8 @@ def test_bfloat16_read_a_word_at_a_time_keeps_max_rel_exact():
 
 def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
     """For a CPU without FMA (``NUMBA_CPU_NAME=generic``) the filter's product is rounded:
-    its margin must still keep every winning quotient (a fresh process, compiled for it)."""
+    its margin must still keep every winning quotient (a fresh process, compiled for it;
+    float16 there decoded by bit arithmetic, its filter in float32 lanes)."""
     import json
     import os
     import subprocess
@@ -441,6 +443,9 @@ def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
             "b = [torch.from_numpy(t).to(torch.bfloat16).view(torch.uint16).numpy() "
             "for t in _word_halves_case()[:2]]; "
             "got['bfloat16'] = [float(v) for v in ks['bfloat16'](*b, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
+            "from tests.test_kernels import _float16_rounding_case; "
+            "h = [torch.from_numpy(t).half().view(torch.uint16).numpy() for t in _float16_rounding_case()]; "
+            "got['float16'] = [float(v) for v in ks['float16'](*h, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
             "print(json.dumps(got))")
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -454,3 +459,99 @@ def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
             assert got[name] == [ref["max_abs"], ref["max_rel"], ref["mismatch"]], name
     ref = oracle(*_word_halves_case()[:2], 1e-3, 1e-12)  # bfloat16 words, portably
     assert got["bfloat16"] == [ref["max_abs"], ref["max_rel"], ref["mismatch"]]
+    ref = oracle(*_float16_rounding_case(), 1e-3, 1e-12)  # float16's float32 lanes, unfused
+    assert got["float16"] == [ref["max_abs"], ref["max_rel"], ref["mismatch"]]
+
+
+HALF_LANES = ["float16", "float8_e5m2"]  # their max_rel filter and mismatch compare in float32
+
+
+def _half_codes(values: np.ndarray, codes: str) -> np.ndarray:
+    t = torch.from_numpy(np.asarray(values, np.float64)).to(getattr(torch, codes))
+    assert (t.double().numpy() == values).all(), "not exact in the format"
+    return t.view(BITS[t.element_size()]).numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_decoding(f16c: bool) -> dict:
+    """The kernels, float16 decoded by the CPU (``f16c``) or by bit arithmetic; each compiled
+    on its first call, once per test session."""
+    from tdinspect import fused_loop
+
+    return fused_loop.compile_kernels(cache=False, f16c=f16c)
+
+
+def _check_half(xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: float) -> None:
+    """The compiled loop (each way this CPU decodes float16) against the float64 definitions,
+    exact."""
+    from tdinspect import fused_loop
+
+    x, y = _half_codes(xv, codes), _half_codes(yv, codes)
+    ref = oracle(xv, yv, rtol, atol)
+    want = (ref["max_abs"], ref["max_rel"], ref["mismatch"])
+    for f16c in [False, True] if fused_loop.has_f16c() else [False]:
+        k = _kernels_decoding(f16c)[codes]
+        got = k(x, y, float(rtol), float(atol), kernels.EPS, None)
+        assert (float(got[4]), float(got[5]), int(got[6])) == want, (codes, f16c, rtol, atol)
+
+
+@pytest.mark.parametrize("codes", HALF_LANES)
+@pytest.mark.parametrize("rtol, atol", [  # (rtol·|y|, atol) in units of the planted |x - y|
+    (0.0, 1 - 2.0 ** -27),  # |x-y| a hair above the threshold: a mismatch
+    (0.0, 1 + 2.0 ** -27),  # a hair below: none
+    (0.0, 1.0),  # a tie: none
+    (1 - 2.0 ** -40, 0.0), (1 + 2.0 ** -40, 0.0), (1.0, 0.0),
+    (1e-3, 1e-5), (0.0, 0.0),
+    (1e-120, 0.0), (0.0, 1e-300), (-1e-3, 0.2), (2.0 ** 101, 0.0),  # outside float32's comfort
+])
+def test_float32_lanes_count_mismatches_exactly_at_the_threshold(codes, rtol, atol):
+    """float16 and e5m2 compare in float32 lanes against thresholds just above and below
+    float64's; an element between them (a threshold within 2^-21 of |x - y|) has its block
+    counted again in float64. Built so that trusting either float32 threshold alone, or one
+    float32 threshold, miscounts: |x - y| = u (0.125 in float16, 0.5 in e5m2) for many of 5
+    blocks' elements, |y| = 2."""
+    from tdinspect.fused_loop import BLOCK
+
+    n = 5 * BLOCK + 17
+    u = 0.125 if codes == "float16" else 0.5
+    rng = np.random.default_rng(3)
+    yv = np.where(rng.random(n) < 0.5, 2.0, -2.0)
+    step = rng.choice([0.0, u, -u, 2 * u], n)
+    _check_half(yv + step, yv, codes, rtol * u / 2, atol * u)
+
+
+def _float16_rounding_case() -> tuple[np.ndarray, np.ndarray]:
+    """float16 values whose quotients 2^29 - 1 (block 0) and 2^29 + 1 (block 1) have the same
+    |x - y| in float32 (32768 - 2^-14 and 32768 + 2^-14 both round to 32768)."""
+    from tdinspect.fused_loop import BLOCK
+
+    xv, yv = np.zeros(3 * BLOCK + 5), np.zeros(3 * BLOCK + 5)
+    xv[0], yv[0] = 32768.0, 2.0 ** -14
+    xv[BLOCK + 9], yv[BLOCK + 9] = 32768.0, -(2.0 ** -14)
+    return xv, yv
+
+
+@pytest.mark.parametrize("codes", HALF_LANES)
+def test_float32_lanes_keep_max_rel_exact_where_float32_rounds_the_difference(codes):
+    """|x - y| rounded to float32 can hide a larger quotient: 32768 - 2^-14 and 32768 + 2^-14
+    both round to 32768, so quotients 2^29 - 1 (block 0) and 2^29 + 1 (block 1) look equal to
+    a filter without its margin, which then skips the second. Random pairs over the format's
+    whole range (subnormals, its largest values) must give the definitions' maxima too."""
+    from tdinspect.fused_loop import BLOCK
+
+    if codes == "float16":
+        xv, yv = _float16_rounding_case()
+        assert oracle(xv, yv, 0, 0)["max_rel"] == 2.0 ** 29 + 1
+        _check_half(xv, yv, codes, 1e-3, 1e-5)
+    g = torch.Generator().manual_seed(11)
+    dtype = getattr(torch, codes)
+    bits = BITS[dtype.itemsize]
+    codes_x = torch.randint(0, 1 << (8 * dtype.itemsize), (6 * BLOCK,), generator=g)
+    codes_y = torch.randint(0, 1 << (8 * dtype.itemsize), (6 * BLOCK,), generator=g)
+    xv, yv = (c.to(torch.int32).to(bits).view(dtype).double().numpy() for c in (codes_x, codes_y))
+    keep = np.isfinite(xv) & np.isfinite(yv)
+    near = yv.copy()  # half the pairs close: quotients near the running maximum
+    near[::2] = xv[::2]
+    for rtol, atol in ((1e-3, 1e-5), (2.0 ** -3, 0.0)):
+        _check_half(xv[keep], yv[keep], codes, rtol, atol)
+        _check_half(xv[keep], near[keep], codes, rtol, atol)
