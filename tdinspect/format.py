@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pickle
 import re
@@ -315,8 +316,12 @@ def _refuse_expanding(f, path: Path, size: int) -> bool:
     more than :data:`_EXPANSION` times the file's size: ``torch.save`` compresses nothing,
     and ``torch.load`` decompresses a record whole into memory (a 1 MB file whose
     ``data.pkl`` inflated to 1 GB opened, holding 2 GB; a 100 MB one would exhaust the
-    machine). Whether ``f`` is a readable zip archive."""
-    from .zipindex import index_of
+    machine); and for one that readers would read differently
+    (:func:`tdinspect.zipindex.disagreement`: ``torch.load`` read a record listed twice as
+    its first copy where tdinspect's record reader read the last, and read a record whose
+    directory entry leads to another record's bytes without a word). Whether ``f`` is a
+    readable zip archive."""
+    from .zipindex import disagreement, index_of
 
     index = index_of(f)
     if index is None:
@@ -326,6 +331,11 @@ def _refuse_expanding(f, path: Path, size: int) -> bool:
         raise DumpFormatError(f"{path}: compressed records would expand to {packed} bytes from a "
                               f"{size}-byte file (torch.save compresses nothing): refused, "
                               "not decompressed")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        why = disagreement(mapped, index)
+    if why is not None:
+        raise DumpFormatError(f"{path}: damaged archive: {why}; refused (readers "
+                              "would read different bytes for that record)")
     return True
 
 

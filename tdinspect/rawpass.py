@@ -46,10 +46,8 @@ from typing import Any
 import torch
 
 from .regularfile import open_regular
-from .zipindex import ZipIndex, identity, index_of
+from .zipindex import ZipIndex, identity, index_of, local_start
 
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_SIGNATURE = 0x04034B50
 _INT64 = 1 << 63
 _INT = {int}
 # every dtype torch.save can write, by the name the sidecar uses (never getattr on a file's text)
@@ -82,17 +80,13 @@ def layout(tensors: dict[str, torch.Tensor]) -> list[list[Any]] | None:
 
 
 def _data_start(mapped: mmap.mmap, index: ZipIndex, name: str) -> tuple[int, int] | None:
-    """``(data start, size)`` of an uncompressed record, from its local header in the map."""
+    """``(data start, size)`` of an uncompressed record, from its local header in the map
+    (which must name the record: :func:`tdinspect.zipindex.disagreement`)."""
     found = index.record(name)
-    if found is None or found[2] != zipfile.ZIP_STORED:
+    if found is None or found[2] != zipfile.ZIP_STORED or index.twice is not None:
         return None
-    offset, size = found[0], found[1]
-    if offset + _LOCAL_HEADER.size > len(mapped):
-        return None
-    fields = _LOCAL_HEADER.unpack_from(mapped, offset)
-    if fields[0] != _LOCAL_SIGNATURE:
-        return None
-    return offset + _LOCAL_HEADER.size + fields[9] + fields[10], size
+    start = local_start(mapped, found[0], name)
+    return None if start is None else (start, found[1])
 
 
 def _small_record(mapped: mmap.mmap, index: ZipIndex, name: str) -> bytes | None:

@@ -1,0 +1,113 @@
+"""Pass files whose zip structure says two things: a record listed twice, or a directory entry
+leading to another record's local header. ``torch.load`` reads such a file without a word (a
+record listed twice as its first copy, a misdirected entry as the bytes it leads to), and
+tdinspect's record reader read the last copy: the diff then answered about other numbers than
+``torch.load`` gives for the same file. Every reader now refuses them, naming the file and
+the record."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tdinspect import DumpFormatError, DumpSet, load_pass
+from tdinspect.cli import main
+
+from .conftest import only_folder
+from .recorded import record_dump
+
+PASS = [{"m.a": torch.arange(8.0), "m.b": torch.arange(8.0) * 2, "m.c": torch.arange(8.0) * 3}]
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
+
+
+def _dump(root: Path, sidecars: bool) -> Path:
+    """A one-pass dump of three same-sized entries (records data/0..2); its pass file."""
+    record_dump(root, PASS)
+    folder = only_folder(root)
+    if not sidecars:
+        (folder / "pass00000.json").unlink()
+    return folder / "pass00000.pt"
+
+
+def _directory(data: bytes) -> dict[str, int]:
+    """``{record name: offset of its central directory entry}``."""
+    at = data.rfind(b"PK\x05\x06")
+    count, _, start = struct.unpack_from("<H2L", data, at + 10)
+    out, pos = {}, start
+    for _ in range(count):
+        fields = _CENTRAL.unpack_from(data, pos)
+        out[data[pos + 46:pos + 46 + fields[10]].decode()] = pos
+        pos += 46 + fields[10] + fields[11] + fields[12]
+    return out
+
+
+def _misdirect(path: Path) -> None:
+    """Point data/1's directory entry at data/2's local header (same size: the name, CRC and
+    size the sidecar's binding digests are unchanged, and so is the file's size)."""
+    data = bytearray(path.read_bytes())
+    entries = _directory(bytes(data))
+    prefix = next(iter(entries)).split("/")[0]
+    to = struct.unpack_from("<L", data, entries[f"{prefix}/data/2"] + 42)[0]
+    struct.pack_into("<L", data, entries[f"{prefix}/data/1"] + 42, to)
+    path.write_bytes(bytes(data))
+
+
+def _list_twice(path: Path, first: bool) -> None:
+    """Rewrite the archive with a second record named data/1 (zeros), before or after the
+    real one."""
+    with zipfile.ZipFile(path) as src, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+        with zipfile.ZipFile(path.with_suffix(".new"), "w") as dst:
+            for info in src.infolist():
+                data = src.read(info)
+                twin = info.filename.endswith("/data/1")
+                if twin and first:
+                    dst.writestr(info.filename, bytes(len(data)))
+                dst.writestr(info, data)
+                if twin and not first:
+                    dst.writestr(info.filename, bytes(len(data)))
+    path.with_suffix(".new").replace(path)
+
+
+FORGERIES = {"listed twice, zeros first": lambda p: _list_twice(p, True),
+             "listed twice, zeros last": lambda p: _list_twice(p, False),
+             "entry led to another record": _misdirect}
+
+
+@pytest.mark.filterwarnings("ignore:.*sidecar does not describe:RuntimeWarning")
+@pytest.mark.parametrize("sidecars", [True, False], ids=["sidecar", "no sidecar"])
+@pytest.mark.parametrize("forge", FORGERIES.values(), ids=FORGERIES.keys())
+def test_an_archive_readers_would_read_differently_is_refused_naming_it(tmp_path, capsys, forge,
+                                                                         sidecars):
+    path = _dump(tmp_path / "forged", sidecars)
+    record_dump(tmp_path / "ref", PASS)
+    forge(path)
+    assert set(torch.load(path, weights_only=True)) == set(PASS[0])  # torch.load takes it
+    match = rf"{path.name}: damaged archive: its directory .*data/1"
+    with pytest.raises(DumpFormatError, match=match):
+        load_pass(path)
+    with pytest.raises(DumpFormatError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sidecar of a rewritten archive is ignored
+        DumpSet.open(tmp_path / "forged").diff(tmp_path / "ref").first_divergence()
+    capsys.readouterr()
+    assert main(["first-divergence", str(tmp_path / "ref"), str(tmp_path / "forged")]) == 2
+    err = capsys.readouterr().err
+    assert path.name in err and "damaged archive" in err and "Traceback" not in err
+
+
+def test_a_misdirected_entry_keeps_the_sidecar_bound(tmp_path):
+    """The forgery the record reader alone would have read: the sidecar still describes the
+    file (its binding digests names, CRCs and sizes, not offsets)."""
+    path = _dump(tmp_path, sidecars=True)
+    _misdirect(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "sidecar ... ignored"
+        ds = DumpSet.open(tmp_path)
+    with pytest.raises(DumpFormatError, match="sends the record '[^']*data/1' to the local "
+                                              "header of '[^']*data/2'"):
+        ds.tensor("m.b")
