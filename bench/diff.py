@@ -108,16 +108,20 @@ def cheapest_compare(a: DumpSet, b: DumpSet):
 
 def ratio(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[float, float, float]:
     """``(ours, floor, seconds of one diff)`` in bytes/s, medians of alternating rounds."""
-    floors, times, total = alternate(a, b, rounds, compare)
+    floors, times, total, _ = alternate(a, b, rounds, compare)
     t = statistics.median(times)
     return total / t, statistics.median(floors), t
 
 
-def alternate(a: DumpSet, b: DumpSet, rounds: int, compare) -> tuple[list, list, int]:
-    """Floor throughputs and diff times of ``rounds`` alternating rounds after one warm-up
-    of each, and the bytes a diff compares."""
+def alternate(a: DumpSet, b: DumpSet, rounds: int,
+              compare=_abs_max_diff) -> tuple[list, list, int, float]:
+    """Floor throughputs and diff times of ``rounds`` alternating rounds (drifts hit both
+    alike) after one untimed warm-up of each, the bytes a diff compares, and the seconds of
+    the warm-up diff (the first of the process pays the kernel's load)."""
     floor_throughput(a, b, compare)
+    t0 = time.perf_counter()
     a.diff(b).table(progress=False)
+    first = time.perf_counter() - t0
     floors, times = [], []
     for _ in range(rounds):
         floors.append(floor_throughput(a, b, compare, settled=True))
@@ -127,7 +131,7 @@ def alternate(a: DumpSet, b: DumpSet, rounds: int, compare) -> tuple[list, list,
         times.append(time.perf_counter() - t0)
     total = sum(2 * math.prod(s) * getattr(torch, str(d).removeprefix("torch.")).itemsize
                 for pa in a.pass_indexes() for s, d in zip(pa.shape, pa.dtype))
-    return floors, times, total
+    return floors, times, total, first
 
 
 def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff,
@@ -189,7 +193,7 @@ def narrow_floats(root: Path, args) -> None:
             y = narrow_run(root / f"{name}_b", 2, entries, numel, dt, noise=1e-2)
             a, b = DumpSet.open(x), DumpSet.open(y)
             compare, speeds = cheapest_compare(a, b)
-            floors, times, total = alternate(a, b, args.rounds, compare)
+            floors, times, total, _ = alternate(a, b, args.rounds, compare)
             ours, floor = total / statistics.median(times), statistics.median(floors)
             best, best_floor = total / min(times), max(floors)
             print(f"{name:14s} {size:>13,} B a tensor x {entries:4d} x 2 passes: {ours / 1e9:6.2f} "
@@ -287,28 +291,17 @@ def main() -> None:
         b = write_run(root / "b", *shape, seed=2, noise=1e-4,
                       perturb=(args.passes - 1, args.entries // 2))
         c = write_run(root / "c", *shape, seed=3, noise=1e-4, perturb=(0, args.entries // 2))
-        run_bytes = 2 * args.passes * args.entries * args.numel * 4
         A, B, C = DumpSet.open(a), DumpSet.open(b), DumpSet.open(c)
-        # Untimed warm-up of both sides: the page cache, and the kernel (numba import and
-        # compilation, or its on-disk cache), a once-per-process cost reported on its own.
-        floor_throughput(A, B)
-        t0 = time.perf_counter()
-        A.diff(B).table(progress=False)
-        t_first = time.perf_counter() - t0
-        floors, times = [], []
-        for _ in range(args.rounds):  # side by side, alternating: drifts hit both alike
-            floors.append(floor_throughput(A, B, settled=True))
-            settle()
-            t0 = time.perf_counter()
-            table = A.diff(B).table(progress=False)
-            times.append(time.perf_counter() - t0)
+        # the warm-up of both sides (page cache, the kernel's numba import and compilation or
+        # its on-disk cache) is a once-per-process cost, reported on its own
+        floors, times, run_bytes, t_first = alternate(A, B, args.rounds)
         floor, t_full = statistics.median(floors), statistics.median(times)
         ours = run_bytes / t_full
         print(f"diff throughput, all metrics ({kernels.default_backend()} kernel): "
               f"{ours / 1e9:.2f} GB/s; floor (mmap load + (a-b).abs().max()): {floor / 1e9:.2f} GB/s; "
               f"ratio {ours / floor:.0%} (target >= 50%); medians of {args.rounds} rounds, "
-              f"{run_bytes / 1e9:.2f} GB compared, {len(table)} entries; first diff in this "
-              f"process (kernel load included) {t_first:.2f} s")
+              f"{run_bytes / 1e9:.2f} GB compared, {args.passes * args.entries} entries; first "
+              f"diff in this process (kernel load included) {t_first:.2f} s")
         t0 = time.perf_counter()
         div = A.diff(C).first_divergence()
         t_first = time.perf_counter() - t0
