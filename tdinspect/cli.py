@@ -212,6 +212,8 @@ def cmd_first_divergence(args) -> int:
     if div is None:
         print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
               f"\n  threshold: {summary['threshold']}")
+        if summary["nearest"]:
+            print(f"  nearest: {visible(summary['nearest']['text'])}")
         gap = summary.get("uncompared_after")
         if gap:
             print(f"  but {visible(gap['text'])}")
@@ -244,6 +246,8 @@ def cmd_diff(args) -> int:
     print(f"threshold: {summary['threshold']}")
     if df.empty:
         print(f"no divergence ({metric})")
+        if summary["nearest"]:
+            print(f"nearest: {visible(summary['nearest']['text'])}")
         return 0
     cols = ["pass", "rank", "key", metric, "why"]
     print(f"{len(df)} divergent entries ({metric}); first {min(len(df), args.limit)}:")

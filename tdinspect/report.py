@@ -215,6 +215,7 @@ class DiffSummary:
         self.threshold = threshold
         # the summary says where the comparison stopped (self.gap), not a warning
         self.divergence, self.gap = diff._answer(threshold, self.metric, structural)
+        self.nearest = None if self.divergence else diff.nearest(threshold, self.metric, False)
 
     def structural(self) -> Counter:
         """Structural problems by kind, over the passes compared so far."""
@@ -232,6 +233,8 @@ class DiffSummary:
         lines.append(f"  threshold: {self.threshold_text()}")
         lines.append(f"  first divergence: {self.divergence!r}" if self.divergence else
                      f"  no divergence ({self.metric})")
+        if self.nearest:
+            lines.append(f"  nearest: {self.nearest['text']}")
         if self.gap:
             lines.append(f"  but {self.gap['text']}")
         return visible("\n".join(lines), keep="\n")  # paths and names from the dump
@@ -257,6 +260,8 @@ class DiffSummary:
         if self.divergence is None:
             parts.append(f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
                          f"at threshold {self._thr_text()})</p>")
+            if self.nearest:
+                parts.append(f"<div class='note'>nearest: {html_text(self.nearest['text'])}</div>")
             if self.gap:
                 parts.append(f"<div class='note'>but {html_text(self.gap['text'])}</div>")
         else:

@@ -22,6 +22,7 @@ from tdinspect.diff import Thresholds
 from tdinspect.examples import make_model, make_tokens
 from tdinspect.live import LiveCompare
 from tdinspect.metrics import auto_threshold, unit_roundoff
+from tdinspect.report import DiffSummary
 
 from .test_checksum import SplitK  # another reduction order
 from .test_dumpset_diff import write_dump
@@ -378,3 +379,58 @@ def test_a_given_threshold_near_one_is_written_with_its_digits(float32_runs):
     shown = div.reason.split()[1]
     assert shown != "1" and float(shown) < 0.99999999 and value.startswith(shown[:-1])
     assert d.first_divergence(threshold=1e-9).reason.endswith(" > 1e-09")
+
+
+@pytest.fixture(scope="module")
+def half_llama_runs(tmp_path_factory):
+    """A tiny Hugging Face Llama in float16, eager attention against sdpa (rounding noise from
+    the first attention on), the second run with layer 1's down_proj weight 1% off: a fault
+    rel_diff sees at ~5e-5, under float16's auto threshold (1.2e-4)."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("half_llama")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name, impl, scale in (("eager", "eager", 1.0), ("sdpa", "sdpa", 1.0),
+                              ("scaled", "sdpa", 1.01)):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(torch.float16).eval()
+        model.config._attn_implementation = impl
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight.mul_(scale)
+        runs[name] = _run(root / name, model, steps=1, tokens=lambda seed: tokens)
+    return runs
+
+
+def test_no_divergence_names_the_nearest_entry_and_how_much_it_adds(half_llama_runs, capsys):
+    """A 1% fault under the threshold: the answer stays "no divergence" (the threshold is the
+    rule), but the summary, the CLI and DiffSummary name the faulty module as the nearest,
+    its error far above everything before it; runs that differ by rounding alone name their
+    noisiest entry, with a far smaller growth, and identical runs name none."""
+    ref = DumpSet.open(half_llama_runs["eager"])
+    diff = ref.diff(half_llama_runs["scaled"])
+    assert diff.first_divergence() is None
+    near = diff.summary()["nearest"]
+    assert near["key"] == "model.model.layers.1.mlp.down_proj" and near["pass"] == 0
+    assert 0.05 < near["share"] < 1 and near["value"] < near["threshold"]
+    assert near["growth"] > 20, near  # makes the error, not inherits it
+    assert near["text"].startswith("model.model.layers.1.mlp.down_proj (pass 0): rel_diff ")
+    noise = ref.diff(half_llama_runs["sdpa"]).nearest()
+    assert noise["share"] < near["share"] / 10 and (noise["growth"] or 0) < near["growth"] / 5
+    assert ref.diff(half_llama_runs["eager"]).nearest() is None  # identical: nothing to name
+
+    assert main(["first-divergence", str(half_llama_runs["eager"]),
+                 str(half_llama_runs["scaled"])]) == 0
+    out = capsys.readouterr().out
+    assert "no divergence" in out and "nearest: model.model.layers.1.mlp.down_proj (pass 0)" in out
+    assert main(["diff", str(half_llama_runs["eager"]), str(half_llama_runs["scaled"])]) == 0
+    assert "nearest: model.model.layers.1.mlp.down_proj" in capsys.readouterr().out
+    assert main(["first-divergence", str(half_llama_runs["eager"]),
+                 str(half_llama_runs["eager"])]) == 0
+    assert "nearest" not in capsys.readouterr().out
+
+    shown = DiffSummary(diff)
+    assert "nearest: model.model.layers.1.mlp.down_proj" in repr(shown)
+    assert "nearest: model.model.layers.1.mlp.down_proj" in shown._repr_html_()
