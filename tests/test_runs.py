@@ -233,6 +233,32 @@ def test_rerun_cell_with_an_unclosed_op_capture_leaves_one_mode(tmp_path):
     assert not (first / "pass00001.pt").exists() and not (second / "pass00001.pt").exists()
 
 
+def test_rerun_cell_with_another_root_closes_the_capture_it_covers(tmp_path):
+    """A cell `cap = capture(m[0], DIR)` edited to `cap = capture(m, DIR)` and re-run: the
+    first capture, on a submodule, kept recording beside the new one (both hooked m[0]).
+    Now either way round (submodule then model, model then submodule) the new one closes it."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.ones(2, 4)
+    hooks = lambda: sum(len(s._forward_hooks) for s in m.modules())  # noqa: E731
+    for i, (first_root, second_root, word, keys) in enumerate(
+            [(m[0], m, "inside this Sequential", ["model.0", "model.1"]),
+             (m, m[0], "holding this Linear", ["model"])]):
+        run = tmp_path / str(i)
+        first = tdinspect.capture(first_root, run)
+        m(x)
+        with pytest.warns(RuntimeWarning, match=f"closed the earlier capture of a \\w+ {word}"):
+            second = tdinspect.capture(second_root, run)
+        assert hooks() == len(second.names)  # the new capture's hooks only
+        m(x)
+        second.step()
+        second.close()
+        old, new = sorted(run.iterdir())
+        assert [p.name for p in old.glob("pass*.pt")] == ["pass00000.pt"]  # written at close
+        assert list(load_pass(new / "pass00000.pt")) == keys
+        assert hooks() == 0
+
+
 def test_captures_of_one_model_into_two_folders_both_record_and_a_warning_says_so(tmp_path):
     """Two captures meant side by side (one per filter, each its own folder) are not a
     re-run cell's: the second keeps the first open, and says both record."""

@@ -307,10 +307,21 @@ class ModuleCapture(StopsOnCheck):
         _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
 
     def _close_stale(self, model: nn.Module) -> None:
-        """Close this model's earlier captures into the same folder still open outside any
-        ``with`` (a re-run cell's); warn of those into another (:mod:`.reruns`)."""
-        close_reruns(_UNMANAGED.get(model, ()), self.config.dump_dir,
-                     f"capture of this {type(model).__name__}", stacklevel=4)
+        """Close the earlier captures into the same folder still open outside any ``with``
+        (a re-run cell's) whose modules this one hooks too; warn of those into another
+        (:mod:`.reruns`). That is the captures of this model, of a submodule of it (the
+        cell re-run with the whole model as root) and of a model holding it (the other way)."""
+        mine = {id(m) for m in model.modules()}
+        for root in list(_UNMANAGED.keys()):
+            if root is model:
+                what = f"capture of this {type(model).__name__}"
+            elif id(root) in mine:
+                what = f"capture of a {type(root).__name__} inside this {type(model).__name__}"
+            elif any(m is model for m in root.modules()):
+                what = f"capture of a {type(root).__name__} holding this {type(model).__name__}"
+            else:
+                continue
+            close_reruns(_UNMANAGED.get(root, ()), self.config.dump_dir, what, stacklevel=4)
 
     def _make_pre_hook(self, name: str, module_type: str):
         rec, record = self.recorder, self.record
