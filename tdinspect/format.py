@@ -22,6 +22,8 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  "ref": [null | {"kind": "same", "of": key, "pass": N}],  # unchanged since pass N
                  # op level only:
                  "uninitialized": [bool],               # output of empty/empty_like/...
+                 "module_call": [null | int],           # which call of its module, this pass
+                                                        # (null in backward, outside modules)
                  "ref": [null | {"kind": "same", "of": key}
                          | {"kind": "view", "of": stored_key, "base": geometry, "view": geometry}],
                  # geometry = [sizes, strides, storage_offset] in the storage they shared;

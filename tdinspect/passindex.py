@@ -61,6 +61,7 @@ class PassIndex:
     storage: list[Any] | None = None  # how a non-plain tensor was stored (dumper/kinds.py)
     skipped: list[Any] | None = None  # why a tensor was not stored (meta, FakeTensor...)
     raw: list[Any] | None = None  # where stored tensors lie in the archive (tdinspect.rawpass)
+    module_call: list[Any] | None = None  # op level: which call of its module ran the op
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -111,7 +112,8 @@ class PassIndex:
                      parallel=_parallel(doc.get("parallel"), files), dims=col("dims"),
                      checksum=col("checksum"),
                      failed=str(doc["failed"]) if doc.get("failed") else None,
-                     storage=e.get("storage"), skipped=e.get("skipped"), raw=e.get("raw"))
+                     storage=e.get("storage"), skipped=e.get("skipped"), raw=e.get("raw"),
+                     module_call=e.get("module_call"))
             if pi.raw is not None:
                 pi._zip = index
             return pi

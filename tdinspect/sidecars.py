@@ -131,7 +131,7 @@ def _call_ok(call: Any) -> bool:
 _NONE = type(None)
 _SCALARS = {"key": {str}, "module_type": {str, _NONE}, "dtype": {str, _NONE},
             "aten": {str, _NONE}, "stored": {bool, _NONE}, "uninitialized": {bool, _NONE},
-            "ref": {_NONE}, "call_args": {_NONE}}
+            "ref": {_NONE}, "call_args": {_NONE}, "module_call": {int, _NONE}}
 
 
 def _all_plain(col: str, values: list, stat_width: int) -> bool:
@@ -192,6 +192,7 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
                                          and all(map(_is_number, v))),
         "ref": _ref_ok,
         "call_args": _call_ok,
+        "module_call": lambda v: v is None or type(v) is int,
     }
     for col, ok in checks.items():
         if _all_plain(col, entries.get(col, ()), stat_width):

@@ -76,3 +76,19 @@ def test_cli_concat(steps, capsys):
     assert main(["first-divergence", str(steps / "full"), str(steps / "calls")]) == 1
     assert main(["diff", str(steps / "full"), str(steps / "calls"), "--concat", "step:1"]) == 2
     assert "over must be 'pass' or 'call'" in capsys.readouterr().err
+
+
+def test_op_dump_without_module_calls_warns_that_an_ops_runs_are_mixed(tmp_path):
+    """An op-level dump written by another tool (no sidecar, so no module calls): an op run
+    twice a step cannot be told apart from the next step's, every call goes end to end, and
+    a warning says so."""
+    folder = tmp_path / "rank0_pid1"
+    folder.mkdir()
+    t = [torch.full((1, n, 4), float(i)) for i, n in enumerate((2, 2, 1, 1))]
+    torch.save({"m.norm/aten.mul.Tensor[out0]": t[0], "m.norm/aten.mul.Tensor[out0]::call1": t[1],
+                "m.norm/aten.mul.Tensor[out0]::call2": t[2],
+                "m.norm/aten.mul.Tensor[out0]::call3": t[3]}, folder / "pass00000.pt")
+    with pytest.warns(RuntimeWarning, match="does not say which call of its module ran each op"):
+        cat = tdinspect.DumpSet.open(tmp_path).concat("call", dim=1)
+    assert cat.ops == ["m.norm/aten.mul.Tensor[out0]"]
+    assert torch.equal(cat.tensor("m.norm/aten.mul.Tensor[out0]"), torch.cat(t, 1))

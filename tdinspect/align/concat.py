@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..naming import split_call
+from ..naming import make_key, split_call
 from ..passindex import PassIndex
 from .dims import DimsError, parse_dims
 from .logical import LogicalPass, error, read
@@ -102,21 +102,18 @@ def concat(ds, over: str = "call", dim: int | str = 1):
     Entries that cannot be concatenated (missing in some pass, shapes that
     do not fit) become structural divergences with the reason.
 
-    Over calls, this is right where an entry runs once per forward step (module
-    level). At op level an op that runs k times in one forward has k different
-    calls per step, all put end to end (a RuntimeWarning says so): a tiny Llama's
-    ``input_layernorm/aten.mul`` then "diverged" at rel_diff 0.51 with no bug.
+    Over calls at op level, an op that runs k times in each call of its module
+    (a Llama's ``input_layernorm/aten.mul`` twice a decode step) becomes k
+    entries, ``name``, ``name::call1``, ..., each the same run of every
+    module call put end to end: they meet the k calls of a one-pass reference.
+    Op dumps that do not record module calls (written before tdinspect did)
+    put every call end to end, and a RuntimeWarning says so.
     """
     from ..dumpset import DumpSet
 
     over, dim = parse_concat((over, dim))
-    if over == "call" and ds.level == "op":
-        warnings.warn(f"tdinspect: {ds.path}: concatenating the calls of an op-level dump puts "
-                      "every call of an op end to end, and an op that runs several times in "
-                      "one forward (an RMSNorm's two aten.mul) has its different tensors "
-                      "mixed: compare a decode run at module level, or read only the ops that "
-                      "run once per forward", RuntimeWarning, stacklevel=3)
     out = {}
+    mixed = False  # an op's several runs per forward put end to end (no module calls recorded)
     if over == "pass":
         by_rank: dict[int, dict[int, PassIndex]] = {}
         for (rank, p), pi in ds._passes.items():
@@ -140,18 +137,60 @@ def concat(ds, over: str = "call", dim: int | str = 1):
             for key in pi.keys:
                 base, call = split_call(key)
                 calls.setdefault(base, []).append((call, key))
-            plans, first, dims = {}, {}, {}
+            made = []  # (position of its first part, name, plan)
             for base, found in calls.items():
                 found.sort()
                 numbers = [c for c, _ in found]
-                first[base] = (0, pi.position[found[0][1]])
-                dims[base] = pi.dims[first[base][1]]
-                plans[base] = error(f"calls {numbers} (some are missing)") \
-                    if numbers != list(range(len(numbers))) else \
-                    _cat(base, [(0, pi, k, f"call {c}") for c, k in found], dim)
+                at = pi.position[found[0][1]]
+                if numbers != list(range(len(numbers))):
+                    made.append((at, base, error(f"calls {numbers} (some are missing)")))
+                    continue
+                runs = _runs(pi, found)
+                if isinstance(runs, str):
+                    made.append((at, base, error(runs)))
+                    continue
+                if runs is None:  # no module call to group by: all end to end
+                    mixed |= pi.level == "op" and pi.module_call is None and len(found) > 1
+                    runs = [found]
+                for i, run in enumerate(runs):
+                    name = make_key(base, i)
+                    made.append((pi.position[run[0][1]], name,
+                                 _cat(name, [(0, pi, k, f"call {c}") for c, k in run], dim)))
+            made.sort(key=lambda m: m[0])
+            plans = {name: plan for _, name, plan in made}
+            first = {name: (0, at) for at, name, _ in made}
+            dims = {name: pi.dims[at] for at, name, _ in made}
             out[(rank, p)] = LogicalPass.build(rank, p, {0: pi}, plans, first, dims=dims,
                                                what=f"calls of pass {p} concatenated")
+    if mixed:
+        warnings.warn(f"tdinspect: {ds.path}: this op-level dump does not say which call of its "
+                      "module ran each op (written before tdinspect recorded it), so an op that "
+                      "runs several times in one forward (an RMSNorm's two aten.mul) has its "
+                      "different tensors put end to end: capture it again, or compare a decode "
+                      "run at module level", RuntimeWarning, stacklevel=3)
     return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)
+
+
+def _runs(pi: PassIndex, found: list[tuple[int, str]]) -> list[list[tuple[int, str]]] | str | None:
+    """An op's calls in one pass (``(call, key)`` in order) as its runs within each call of
+    its module: ``runs[i]`` holds the ``i``-th run of every module call, in order (an
+    RMSNorm's second ``aten.mul`` of each decode step). ``None`` where no module call ran
+    them (module level; ops outside the model's forward or in backward; op dumps written
+    before module calls were recorded); the reason when the module's calls ran the op a
+    different number of times."""
+    if pi.module_call is None:
+        return None
+    by_call: dict[int, list[tuple[int, str]]] = {}
+    for c, k in found:
+        m = pi.module_call[pi.position[k]]
+        if m is None:
+            return None
+        by_call.setdefault(m, []).append((c, k))
+    counts = [len(v) for v in by_call.values()]
+    if len(set(counts)) > 1:
+        return (f"runs {counts} times in calls {list(by_call)} of its module: its runs "
+                "do not line up one to one")
+    return [list(run) for run in zip(*by_call.values())]
 
 
 def narrow(ds, dim: int | str, start: int, length: int):

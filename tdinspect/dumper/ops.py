@@ -91,7 +91,8 @@ class _ModuleTracker:
 
     def __init__(self, root: str):
         self.root = root
-        self.stack: list[tuple[str, nn.Module]] = []
+        self.stack: list[tuple[str, nn.Module, int]] = []  # (name, module, its call number)
+        self.calls: dict[str, int] = {}  # module name -> calls begun this pass
         self.types: dict[str, str] = {root: ""}
         self.handles: list[Any] = []
         self._names: dict[int, str] = {}
@@ -120,14 +121,17 @@ class _ModuleTracker:
         return name
 
     def _pre(self, mod, args):
-        self.stack.append((self._name_of(mod), mod))
+        name = self._name_of(mod)
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        self.stack.append((name, mod, call))
         self._pending_inputs.append({t.grad_fn for t in tree_flatten(args)[0]
                                      if isinstance(t, torch.Tensor) and t.grad_fn is not None})
 
     def _post(self, mod, args, output):
         if not self.stack:
             return None
-        name, _ = self.stack.pop()
+        name, _, _ = self.stack.pop()
         inputs = self._pending_inputs.pop()
         if torch.is_grad_enabled():
             self._label_graph(name, output, inputs)
@@ -154,11 +158,13 @@ class _ModuleTracker:
                 continue  # created by an earlier, unrelated module
             todo.extend(n for n, _ in node.next_functions)
 
-    def current(self) -> str:
+    def current(self) -> tuple[str, int | None]:
+        """The module running now and which of its calls in this pass this is (``None``
+        in backward and outside any module)."""
         node = torch._C._current_autograd_node()
         if node is not None:
-            return node.metadata.get(_META_KEY, self.root)
-        return self.stack[-1][0] if self.stack else self.root
+            return node.metadata.get(_META_KEY, self.root), None
+        return self.stack[-1][::2] if self.stack else (self.root, None)
 
 
 class _OpRecorderMode(TorchDispatchMode):
@@ -263,6 +269,7 @@ class OpCapture(StopsOnCheck):
         if self.recorder is None:
             return None
         self.recorder.warn_if_empty("no aten op ran inside the capture block")
+        self._tracker.calls.clear()
         self._seen.clear()
         self._by_storage.clear()
         with _disable_current_modes():  # the recorder's own ops are not the model's
@@ -366,7 +373,7 @@ class OpCapture(StopsOnCheck):
     def _dispatch(self, func, args, kwargs):
         if self._failed:
             return func(*args, **kwargs)
-        module = self._tracker.current()
+        module, module_call = self._tracker.current()
         site = f"{module}/{func}"
         if not self._selected(site):
             return func(*args, **kwargs)
@@ -387,12 +394,12 @@ class OpCapture(StopsOnCheck):
                 tensor_i += 1
                 earlier = self._lookup(leaf)
                 if earlier is not None:
-                    rec.record(key, leaf, module_type=mtype, store=False, aten=str(func),
+                    rec.record(key, leaf, module_type=mtype, store=False, aten=str(func), module_call=module_call,
                                ref={"kind": "same", "of": earlier[0]},
                                uninitialized=earlier[1] or None, same_stats_as=earlier[0])
                     in_keys[i] = earlier[0]
                 else:
-                    rec.record(key, leaf, module_type=mtype, aten=str(func))
+                    rec.record(key, leaf, module_type=mtype, aten=str(func), module_call=module_call)
                     self._remember(leaf, key)
                     in_keys[i] = key
         if self._seen:
@@ -415,7 +422,7 @@ class OpCapture(StopsOnCheck):
         for i, o in enumerate(outs):
             key = f"{site}[out{i}]{suffix}"
             if uninitialized:
-                rec.record(key, o, module_type=mtype, store=False, aten=str(func), uninitialized=True)
+                rec.record(key, o, module_type=mtype, store=False, aten=str(func), module_call=module_call, uninitialized=True)
                 self._remember(o, key, uninitialized=True)
                 continue
             if health_in is not None:
@@ -430,11 +437,11 @@ class OpCapture(StopsOnCheck):
                 same = base[0] if func._overloadpacket.__name__ in _SAME_ELEMENTS else None
                 ref = {"kind": "view", "of": root[0], "base": root[1:],
                        "view": [[*o.shape], [*o.stride()], o.storage_offset()]}
-                rec.record(key, o, module_type=mtype, store=False, aten=str(func), ref=ref,
+                rec.record(key, o, module_type=mtype, store=False, aten=str(func), module_call=module_call, ref=ref,
                            call_args=call_args, same_stats_as=same)
                 self._remember(o, key, root=root)
             else:
-                rec.record(key, o, module_type=mtype, aten=str(func), call_args=call_args)
+                rec.record(key, o, module_type=mtype, aten=str(func), module_call=module_call, call_args=call_args)
                 self._remember(o, key)
         return out
 
