@@ -42,7 +42,7 @@ from .align.transforms import TransformError
 from .dumpset import DumpSet
 from .gcpause import paused
 from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_tensors,
-                      dtype_named, metric, stats_rel, unit_roundoff)
+                      dtype_named, metric, same_bits, stats_rel, unit_roundoff)
 from .metrics_split import compare_pieces, compare_positions
 from .naming import make_key, parse_key, split_call
 from .parallel import default_wave, in_pool, map_in_waves
@@ -599,6 +599,15 @@ def _read(pi: PassIndex, i: int, loaded, side: str, how=None):
         raise AlignError(f"{side}: {exc}") from None
 
 
+def _same_partials(pi: LogicalPass, node: dict) -> bool:
+    """Whether the ranks' partial sums of an unsharded entry hold the same bits: an output
+    all-reduced inside the module (a row-parallel layer that reduces), not a partial sum."""
+    loaded = pi.load()
+    parts = [loaded.fetch(p["src"], p["key"]) for p in node["parts"] if p.get("op") == "read"]
+    return len(parts) == len(node["parts"]) > 1 and all(
+        t.shape == parts[0].shape and same_bits(parts[0], t) for t in parts[1:])
+
+
 class UncomparedWarning(UserWarning):
     """``first_divergence(structural="report")`` found no divergence, but A entries after
     the last one compared were set aside: the answer covers the run only up to there."""
@@ -976,6 +985,10 @@ class Diff:
         for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
             pi = side._passes.get((row["rank"], row["pass"]))
             node = pi.plans.get(key) if isinstance(pi, LogicalPass) else None
+            if node and node["op"] == "sum" and _same_partials(pi, node):
+                return (f"; its {len(node['parts'])} partial sums ({', '.join(node['labels'])}) "
+                        "are identical: already all-reduced? then it is replicated: give it "
+                        "dims without 'partial'")
             parts = slices_of(node, pi.source_shape) if node else []
             if len(parts) < 2:
                 continue

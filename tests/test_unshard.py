@@ -155,6 +155,21 @@ def test_a_shard_given_no_dims_is_named_as_one_not_as_a_shape(tmp_path):
     assert "give the entry dims" in div.reason
 
 
+def test_partial_sums_already_reduced_are_named_so(tmp_path):
+    """A row-parallel layer that all-reduces inside the module hands every rank the full sum;
+    dims saying 'partial' add the copies (rel_diff 0.2 at 2 ranks): the reason says why."""
+    out = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    for rank in range(2):
+        _write_rank(tmp_path / "b", rank, {"tp": (rank, 2)}, {"x.o": out.clone()},
+                    {r"\.o$": "s h(tp,partial)"})
+    _write_rank(tmp_path / "a", 0, {}, {"x.o": out}, {})
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True) \
+        .first_divergence()
+    assert div.key == "x.o" and div.value == pytest.approx(0.2)
+    assert "its 2 partial sums (rank 0 (tp 0 of 2), rank 1 (tp 1 of 2)) are identical: " \
+           "already all-reduced?" in div.reason
+
+
 def test_ranks_emulated_in_one_process_are_one_run(tmp_path):
     """One process captures each shard of a column-parallel Linear with parallel=: each
     is its own rank folder of one run, and unsharded they meet the unsharded layer."""
