@@ -347,7 +347,8 @@ def _float32_lanes(convert):
     - ``ad32 = fl32(|x - y|)`` is within 2^-24 of the exact ``|x - y|`` (a difference of two
       float32s, correctly rounded; never subnormal); ``|y|`` is exact.
     - Filter: with ``r32 <= r·(1 - 2^-22)`` (``r`` the largest quotient so far) and
-      ``m32 = max(|y|, eps32) <= max(|y|, eps)``, a quotient above ``r`` gives
+      ``m32 = max(|y|, eps32) <= max(|y|, eps)`` (``eps32`` is 0 for an ``eps`` below 2^-126,
+      where float32's subnormal spacing could round it up), a quotient above ``r`` gives
       ``ad32 >= r32·m32·(1 + 2^-23)``: ``ad32 - r32·m32`` is positive fused or not (at least
       2^-48, never rounded to 0). ``r32`` is 0 (every nonzero difference passes) when ``r`` is
       below 2^-100 or beyond float32.
@@ -357,8 +358,9 @@ def _float32_lanes(convert):
       below the exact one, beyond ``T`` and ``ad32``'s rounding. So
       ``ad32 > T_hi`` means ``|x - y| > T``, and ``ad32 <= T_lo`` means not. A block with an
       element between the two is counted again in float64, element by element; so is every
-      block when a tolerance is negative, between 0 and 2^-90 or above 2^100 (products
-      then leave float32's normal range).
+      block when a tolerance is negative (the margins would point the wrong way), NaN, between
+      0 and 2^-90 or above 2^100 (products then leave float32's normal range; rtol = 1e39 is
+      inf in float32, and inf·0 NaN where y = 0).
     """
     @numba.njit(inline="always")
     def block(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit,
@@ -366,7 +368,8 @@ def _float32_lanes(convert):
         f4 = np.float32
         r = -low * (1.0 - 2.0 ** -21)
         low32 = -f4(r) if 2.0 ** -100 <= r <= 3e38 else f4(0.0)
-        eps32 = f4(min(eps, 3e38) * (1.0 - 2.0 ** -23))
+        # below float32's normal range rounding to float32 can raise eps (by up to 2x): 0 then
+        eps32 = f4(min(eps, 3e38) * (1.0 - 2.0 ** -23)) if eps >= 2.0 ** -126 else f4(0.0)
         rhi, ahi = f4(rtol * (1.0 + 2.0 ** -19)), f4(atol * (1.0 + 2.0 ** -19))
         rlo, alo = f4(rtol * (1.0 - 2.0 ** -19)), f4(atol * (1.0 - 2.0 ** -19))
         hit32, above, maybe = _zeros(np.float32), _zeros(np.int32), _zeros(np.int32)

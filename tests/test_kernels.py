@@ -21,13 +21,14 @@ from .test_dumpset_diff import write_dump
 pytest.importorskip("numba")
 
 
-def oracle(x: np.ndarray, y: np.ndarray, rtol: float, atol: float) -> dict:
+def oracle(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
+           eps: float = kernels.EPS) -> dict:
     """The definitions, straight, in float64."""
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     d, ay = np.abs(x64 - y64), np.abs(y64)
     return {"sxx": float(x64 @ x64), "syy": float(y64 @ y64), "sdd": float(d @ d), "sabs": float(d.sum()),
             "max_abs": float(d.max(initial=0.0)),
-            "max_rel": float((d / np.maximum(ay, kernels.EPS)).max(initial=0.0)),
+            "max_rel": float((d / np.maximum(ay, eps)).max(initial=0.0)),
             "mismatch": int((d > atol + rtol * ay).sum())}
 
 
@@ -481,18 +482,19 @@ def _kernels_decoding(f16c: bool) -> dict:
     return fused_loop.compile_kernels(cache=False, f16c=f16c)
 
 
-def _check_half(xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: float) -> None:
+def _check_half(xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: float,
+                eps: float = kernels.EPS) -> None:
     """The compiled loop (each way this CPU decodes float16) against the float64 definitions,
     exact."""
     from tdinspect import fused_loop
 
     x, y = _half_codes(xv, codes), _half_codes(yv, codes)
-    ref = oracle(xv, yv, rtol, atol)
+    ref = oracle(xv, yv, rtol, atol, eps)
     want = (ref["max_abs"], ref["max_rel"], ref["mismatch"])
     for f16c in [False, True] if fused_loop.has_f16c() else [False]:
         k = _kernels_decoding(f16c)[codes]
-        got = k(x, y, float(rtol), float(atol), kernels.EPS, None)
-        assert (float(got[4]), float(got[5]), int(got[6])) == want, (codes, f16c, rtol, atol)
+        got = k(x, y, float(rtol), float(atol), eps, None)
+        assert (float(got[4]), float(got[5]), int(got[6])) == want, (codes, f16c, rtol, atol, eps)
 
 
 @pytest.mark.parametrize("codes", HALF_LANES)
@@ -502,7 +504,7 @@ def _check_half(xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: f
     (0.0, 1.0),  # a tie: none
     (1 - 2.0 ** -40, 0.0), (1 + 2.0 ** -40, 0.0), (1.0, 0.0),
     (1e-3, 1e-5), (0.0, 0.0),
-    (1e-120, 0.0), (0.0, 1e-300), (-1e-3, 0.2), (2.0 ** 101, 0.0),  # outside float32's comfort
+    (1e-120, 0.0), (0.0, 1e-300), (-1e-3, 0.2), (2.0 ** 105, 0.0),  # past the guards (scaled)
 ])
 def test_float32_lanes_count_mismatches_exactly_at_the_threshold(codes, rtol, atol):
     """float16 and e5m2 compare in float32 lanes against thresholds just above and below
@@ -555,3 +557,27 @@ def test_float32_lanes_keep_max_rel_exact_where_float32_rounds_the_difference(co
     for rtol, atol in ((1e-3, 1e-5), (2.0 ** -3, 0.0)):
         _check_half(xv[keep], yv[keep], codes, rtol, atol)
         _check_half(xv[keep], near[keep], codes, rtol, atol)
+
+
+def test_float32_lanes_keep_max_rel_exact_for_an_eps_below_float32s_normal_range():
+    """The kernels take ``eps``: one below 2^-126 rounds to float32 in subnormal steps, up to
+    twice its value (2^-150·1.01 to 2^-149). A filter dividing by that (where y = 0) skipped
+    block 1's quotient 3·2^-24/eps, 1.5 times block 0's 2^-23/eps."""
+    from tdinspect.fused_loop import BLOCK
+
+    xv, yv = np.zeros(2 * BLOCK), np.zeros(2 * BLOCK)
+    xv[0], xv[BLOCK + 3] = 2.0 ** -23, 3 * 2.0 ** -24
+    eps = 2.0 ** -150 * 1.01
+    assert oracle(xv, yv, 0, 0, eps)["max_rel"] == 3 * 2.0 ** -24 / eps
+    _check_half(xv, yv, "float16", 0.0, 0.0, eps)
+
+
+@pytest.mark.parametrize("codes", HALF_LANES)
+def test_float32_lanes_count_in_float64_for_a_tolerance_beyond_float32(codes):
+    """rtol = 1e39 is inf in float32 and inf·0 is NaN: a float32 threshold would miss every
+    mismatch at y = 0 (|x - y| = 1 > atol + rtol·0 = 0.5); the block is counted in float64."""
+    from tdinspect.fused_loop import BLOCK
+
+    xv, yv = np.zeros(2 * BLOCK + 3), np.zeros(2 * BLOCK + 3)
+    xv[5], xv[BLOCK + 7] = 1.0, -1.0
+    _check_half(xv, yv, codes, 1e39, 0.5)
