@@ -119,8 +119,8 @@ class DumpSet:
                 try:
                     pi = PassIndex.read(folder.rank, files)
                 except DumpFormatError as exc:
-                    if files.tensors is None:
-                        continue  # a sidecar alone, unreadable: a pass still being written
+                    # a sidecar alone that does not read is not a pass being written (sidecars
+                    # appear whole, by a rename): a damaged or edited statistics-only pass
                     if on_error == "raise":
                         raise
                     skipped.append(str(exc))

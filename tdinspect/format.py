@@ -154,16 +154,18 @@ def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = 
 
     With ``pass_file``, a sidecar that does not describe it (stale, edited,
     or written without a binding) is ignored with a warning: ``None`` is
-    returned and the caller reads the pass file itself. ``index``: the pass
+    returned and the caller reads the pass file itself. Without one (a
+    statistics-only pass), an edited sidecar is refused. ``index``: the pass
     file's :class:`~tdinspect.zipindex.ZipIndex` when the caller has read it.
 
     Raises
     ------
     DumpFormatError
-        If the file is not a tdinspect sidecar of a known version, or any
-        column the reader uses is malformed (see :func:`tdinspect.sidecars.validate`).
+        If the file is not a tdinspect sidecar of a known version, any
+        column the reader uses is malformed (see :func:`tdinspect.sidecars.validate`),
+        or, without ``pass_file``, it was edited since it was sealed.
     """
-    from .sidecars import mismatch, validate, warn_ignored
+    from .sidecars import edited, mismatch, validate, warn_ignored
     from .stats import STAT_NAMES
 
     path = Path(path)
@@ -185,6 +187,9 @@ def read_sidecar(path: str | os.PathLike, pass_file: str | os.PathLike | None = 
         if reason is not None:
             warn_ignored(path, reason)
             return None
+    elif edited(raw, doc):
+        raise DumpFormatError(f"{path}: sidecar was edited after it was written, and no pass "
+                              "file holds tensors to recompute its facts from: refused")
     validate(path, doc, len(STAT_NAMES))
     entries = doc["entries"]
     n = len(entries["key"])

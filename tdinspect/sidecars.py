@@ -14,9 +14,11 @@ do more than read the pass file's own records or fail other than with a
   since, a sidecar edited by hand, a sidecar of another run, a forged
   ``stats_only``) makes the reader ignore the sidecar, warn naming it, and
   recompute the facts from the tensors, as for a dump written without
-  sidecars. A statistics-only pass has no pass file to bind to: its sidecar
-  is validated only. The binding detects stale and edited sidecars; it is
-  not a signature (anyone can recompute it), which is why reading never
+  sidecars. A statistics-only pass (or one whose pass file is gone) has no
+  tensors to recompute from: its sidecar's own digest is checked, and an
+  edited one is a ``DumpFormatError`` (it was read as written: a hand edit
+  of a statistic became a divergence, without a word). The binding detects
+  stale and edited sidecars; it is not a signature (anyone can recompute it), which is why reading never
   does more than read tensors, whatever a sidecar says. A forged sidecar
   bound anew can still place an entry at other bytes of its own record or
   give it another dtype or shape than the pickle does: the diff then reads
@@ -79,8 +81,7 @@ def mismatch(raw: bytes, doc: dict, pass_file: Path, index: ZipIndex | None = No
     binding = doc.get("binding")
     if not isinstance(binding, dict):
         return "has no binding to its pass file (written by an older tdinspect or another tool)"
-    cut = raw.rfind(_BINDING)
-    if cut < 0 or hashlib.sha256(raw[:cut] + b"}").hexdigest() != binding.get("sidecar"):
+    if edited(raw, doc):
         return "was edited after it was written"
     if index is None:
         index = read_index(pass_file)
@@ -90,6 +91,16 @@ def mismatch(raw: bytes, doc: dict, pass_file: Path, index: ZipIndex | None = No
     if doc.get("stats_only") is not False:
         return f"says statistics only, but {pass_file.name} holds tensors"
     return None
+
+
+def edited(raw: bytes, doc: dict) -> bool:
+    """Whether the sealed sidecar ``raw`` (parsed: ``doc``) is no longer the bytes its writer
+    sealed (``False`` for one without a binding: nothing says what it was)."""
+    binding = doc.get("binding")
+    if not isinstance(binding, dict):
+        return False
+    cut = raw.rfind(_BINDING)
+    return cut < 0 or hashlib.sha256(raw[:cut] + b"}").hexdigest() != binding.get("sidecar")
 
 
 def warn_ignored(path: Path, reason: str) -> None:
