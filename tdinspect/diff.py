@@ -28,6 +28,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from .align.logical import AlignError, LogicalPass, describe, matching_slices, s
 from .align.mapping import Mapping
 from .align.transforms import TransformError
 from .dumpset import DumpSet
+from .format import DumpFormatError
 from .gcpause import paused
 from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_tensors,
                       dtype_named, metric, same_bits, stats_rel, unit_roundoff)
@@ -929,6 +931,12 @@ class Diff:
         Returns
         -------
         Divergence or None
+
+        Raises
+        ------
+        DumpFormatError
+            When a record the divergence was read from fails its CRC-32 (a
+            damaged pass file: the "divergence" may be the damage).
         """
         div, gap = self._answer(threshold, metric, structural)
         if gap is not None:
@@ -968,6 +976,8 @@ class Diff:
             return None, self.uncompared_after(progress=False) if report else None
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
+        if not row["structural"] and self.mode == "tensor":
+            self._check_records(row)
         located = "" if row["structural"] else self._locate(row, m, thr_fn(row))
         earlier = rows.iloc[max(0, n - BEFORE):n]
         listed = None
@@ -977,6 +987,24 @@ class Diff:
                 .reset_index(drop=True)
         return divergence_of(row, m, thr_fn, list(zip(earlier["key"], earlier[m.name].astype(float))),
                              listed, located), None
+
+    def _check_records(self, row: dict) -> None:
+        """``DumpFormatError`` when a record the divergent ``row`` was read from fails its
+        CRC-32: neither ``torch.load`` nor the record reader checks them, and a bit flipped on
+        disk was answered as a divergence (``rel_diff 1`` at the entry holding it). The two
+        sides are checked at once (``zlib.crc32`` lets the GIL go)."""
+        sides = [(pi, key) for pi, key in ((self.a._passes.get((row["rank"], row["pass"])), row["key"]),
+                                          (self.b._passes.get((row["rank"], row["pass"])), row["key_b"]))
+                 if isinstance(pi, PassIndex)]  # not assembled ones (concat, unshard): other entries
+        with ThreadPoolExecutor(len(sides) or 1, thread_name_prefix="tdinspect-crc") as pool:
+            found = list(pool.map(lambda side: side[0].damaged(side[1]), sides))
+        for (pi, key), bad in zip(sides, found):
+            if bad is not None:
+                raise DumpFormatError(
+                    f"{pi.files.tensors}: record {visible(bad)!r} (holding {visible(key)!r}) "
+                    f"does not match its CRC-32: the file is damaged, and the divergence found "
+                    f"at {visible(row['key'])!r} may be that damage (restore the file or "
+                    "capture again)")
 
     def _locate(self, row: dict, m, thr: float) -> str:
         """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ."""

@@ -26,7 +26,7 @@ from .format import (DumpFormatError, PassFiles, decode_arg, load_call_spec, loa
                      pass_filename, read_sidecar, sidecar_filename)
 from .naming import parse_key
 from .dumper.kinds import restore
-from .rawpass import mapping_files, read_plain, read_raw
+from .rawpass import crc_failure, mapping_files, read_plain, read_raw
 from .reindex import reindex
 from .stats import STAT_NAMES, tensor_stats
 from .zipindex import ZipIndex, identity, read_index
@@ -173,6 +173,25 @@ class PassIndex:
         index, self._zip = self._zip, None  # it describes the file as opened: used once
         return read_raw(self.files.tensors, [self.keys[i] for i in rows],
                         [self.raw[i] for i in rows], index)
+
+    def damaged(self, key: str) -> str | None:
+        """The record holding ``key``'s tensor (every record of the pass file when the layout
+        is not known) whose bytes fail their CRC-32, else ``None``
+        (:func:`tdinspect.rawpass.crc_failure`)."""
+        if self.files.tensors is None:
+            return None
+        i = self.position.get(key)
+        ref = self.ref[i] if i is not None else None
+        if i is not None and not self.stored[i] and isinstance(ref, dict) \
+                and ref.get("pass") is None and ref.get("of") in self.position:
+            i = self.position[ref["of"]]  # a reference: the record of the entry it names
+            ref = self.ref[i]
+            if not self.stored[i] and isinstance(ref, dict) and ref.get("of") in self.position:
+                i = self.position[ref["of"]]  # same as a view: its base
+        row = self.raw[i] if self.raw is not None and i is not None and self.stored[i] else None
+        records = [f"data/{row[0]}"] if isinstance(row, list) and row and isinstance(row[0], str) \
+            else None
+        return crc_failure(self.files.tensors, records)
 
     def tensor(self, key: str, loaded: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One entry's tensor, references resolved; ``loaded`` reuses an open pass file."""

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .regularfile import open_regular
-from .zipindex import ZipIndex, identity, index_of, local_start
+from .zipindex import LOCAL_HEADER, ZipIndex, identity, index_of, local_start
 
 _INT64 = 1 << 63
 _INT = {int}
@@ -274,6 +274,56 @@ def entry_span(mapped: mmap.mmap, index: ZipIndex, prefix: str, entry: Any,
             or not _valid_view(shape, strides, offset, size // item):
         return None
     return dtype, start, size
+
+
+def crc_failure(path: str | os.PathLike, records: list[str] | None = None) -> str | None:
+    """The first record of the archive at ``path`` (of ``records``, names under its records'
+    folder such as ``"data/3"``; every record when ``None``) whose bytes do not give the
+    CRC-32 its directory lists, else ``None`` (also for a file that is not a readable archive:
+    its readers say so). Stored records only: ``torch.save`` compresses nothing.
+
+    Neither ``torch.load`` nor the record reader checks CRCs (a full check would cost a
+    second read of every byte, about half a diff's time), so a damaged record reads as
+    values; this checks the few records an answer rests on.
+    """
+    try:
+        with open_regular(path) as f:
+            index = index_of(f)
+            if index is None:
+                return None
+            prefix = index.first.split("/", 1)[0] + "/" if index.first else ""
+            names = list(index.names) if records is None else [prefix + r for r in records]
+            return next((name for name in names if not _crc_holds(f.fileno(), index, name)),
+                        None)
+    except OSError:
+        return None
+
+
+_CRC_CHUNK = 1 << 24
+
+
+def _crc_holds(fd: int, index: ZipIndex, name: str) -> bool:
+    """Whether the stored record ``name`` (absent or compressed: not checked) gives its CRC-32.
+    Read with ``pread``, not mapped: a file cut short meanwhile reads short (a mapped read of
+    it would be a SIGBUS)."""
+    found = index.record(name)
+    if found is None or found[2] != zipfile.ZIP_STORED:
+        return True
+    offset, size, _, crc = found
+    head = os.pread(fd, LOCAL_HEADER.size, offset)  # the local header, then its name
+    if len(head) == LOCAL_HEADER.size:
+        head += os.pread(fd, LOCAL_HEADER.unpack(head)[9], offset + LOCAL_HEADER.size)
+    start = local_start(head, 0, name)
+    if start is None:
+        return False
+    done, value = 0, 0
+    while done < size:
+        chunk = os.pread(fd, min(_CRC_CHUNK, size - done), offset + start + done)
+        if not chunk:
+            return False
+        value = zlib.crc32(chunk, value)
+        done += len(chunk)
+    return value == crc
 
 
 def read_plain(path: str | os.PathLike) -> tuple[list[str], list[list[Any]],

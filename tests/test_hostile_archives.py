@@ -111,3 +111,40 @@ def test_a_misdirected_entry_keeps_the_sidecar_bound(tmp_path):
     with pytest.raises(DumpFormatError, match="sends the record '[^']*data/1' to the local "
                                               "header of '[^']*data/2'"):
         ds.tensor("m.b")
+
+
+def _flip(path: Path, record: str) -> None:
+    """Flip one bit of a record's data, as a disk or a copy might (the directory untouched:
+    the sidecar's binding still holds)."""
+    data = bytearray(path.read_bytes())
+    entry = _directory(bytes(data))[next(n for n in _directory(bytes(data)) if n.endswith(record))]
+    offset = struct.unpack_from("<L", data, entry + 42)[0]
+    nlen, elen = struct.unpack_from("<HH", data, offset + 26)
+    data[offset + 30 + nlen + elen + 7] ^= 0x01  # element 1 (2.0) becomes 8.0
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("sidecars", [True, False], ids=["sidecar", "no sidecar"])
+@pytest.mark.parametrize("side", ["reference", "compared"])
+def test_a_divergence_read_from_a_damaged_record_is_a_dump_format_error(tmp_path, capsys, side,
+                                                                         sidecars):
+    """Neither torch.load nor the record reader checks CRCs: the bit flipped in m.b's record
+    was answered as ``m.b pass 0: rel_diff 1``."""
+    damaged = _dump(tmp_path / side, sidecars)
+    other = "compared" if side == "reference" else "reference"
+    record_dump(tmp_path / other, PASS)
+    _flip(damaged, "/data/1")
+    assert not torch.equal(torch.load(damaged, weights_only=True)["m.b"], PASS[0]["m.b"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the sidecar is still bound: nothing else says it
+        d = DumpSet.open(tmp_path / "reference").diff(tmp_path / "compared")
+        with pytest.raises(DumpFormatError, match=rf"{damaged.name}: record '[^']*data/1' "
+                                                  r"\(holding 'm\.b'\) does not match its CRC-32"):
+            d.first_divergence()
+    assert main(["first-divergence", str(tmp_path / "reference"), str(tmp_path / "compared")]) == 2
+    assert "does not match its CRC-32" in capsys.readouterr().err
+    # an undamaged record's divergence is answered as before
+    _dump(tmp_path / "fresh", sidecars)
+    record_dump(tmp_path / "changed", [{**PASS[0], "m.c": PASS[0]["m.c"] + 1}])
+    found = DumpSet.open(tmp_path / "fresh").diff(tmp_path / "changed").first_divergence()
+    assert found.key == "m.c"
