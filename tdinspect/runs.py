@@ -107,7 +107,8 @@ def new_run_folder(dump_dir: str | os.PathLike, rank: int, *, overwrite: bool = 
     name is taken (created with ``mkdir``, which fails if it exists, so two
     processes never share one). Earlier runs of this rank are kept, and a
     :class:`RunWarning` says so; ``overwrite=True`` removes them (and, from
-    rank 0, folders of ranks this run does not have) and says which. ``world``: the
+    rank 0, folders of ranks this run does not have) and says which, but keeps, and
+    says so, those whose manifest names another process of this host still running. ``world``: the
     size of the capture's parallel grid, the run's rank count when neither
     ``torch.distributed`` nor ``$WORLD_SIZE`` / ``$RANK`` give one.
     """
@@ -152,6 +153,14 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
         if other_rank == rank or (overwrite and rank == 0 and world is not None
                                   and other_rank >= world):
             others.append(p)
+    if overwrite:
+        live = [p for p in others if _running_elsewhere(p)]
+        if live:
+            warn(f"tdinspect: overwrite=True kept {len(live)} run folder(s) in {dump_dir} whose "
+                 f"process is still running on this host: {', '.join(p.name for p in live)} "
+                 "(removing them lost what that capture had written, and its next pass)",
+                 RunWarning, stacklevel=6)
+        others = [p for p in others if p not in live]
     if not others:
         return
     names = ", ".join(p.name for p in others)
@@ -165,6 +174,24 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
              f"{rank} ({names}); this capture is a new run in {folder.name}, kept apart "
              "(DumpSet.open opens the newest run, run=-2 the one before; overwrite=True "
              "replaces earlier runs)", RunWarning, stacklevel=6)
+
+
+def _running_elsewhere(folder: Path) -> bool:
+    """Whether ``folder``'s manifest names another process of this host that is still alive
+    (a capture that may be writing there). A pid reused since reads as alive: the folder is
+    then kept, the safe side."""
+    doc = read_manifest(folder)
+    pid = doc.get("pid") if doc else None
+    if type(pid) is not int or pid <= 0 or pid == os.getpid() \
+            or doc.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except (ProcessLookupError, OverflowError, OSError):
+        return False
+    return True
 
 
 def read_manifest(folder: Path) -> dict | None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import nbformat
 import pytest
@@ -300,3 +303,36 @@ def test_op_captures_into_two_folders_both_record_and_a_warning_says_so(tmp_path
     keys_a, keys_b = list(load_pass(a)), list(load_pass(b))
     # both recorded the model's ops (the outer one also what the inner one ran to record them)
     assert any("aten.addmm" in k for k in keys_b) and set(keys_b) <= set(keys_a)
+
+
+def test_overwrite_keeps_the_run_of_a_process_still_writing(tmp_path):
+    """Two processes, one folder: overwrite=True removed the folder of a capture still running
+    in another process (its pass 0 lost; its next step failed, saying earlier passes were
+    complete). That run is kept now, with a warning, and ends whole."""
+    script = textwrap.dedent(f"""
+        import sys, torch, tdinspect
+        model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        with tdinspect.capture(model, {str(tmp_path)!r}) as dump:
+            model(torch.ones(2, 4)); dump.step()
+            print("pass 0 written", flush=True)
+            sys.stdin.readline()
+            model(torch.ones(2, 4)); dump.step()
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert writer.stdout.readline() == "pass 0 written\n"
+        with pytest.warns(RunWarning, match=rf"kept 1 run folder\(s\) .*still running.*"
+                                            rf"rank0_pid{writer.pid}"):
+            folder = _run(tmp_path, _model(), overwrite=True)
+    finally:
+        writer.communicate("go\n", timeout=120)
+    assert writer.returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([folder.name,
+                                                                 f"rank0_pid{writer.pid}"])
+    assert DumpSet.open(tmp_path / f"rank0_pid{writer.pid}").passes == [0, 1]
+    # once that process has ended, its run is an earlier run like any other
+    with pytest.warns(RunWarning, match=rf"removed 2 earlier run folder\(s\).*rank0_pid{writer.pid}"):
+        last = _run(tmp_path, _model(), overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == [last.name]
+

@@ -609,7 +609,8 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         (grammar: :mod:`tdinspect.align.dims`); a bad spec is an error here.
     overwrite : bool
         Remove the earlier runs in ``dump_dir`` (with a one-line warning
-        naming them). Without it they are kept: every capture is a new run in
+        naming them; a run whose process is still running on this host is
+        kept, and the warning says so). Without it they are kept: every capture is a new run in
         its own ``rank<R>_pid<P>[_runN]`` folder, and ``DumpSet.open`` opens
         the newest run (see :mod:`tdinspect.runs`).
     environ : mapping, optional
