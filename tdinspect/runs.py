@@ -131,8 +131,20 @@ def new_run_folder(dump_dir: str | os.PathLike, rank: int, *, overwrite: bool = 
 def new_folder(parent: Path, name: str) -> Path:
     """``parent/name``, or ``name_run2``, ``name_run3``... when taken: a folder this call
     created (``mkdir`` fails if it exists), so no two writers, nor a re-run in the same
-    process (a notebook cell: same pid), ever write into one."""
-    parent.mkdir(parents=True, exist_ok=True)
+    process (a notebook cell: same pid), ever write into one.
+
+    Raises
+    ------
+    ConfigError
+        When ``parent``, or a folder above it, is a file.
+    """
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        from .config import ConfigError
+
+        raise ConfigError(f"dump_dir {parent}: not a folder (it, or a folder above it, is a "
+                          "file)") from None
     n = 1
     while True:
         folder = parent / (name + (f"_run{n}" if n > 1 else ""))

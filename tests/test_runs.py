@@ -336,3 +336,15 @@ def test_overwrite_keeps_the_run_of_a_process_still_writing(tmp_path):
         last = _run(tmp_path, _model(), overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == [last.name]
 
+
+@pytest.mark.parametrize("below", [False, True], ids=["the file", "below a file"])
+def test_capture_into_a_file_is_a_config_error_naming_it(tmp_path, below):
+    """A dump_dir that is a file was a bare ``FileExistsError: [Errno 17] File exists`` (or
+    ``NotADirectoryError``) from deep inside the capture."""
+    (tmp_path / "notes.txt").write_text("mine")
+    target = tmp_path / "notes.txt" / "run" if below else tmp_path / "notes.txt"
+    model = _model()
+    with pytest.raises(tdinspect.ConfigError, match=rf"dump_dir {target}: not a folder"):
+        _run(target, model)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
