@@ -177,6 +177,9 @@ def cmd_stats(args) -> int:
     ds = DumpSet.open(args.path, run=_run_arg(args.run), on_error=args.on_error)
     if args.op:
         ds = ds.filter(args.op)
+    if args.pass_ is not None and args.pass_ not in ds.passes:
+        shown = ", ".join(map(str, ds.passes[:8])) + (", ..." if len(ds.passes) > 8 else "")
+        raise _Fail(f"--pass {args.pass_}: {args.path} has no such pass (passes: {shown})")
     df = ds.entries(progress=False)
     if args.pass_ is not None:
         df = df[df["pass"] == args.pass_]

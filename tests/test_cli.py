@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from tdinspect.cli import main
+
+from .recorded import record_dump
 
 
 def test_first_divergence_exit_codes_and_json(runs, capsys):
@@ -124,3 +128,12 @@ def test_a_reader_that_leaves_ends_the_command_quietly(runs):
                               stderr=subprocess.PIPE, text=True, env=env, timeout=300)
         assert (proc.returncode, proc.stderr) == (141, ""), command
     os.close(write)
+
+
+def test_stats_of_a_pass_the_dump_does_not_hold_is_an_error(tmp_path, capsys):
+    """``stats --pass 99`` printed an empty table and exited 0, as if the pass held nothing."""
+    record_dump(tmp_path, [{"m.a": torch.ones(2)}] * 3)
+    assert main(["stats", str(tmp_path), "--pass", "99"]) == 2
+    assert "--pass 99: " in capsys.readouterr().err
+    assert main(["stats", str(tmp_path), "--pass", "2"]) == 0
+    assert "m.a" in capsys.readouterr().out
