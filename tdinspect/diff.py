@@ -40,7 +40,7 @@ from .align.args import arg_difference
 from .align.logical import AlignError, LogicalPass, describe, matching_slices, slices_of
 from .align.mapping import Mapping
 from .align.transforms import TransformError
-from .dumpset import DumpSet
+from .dumpset import DumpSet, call_axis
 from .format import DumpFormatError
 from .gcpause import paused
 from .metrics import (AUTO, TENSOR_METRICS, auto_rule, auto_threshold, compare_tensors,
@@ -1107,19 +1107,19 @@ class Diff:
                            + (f" ({'; '.join(skipped[:3])})" if skipped else ""))
         ranks = sorted({c[0] for c in cells})
         passes = sorted({c[1] for c in cells})
-        ncall = max(c[2] for c in cells) + 1
+        calls, call_ix = call_axis([c[2] for c in cells])
         npos = max(len(c[3]) for c in cells)
-        data = np.full((len(ranks), len(passes), ncall, npos), np.nan)
-        thrs = np.full((len(ranks), len(passes), ncall, 1), np.nan)
-        for rank, p, call, values, (t, _) in cells:
-            data[ranks.index(rank), passes.index(p), call, :len(values)] = values
-            thrs[ranks.index(rank), passes.index(p), call] = t
+        data = np.full((len(ranks), len(passes), len(calls), npos), np.nan)
+        thrs = np.full((len(ranks), len(passes), len(calls), 1), np.nan)
+        for (rank, p, _, values, (t, _)), c in zip(cells, call_ix):
+            data[ranks.index(rank), passes.index(p), c, :len(values)] = values
+            thrs[ranks.index(rank), passes.index(p), c] = t
         with np.errstate(invalid="ignore"):
             over = data > thrs if m.higher_is_worse else data < thrs
         thr, source = cells[0][4]
         hit = np.flatnonzero(over.any(axis=(0, 1, 2)))
         da = xr.DataArray(data, dims=("rank", "pass", "call", "position"),
-                          coords={"rank": ranks, "pass": passes, "call": np.arange(ncall),
+                          coords={"rank": ranks, "pass": passes, "call": calls,
                                   "position": np.arange(npos)}, name=m.name,
                           attrs={"key": base, "dim": str(dim), "metric": m.name, "threshold": thr,
                                  "threshold_source": source,
@@ -1289,11 +1289,11 @@ class Diff:
         ops = list(dict.fromkeys(df["op"]))
         ranks = sorted(df["rank"].unique().tolist()) or [0]
         passes = sorted(df["pass"].unique().tolist())
-        ncall = int(df["call"].max()) + 1 if len(df) else 1
-        shape = (len(ranks), len(ops), ncall, len(passes))
+        calls, call_ix = call_axis(df["call"].to_numpy())
+        shape = (len(ranks), len(ops), len(calls), len(passes))
         ix = (df["rank"].map({r: i for i, r in enumerate(ranks)}).to_numpy(),
               df["op"].map({o: i for i, o in enumerate(ops)}).to_numpy(),
-              df["call"].to_numpy(), df["pass"].map({p: i for i, p in enumerate(passes)}).to_numpy())
+              call_ix, df["pass"].map({p: i for i, p in enumerate(passes)}).to_numpy())
         dims = ("rank", "op", "call", "pass")
         variables = {}
         for name in (*ROW_METRICS, "order"):
@@ -1306,7 +1306,7 @@ class Diff:
             variables[name] = (dims, arr)
         import xarray as xr  # lazily: the CLI's answers need no cube (0.26 s)
 
-        ds = xr.Dataset(variables, coords={"rank": ranks, "op": ops, "call": np.arange(ncall),
+        ds = xr.Dataset(variables, coords={"rank": ranks, "op": ops, "call": calls,
                                            "pass": passes},
                         attrs={"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode,
                                "align": self.align})
