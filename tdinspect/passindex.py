@@ -177,18 +177,19 @@ class PassIndex:
     def damaged(self, key: str) -> str | None:
         """The record holding ``key``'s tensor (every record of the pass file when the layout
         is not known) whose bytes fail their CRC-32, else ``None``
-        (:func:`tdinspect.rawpass.crc_failure`)."""
-        if self.files.tensors is None:
-            return None
+        (:func:`tdinspect.rawpass.crc_failure`). An entry held by an earlier pass's file (a
+        parameter unchanged since) is not checked here."""
         i = self.position.get(key)
-        ref = self.ref[i] if i is not None else None
-        if i is not None and not self.stored[i] and isinstance(ref, dict) \
-                and ref.get("pass") is None and ref.get("of") in self.position:
-            i = self.position[ref["of"]]  # a reference: the record of the entry it names
+        if self.files.tensors is None or i is None:
+            return None
+        for _ in range(2):  # a reference: the entry it names (a "same" of a view: its base)
             ref = self.ref[i]
-            if not self.stored[i] and isinstance(ref, dict) and ref.get("of") in self.position:
-                i = self.position[ref["of"]]  # same as a view: its base
-        row = self.raw[i] if self.raw is not None and i is not None and self.stored[i] else None
+            if self.stored[i] or not isinstance(ref, dict) or ref.get("of") not in self.position:
+                break
+            if ref.get("pass") is not None:
+                return None
+            i = self.position[ref["of"]]
+        row = self.raw[i] if self.raw is not None and self.stored[i] else None
         records = [f"data/{row[0]}"] if isinstance(row, list) and row and isinstance(row[0], str) \
             else None
         return crc_failure(self.files.tensors, records)

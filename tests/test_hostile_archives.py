@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tdinspect
+
 from tdinspect import DumpFormatError, DumpSet, load_pass
 from tdinspect.cli import main
 
@@ -148,3 +150,22 @@ def test_a_divergence_read_from_a_damaged_record_is_a_dump_format_error(tmp_path
     record_dump(tmp_path / "changed", [{**PASS[0], "m.c": PASS[0]["m.c"] + 1}])
     found = DumpSet.open(tmp_path / "fresh").diff(tmp_path / "changed").first_divergence()
     assert found.key == "m.c"
+
+
+def test_an_entry_held_by_an_earlier_pass_is_not_blamed_on_this_pass_file(tmp_path):
+    """A parameter unchanged since pass 0 is a reference in pass 1: its bytes are in pass 0's
+    file. Pass 1's own damage (its output's record) was reported for the parameter too (its
+    layout names no record, so every record of pass 1 was checked)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with tdinspect.capture(model, tmp_path, record="outputs,params") as dump:
+        for _ in range(2):
+            model(torch.ones(2, 4))
+            dump.step()
+    second = only_folder(tmp_path) / "pass00001.pt"
+    _flip(second, "/data/0")
+    pi = DumpSet.open(tmp_path).get_pass(1)
+    assert pi.ref[pi.position["model.0.weight"]]["pass"] == 0
+    assert pi.damaged("model.0").endswith("/data/0")
+    assert pi.damaged("model.0.weight") is None
+    assert DumpSet.open(tmp_path).get_pass(0).damaged("model.0.weight") is None
