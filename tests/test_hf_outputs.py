@@ -62,3 +62,20 @@ def test_dropped_output_parts_are_listed_in_the_sidecar_and_said_once(tmp_path):
     (side,) = sorted(tmp_path.rglob("pass00000.json"))
     assert json.loads(side.read_text())["dropped"] == {"model[handle]": "Opaque"}
     assert DumpSet.open(tmp_path).ops == ["model[y]"]
+
+
+def test_a_tied_module_that_never_runs_is_named_with_the_one_that_ran(tmp_path):
+    """T5's `shared` embedding is never called (the encoder's and decoder's `embed_tokens`
+    hold its weight and run): every T5 capture warned "never ran a hooked forward:
+    model.shared", as if hooks had been missed. The warning now says whose weights ran."""
+    cfg = transformers.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(2, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match=r"never ran a hooked forward: model\.shared \(its "
+                                            r"weights are model\.encoder\.embed_tokens's, which ran\)"):
+        with torch.no_grad(), tdinspect.capture(model, tmp_path, environ={}) as dump:
+            model(input_ids=ids, decoder_input_ids=ids[:, :2])
+            dump.step()
+    assert "model.shared" not in DumpSet.open(tmp_path).ops

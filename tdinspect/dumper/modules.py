@@ -289,6 +289,7 @@ class ModuleCapture(StopsOnCheck):
             self.recorder.observer = Guarded(self.live, self._on_check_error)
         # outputs carry an explicit kind once other kinds share the pass (default: no new column)
         self._out_extra = {} if self.record == ("outputs",) else {"kind": "output"}
+        self._weights = {name: [id(t) for t in mod.parameters(recurse=False)] for name, mod in chosen}
         for name, mod in chosen:
             self.names.append(name)
             if type(mod).forward is torch.nn.Module.forward:  # ModuleList, ModuleDict: never called
@@ -460,6 +461,14 @@ class ModuleCapture(StopsOnCheck):
         """
         return [n for n in self.names if n not in self._fired and n not in self._containers]
 
+    def _why_unfired(self, name: str) -> str:
+        """``name``, and the module that ran with its weights when one did (tied weights: T5's
+        ``shared`` embedding is ``encoder.embed_tokens``'s; the copy that ran was captured)."""
+        mine = set(self._weights.get(name, ()))
+        ran = next((n for n in self.names if n in self._fired and mine
+                    and mine <= set(self._weights.get(n, ()))), None)
+        return name if ran is None else f"{name} (its weights are {ran}'s, which ran)"
+
     def close(self, write_pending: bool = True, warn: bool = True) -> None:
         """Write a pending non-empty pass, remove every hook, wait for the writer."""
         if not self.enabled or self.recorder is None:
@@ -475,7 +484,8 @@ class ModuleCapture(StopsOnCheck):
         unfired = self.unfired
         rec.close(write_pending=write_pending)
         if warn and self._warn_unfired and unfired and rec.pass_index:
-            shown = ", ".join(unfired[:5]) + (" ..." if len(unfired) > 5 else "")
+            shown = ", ".join(self._why_unfired(n) for n in unfired[:5]) + \
+                (" ..." if len(unfired) > 5 else "")
             warnings.warn(f"tdinspect: {len(unfired)} selected module(s) never ran a hooked forward: "
                           f"{shown}", RuntimeWarning, stacklevel=2)
 
