@@ -178,9 +178,19 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
     names = ", ".join(p.name for p in others)
     if overwrite:
         for p in others:
-            shutil.rmtree(p, ignore_errors=True)
-        warn(f"tdinspect: overwrite=True removed {len(others)} earlier run folder(s) from "
-             f"{dump_dir}: {names}", RunWarning, stacklevel=6)
+            if p.is_symlink():
+                p.unlink()  # the link, never what it points to (rmtree refused it: kept, unsaid)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        left = [p for p in others if os.path.lexists(p)]
+        gone = [p.name for p in others if p not in left]
+        if gone:
+            warn(f"tdinspect: overwrite=True removed {len(gone)} earlier run folder(s) from "
+                 f"{dump_dir}: {', '.join(gone)}", RunWarning, stacklevel=6)
+        if left:
+            warn(f"tdinspect: overwrite=True could not remove {len(left)} earlier run folder(s) "
+                 f"from {dump_dir}: {', '.join(p.name for p in left)} (DumpSet.open still sees "
+                 "them)", RunWarning, stacklevel=6)
     else:
         warn(f"tdinspect: {dump_dir} already holds {len(others)} earlier run(s) of rank "
              f"{rank} ({names}); this capture is a new run in {folder.name}, kept apart "

@@ -348,3 +348,19 @@ def test_capture_into_a_file_is_a_config_error_naming_it(tmp_path, below):
         _run(target, model)
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_overwrite_removes_a_linked_run_folder_as_a_link(tmp_path):
+    """A run folder that is a symbolic link: rmtree refused it (ignored), so the run stayed
+    while the warning said it was removed. The link goes; what it points to is left alone."""
+    elsewhere = tmp_path / "elsewhere"
+    _run(elsewhere, _model())
+    (target,) = list(elsewhere.iterdir())
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "rank0_pid1").symlink_to(target, target_is_directory=True)
+    kept = sorted(p.name for p in target.iterdir())
+    with pytest.warns(RunWarning, match=r"removed 1 earlier run folder\(s\) .*: rank0_pid1$"):
+        folder = _run(dump, _model(), overwrite=True)
+    assert [p.name for p in dump.iterdir()] == [folder.name]
+    assert sorted(p.name for p in target.iterdir()) == kept
