@@ -542,8 +542,8 @@ def _with_growth(table: pd.DataFrame, metric_name: str) -> pd.DataFrame:
     pass's first error, 1 with no error) and ``added`` (their difference)."""
     df = table.sort_values(["rank", "pass", "order"]).reset_index(drop=True)
     df["error"] = err = _as_error(metric_name, df[metric_name])
-    prev = df.groupby(["rank", "pass"])["error"].transform(
-        lambda s: s.cummax().shift(1).fillna(0.0))
+    passes = [df["rank"], df["pass"]]
+    prev = err.groupby(passes).cummax().groupby(passes).shift(1).fillna(0.0)
     df["prev_max"] = prev
     df["growth"] = np.where(prev > 0, err / prev.where(prev > 0, 1.0),
                             np.where(err > 0, np.inf, 1.0))
