@@ -10,7 +10,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 from .conftest import ROOT
 
-CONDA_NAMES = {"torch": "pytorch", "dask[distributed]": "dask"}
+CONDA_NAMES = {"torch": "pytorch", "dask[distributed]": "dask", "isal": "python-isal"}
 
 
 def _pyproject_names():
