@@ -1212,10 +1212,12 @@ class Diff:
             return None
         row = df.loc[share.idxmax()]
         growth = float(row["growth"]) if row["prev_max"] > 0 else None
+        value, thr = float(row[m.name]), float(row["threshold"])
+        q = digits_apart(value, thr)  # cosine 0.99998 against 0.999, never "1"
         text = (f"{row['key']} (pass {row['pass']}"
                 + (f", rank {row['rank']}" if row["rank"] else "")
-                + f"): {m.name} {float(row[m.name]):.3g}, {share.max() * 100:.2g}% of its threshold "
-                f"{row['threshold']:.3g}"
+                + f"): {m.name} {value:.{q}g}, {share.max() * 100:.2g}% of its threshold "
+                f"{thr:.{q}g}"
                 + (f"; {growth:.3g}x the largest error before it in its pass" if growth else
                    "; the first error of its pass"))
         return {"key": row["key"], "pass": int(row["pass"]), "rank": int(row["rank"]),

@@ -320,7 +320,6 @@ class DiffExplorer:
         div = self.diff.first_divergence(thr, m.name)
         self.divergence = div
         sc = plots.scale(m.name)
-        near = None
         if div is None:
             from ..diff import threshold_fn
 
@@ -334,11 +333,8 @@ class DiffExplorer:
                                 f"call {div.call}"
                                 + (f", rank {div.rank}" if self.table['rank'].nunique() > 1 else "")
                                 + f") — {html_text(div.reason)}")
-        # the side-by-side view follows the divergence, or with none the entry nearest to one
-        target = (div.key, div.pass_, div.rank) if div is not None else \
-            (near["key"], near["pass"], near["rank"]) if near else None
-        if follow and target is not None and target[0] in self._keys:
-            self.select(*target)  # redraws the plot with the selection
+        if follow and div is not None and div.key in self._keys:
+            self.select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
         elif follow and self.shown is None:
             self._show_picked()
         else:
