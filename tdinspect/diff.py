@@ -880,7 +880,7 @@ class Diff:
             if not after:
                 continue
             shown = ", ".join(after[:3]) + (", ..." if len(after) > 3 else "")
-            where = f"pass {p}" + (f", rank {rank}" if len(self.a.ranks) > 1 else "")
+            where = self._where(p, rank)
             if last < 0:
                 text = (f"no entry of A was compared in numbers ({where}): all {len(after)} were "
                         f"set aside ({shown})")
@@ -895,6 +895,10 @@ class Diff:
             return {"pass": int(p), "rank": int(rank), "last_compared": key, "position": last + 1,
                     "of": int(len(rows)), "after": after, "text": text}
         return None
+
+    def _where(self, pass_: int, rank: int) -> str:
+        """``pass P``, with ``, rank R`` when the reference has several ranks."""
+        return f"pass {pass_}" + (f", rank {rank}" if len(self.a.ranks) > 1 else "")
 
     # -- answers ------------------------------------------------------------------------
     def first_divergence(self, threshold: float | str | dict | None = None,
@@ -996,8 +1000,8 @@ class Diff:
         sides = [(pi, key) for pi, key in ((self.a._passes.get((row["rank"], row["pass"])), row["key"]),
                                           (self.b._passes.get((row["rank"], row["pass"])), row["key_b"]))
                  if isinstance(pi, PassIndex)]  # not assembled ones (concat, unshard): other entries
-        found = [pi.damaged(key) for pi, key in sides]
-        for (pi, key), bad in zip(sides, found):
+        for pi, key in sides:
+            bad = pi.damaged(key)
             if bad is not None:
                 raise DumpFormatError(
                     f"{pi.files.tensors}: record {visible(bad)!r} (holding {visible(key)!r}) "
@@ -1197,7 +1201,7 @@ class Diff:
         Examples
         --------
         >>> diff.nearest()["text"]   # doctest: +SKIP
-        'model.layers.1.mlp.down_proj (pass 0): rel_diff 5.01e-05, 41% of its threshold 0.000122; 156x the largest error before it in its pass'
+        'model.model.layers.1.mlp.down_proj (pass 0): rel_diff 5e-05, 41% of its threshold 0.000122; 238x the largest error before it in its pass'
         """
         m = self._check_metric(metric)
         thr_fn = threshold_fn(threshold, m.name)
@@ -1212,17 +1216,14 @@ class Diff:
             return None
         row = df.loc[share.idxmax()]
         growth = float(row["growth"]) if row["prev_max"] > 0 else None
-        value, thr = float(row[m.name]), float(row["threshold"])
+        value, thr, part = float(row[m.name]), float(row["threshold"]), float(share.max())
         q = digits_apart(value, thr)  # cosine 0.99998 against 0.999, never "1"
-        text = (f"{row['key']} (pass {row['pass']}"
-                + (f", rank {row['rank']}" if row["rank"] else "")
-                + f"): {m.name} {value:.{q}g}, {share.max() * 100:.2g}% of its threshold "
-                f"{thr:.{q}g}"
-                + (f"; {growth:.3g}x the largest error before it in its pass" if growth else
-                   "; the first error of its pass"))
+        text = (f"{row['key']} ({self._where(row['pass'], row['rank'])}): {m.name} "
+                f"{value:.{q}g}, {part * 100:.2g}% of its threshold {thr:.{q}g}; "
+                + (f"{growth:.3g}x the largest error before it in its pass" if growth else
+                   "the first error of its pass"))
         return {"key": row["key"], "pass": int(row["pass"]), "rank": int(row["rank"]),
-                "call": int(row["call"]), "value": float(row[m.name]),
-                "threshold": float(row["threshold"]), "share": float(share.max()),
+                "call": int(row["call"]), "value": value, "threshold": thr, "share": part,
                 "growth": growth, "text": text}
 
     def introduced(self, metric: str | None = None, progress: bool = True) -> pd.DataFrame:
