@@ -380,7 +380,10 @@ class OpCapture(StopsOnCheck):
         rec = self.recorder
         call = rec.next_call(site) if rec is not None else 0
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
-        mtype = self._tracker.types.get(module, "")
+        aten = str(func)
+        # what every record of this op carries (one dict: the op's records repeat it)
+        tags = {"module_type": self._tracker.types.get(module, ""), "aten": aten,
+                "module_call": module_call}
         view_base = self._view_base(func, args)
         watch = self.trace is not None or self.health is not None  # look at the tensor inputs
         leaves, spec = tree_flatten((args, kwargs)) if self.inputs or watch else ((), None)
@@ -394,12 +397,12 @@ class OpCapture(StopsOnCheck):
                 tensor_i += 1
                 earlier = self._lookup(leaf)
                 if earlier is not None:
-                    rec.record(key, leaf, module_type=mtype, store=False, aten=str(func), module_call=module_call,
+                    rec.record(key, leaf, store=False, **tags,
                                ref={"kind": "same", "of": earlier[0]},
                                uninitialized=earlier[1] or None, same_stats_as=earlier[0])
                     in_keys[i] = earlier[0]
                 else:
-                    rec.record(key, leaf, module_type=mtype, aten=str(func), module_call=module_call)
+                    rec.record(key, leaf, **tags)
                     self._remember(leaf, key)
                     in_keys[i] = key
         if self._seen:
@@ -422,7 +425,7 @@ class OpCapture(StopsOnCheck):
         for i, o in enumerate(outs):
             key = f"{site}[out{i}]{suffix}"
             if uninitialized:
-                rec.record(key, o, module_type=mtype, store=False, aten=str(func), module_call=module_call, uninitialized=True)
+                rec.record(key, o, store=False, **tags, uninitialized=True)
                 self._remember(o, key, uninitialized=True)
                 continue
             if health_in is not None:
@@ -430,18 +433,17 @@ class OpCapture(StopsOnCheck):
                                   inputs=health_in[0], inputs_before=health_in[1])
             call_args = None
             if self.inputs and i == 0:
-                call_args = {"aten": str(func), "spec": self._spec_json(spec),
+                call_args = {"aten": aten, "spec": self._spec_json(spec),
                              "leaves": [encode_arg(v, k) for v, k in zip(leaves, in_keys)]}
             if root is not None and o.dtype == view_base.dtype:
                 # a view: where its elements sit in the stored entry's storage, nothing to run
                 same = base[0] if func._overloadpacket.__name__ in _SAME_ELEMENTS else None
                 ref = {"kind": "view", "of": root[0], "base": root[1:],
                        "view": [[*o.shape], [*o.stride()], o.storage_offset()]}
-                rec.record(key, o, module_type=mtype, store=False, aten=str(func), module_call=module_call, ref=ref,
-                           call_args=call_args, same_stats_as=same)
+                rec.record(key, o, store=False, **tags, ref=ref, call_args=call_args, same_stats_as=same)
                 self._remember(o, key, root=root)
             else:
-                rec.record(key, o, module_type=mtype, aten=str(func), module_call=module_call, call_args=call_args)
+                rec.record(key, o, **tags, call_args=call_args)
                 self._remember(o, key)
         return out
 
