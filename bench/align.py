@@ -29,8 +29,13 @@ from tdinspect import DumpSet, suggest_mapping  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
 
 LEAVES = ["norm1", "q", "k", "v", "o", "norm2", "gate", "up", "down"] + [f"e{i}" for i in range(6)]
-B_NAME = {"norm1": "attn_norm", "o": "attn.o", "norm2": "mlp_norm", "down": "ffn.down",
-          **{f"e{i}": f"extra.x{i}" for i in range(6)}}
+B_NAME = {
+    "norm1": "attn_norm",
+    "o": "attn.o",
+    "norm2": "mlp_norm",
+    "down": "ffn.down",
+    **{f"e{i}": f"extra.x{i}" for i in range(6)},
+}
 
 
 def write_pair(root: Path, layers: int, shape: tuple, passes: int = 1, noise: float = 0.0):
@@ -47,11 +52,17 @@ def write_pair(root: Path, layers: int, shape: tuple, passes: int = 1, noise: fl
                 ra.record(f"model.layers.{n}.{leaf}", t[leaf], module_type="Linear")
                 rc.record(f"model.layers.{n}.{leaf}", tb[leaf], module_type="Linear")
                 if leaf == "q":
-                    rb.record(f"model.blocks.{n}.attn.qkv", torch.cat([tb["q"], tb["k"], tb["v"]], -1),
-                              module_type="Linear")
+                    rb.record(
+                        f"model.blocks.{n}.attn.qkv",
+                        torch.cat([tb["q"], tb["k"], tb["v"]], -1),
+                        module_type="Linear",
+                    )
                 elif leaf == "gate":
-                    rb.record(f"model.blocks.{n}.ffn.gate_up", torch.cat([tb["gate"], tb["up"]], -1),
-                              module_type="Linear")
+                    rb.record(
+                        f"model.blocks.{n}.ffn.gate_up",
+                        torch.cat([tb["gate"], tb["up"]], -1),
+                        module_type="Linear",
+                    )
                 elif leaf in B_NAME:
                     rb.record(f"model.blocks.{n}.{B_NAME[leaf]}", tb[leaf], module_type="Linear")
         for r in (ra, rb, rc):
@@ -86,22 +97,32 @@ def main() -> None:
             t0 = time.perf_counter()
             s = suggest_mapping(A, B)
             times.append(time.perf_counter() - t0)
-        print(f"suggest_mapping {A.n_entries()} A x {B.n_entries()} B entries: "
-              f"{statistics.median(times):.2f} s (median of 3: {', '.join(f'{t:.2f}' for t in times)}); "
-              f"{len(s.rules)} rules from {int(s.pairs['used'].sum())} pairs, "
-              f"{len(s.unmatched_a)} A / {len(s.unmatched_b)} B unmatched")
+        print(
+            f"suggest_mapping {A.n_entries()} A x {B.n_entries()} B entries: "
+            f"{statistics.median(times):.2f} s (median of 3: {', '.join(f'{t:.2f}' for t in times)}); "
+            f"{len(s.rules)} rules from {int(s.pairs['used'].sum())} pairs, "
+            f"{len(s.unmatched_a)} A / {len(s.unmatched_b)} B unmatched"
+        )
         assert len(s.unmatched_a) == 0 and len(s.unmatched_b) == 0
 
         # 2. throughput: plain (A vs C, same names) against mapped (A vs B, fused + renamed)
         a, b, c = write_pair(root / "big", 4, (args.rows, 1024), passes=args.passes, noise=1e-4)
         per_layer = {leaf: (B_NAME.get(leaf)) for leaf in LEAVES}
-        renames = {rf"model\.layers\.(\d+)\.{leaf}": rf"model.blocks.\1.{name}"
-                   for leaf, name in per_layer.items() if name}
-        fused = {rf"model\.layers\.(\d+)\.{leaf}": [r"model.blocks.\1.attn.qkv", f"chunk(3, -1)[{i}]"]
-                 for i, leaf in enumerate("qkv")}
-        fused.update({rf"model\.layers\.(\d+)\.{leaf}": [r"model.blocks.\1.ffn.gate_up",
-                                                         f"chunk(2, -1)[{i}]"]
-                      for i, leaf in enumerate(["gate", "up"])})
+        renames = {
+            rf"model\.layers\.(\d+)\.{leaf}": rf"model.blocks.\1.{name}"
+            for leaf, name in per_layer.items()
+            if name
+        }
+        fused = {
+            rf"model\.layers\.(\d+)\.{leaf}": [r"model.blocks.\1.attn.qkv", f"chunk(3, -1)[{i}]"]
+            for i, leaf in enumerate("qkv")
+        }
+        fused.update(
+            {
+                rf"model\.layers\.(\d+)\.{leaf}": [r"model.blocks.\1.ffn.gate_up", f"chunk(2, -1)[{i}]"]
+                for i, leaf in enumerate(["gate", "up"])
+            }
+        )
         mapping = {**renames, **fused}
         nbytes = 2 * args.passes * 4 * len(LEAVES) * args.rows * 1024 * 4
         throughput(a, c, None, nbytes), throughput(a, b, mapping, nbytes)  # warm-up
@@ -110,11 +131,13 @@ def main() -> None:
             plain.append(throughput(a, c, None, nbytes))
             mapped.append(throughput(a, b, mapping, nbytes))
         p, m = statistics.median(plain), statistics.median(mapped)
-        print(f"diff of {nbytes / 1e9:.2f} GB ({args.passes} passes x {4 * len(LEAVES)} entries of "
-              f"{args.rows}x1024 float32 a side): plain {p / 1e9:.2f} GB/s, with mapping "
-              f"(rename + chunk of fused qkv/gate_up) {m / 1e9:.2f} GB/s: ratio {m / p:.2f} "
-              f"(target >= 0.8); rounds plain {[round(x / 1e9, 2) for x in plain]}, "
-              f"mapped {[round(x / 1e9, 2) for x in mapped]}")
+        print(
+            f"diff of {nbytes / 1e9:.2f} GB ({args.passes} passes x {4 * len(LEAVES)} entries of "
+            f"{args.rows}x1024 float32 a side): plain {p / 1e9:.2f} GB/s, with mapping "
+            f"(rename + chunk of fused qkv/gate_up) {m / 1e9:.2f} GB/s: ratio {m / p:.2f} "
+            f"(target >= 0.8); rounds plain {[round(x / 1e9, 2) for x in plain]}, "
+            f"mapped {[round(x / 1e9, 2) for x in mapped]}"
+        )
 
 
 if __name__ == "__main__":

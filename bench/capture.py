@@ -22,14 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tdinspect  # noqa: E402
 import common  # noqa: E402
-from common import (bench_model, compare_modes, median_step, report_line, scratch_dir,  # noqa: E402
-                    threads_note)
+from common import bench_model, compare_modes, median_step, report_line, scratch_dir, threads_note  # noqa: E402
 
+import tdinspect  # noqa: E402
 
-MODES = {"full": {}, "stats_only": {"stats_only": True},
-         "checksum": {"stats_only": True, "checksum": True}}
+MODES = {"full": {}, "stats_only": {"stats_only": True}, "checksum": {"stats_only": True, "checksum": True}}
 TARGETS = {"full": 1.6, "stats_only": 1.25, "checksum": 1.3}
 
 
@@ -39,8 +37,13 @@ def run(steps: int, out: Path, modes=tuple(MODES)) -> dict:
         for _ in range(3):
             model(tokens)  # warm up
         results = compare_modes(
-            model, tokens, steps, out, {m: MODES[m] for m in modes},
-            lambda folder, **kw: tdinspect.capture(model, folder, warn_unfired=False, **kw))
+            model,
+            tokens,
+            steps,
+            out,
+            {m: MODES[m] for m in modes},
+            lambda folder, **kw: tdinspect.capture(model, folder, warn_unfired=False, **kw),
+        )
     return results
 
 
@@ -55,7 +58,7 @@ def rounds(steps: int, n_rounds: int, out: Path, cases: dict) -> dict:
         for _ in range(3):
             model(tokens)  # warm up
         for r in range(n_rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 if name == "eager":
                     times[name].append(median_step(lambda: model(tokens), steps)[0])
                     continue
@@ -63,9 +66,11 @@ def rounds(steps: int, n_rounds: int, out: Path, cases: dict) -> dict:
                 os.environ["TDINSPECT_ONEPASS"] = onepass
                 target = out / f"{name}-{r}"
                 with tdinspect.capture(model, target, warn_unfired=False, **kw) as dump:
+
                     def step():
                         model(tokens)
                         dump.step()
+
                     step()  # the first pass loads what it needs (numba's compiled loops)
                     times[name].append(median_step(step, steps)[0])
                 shutil.rmtree(target)
@@ -77,21 +82,40 @@ def rounds(steps: int, n_rounds: int, out: Path, cases: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's); with fewer than the cores, "
-                             "the background writer gets a core of its own")
-    parser.add_argument("--dir", default=None,
-                        help="where to write (default: a temporary folder on disk; pass /dev/shm "
-                             "to measure tdinspect without the disk)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma list of {', '.join(MODES)} (checksum: stats_only with checksums)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="time steps by the wall clock, or by this process's CPU time (for a "
-                             "machine shared with other jobs; the writer then runs inline)")
-    parser.add_argument("--rounds", type=int, default=0,
-                        help="interleave the modes this many rounds (see the module docstring)")
-    parser.add_argument("--torch-too", action="store_true",
-                        help="with --rounds: also each mode with torch's reductions alone")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's); with fewer than the cores, "
+        "the background writer gets a core of its own",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where to write (default: a temporary folder on disk; pass /dev/shm "
+        "to measure tdinspect without the disk)",
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma list of {', '.join(MODES)} (checksum: stats_only with checksums)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time steps by the wall clock, or by this process's CPU time (for a "
+        "machine shared with other jobs; the writer then runs inline)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="interleave the modes this many rounds (see the module docstring)",
+    )
+    parser.add_argument(
+        "--torch-too", action="store_true", help="with --rounds: also each mode with torch's reductions alone"
+    )
     args = parser.parse_args()
     if args.clock == "cpu":
         common.clock = common.CLOCK["cpu"]
@@ -105,20 +129,26 @@ def main() -> None:
             cases.update({f"{m} (torch)": (MODES[m], "0") for m in modes})
         with scratch_dir("capture", args.dir) as out:
             ratios = rounds(args.steps, args.rounds, out, cases)
-        print(f"module capture, {args.rounds} rounds x {args.steps} steps per case, "
-              f"{threads_note()}, {args.clock} clock; ratio to the round's eager step")
+        print(
+            f"module capture, {args.rounds} rounds x {args.steps} steps per case, "
+            f"{threads_note()}, {args.clock} clock; ratio to the round's eager step"
+        )
         for name, rs in ratios.items():
             target = TARGETS[name.split()[0]]
-            print(f"  {name:20s} median {statistics.median(rs):.2f}x  (range {min(rs):.2f}-"
-                  f"{max(rs):.2f}, target <= {target}x)")
+            print(
+                f"  {name:20s} median {statistics.median(rs):.2f}x  (range {min(rs):.2f}-"
+                f"{max(rs):.2f}, target <= {target}x)"
+            )
         return
     with scratch_dir("capture", args.dir) as out:
         res = run(args.steps, out, modes)
     from tdinspect.dumper.writer import default_threaded
 
     inline = args.clock == "cpu" or not default_threaded()
-    print(f"module capture, {args.steps} steps, {threads_note()}, writing to {out.parent}, "
-          f"{'inline' if inline else 'background'} writer, {args.clock} clock")
+    print(
+        f"module capture, {args.steps} steps, {threads_note()}, writing to {out.parent}, "
+        f"{'inline' if inline else 'background'} writer, {args.clock} clock"
+    )
     for mode, r in res.items():
         print(report_line(mode, r, TARGETS[mode]))
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tdinspect  # noqa: E402
 from common import bench_model, compare_modes, report_line, scratch_dir, threads_note  # noqa: E402
+
+import tdinspect  # noqa: E402
 
 
 def run(steps: int, out: Path) -> dict:
@@ -29,8 +30,13 @@ def run(steps: int, out: Path) -> dict:
             dump.step()
         shutil.rmtree(out / "warmup")
         results = compare_modes(
-            model, tokens, steps, out, {"stats_only": {"stats_only": True}, "full": {}},
-            lambda folder, **kw: tdinspect.capture_ops(folder, model=model, **kw))
+            model,
+            tokens,
+            steps,
+            out,
+            {"stats_only": {"stats_only": True}, "full": {}},
+            lambda folder, **kw: tdinspect.capture_ops(folder, model=model, **kw),
+        )
     return results
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tdinspect.dumper.recorder import Recorder
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 
 SIZES = dict(d_model=256, n_layers=6, n_heads=4, mlp_ratio=4, vocab=1000, euler_steps=0)
 BATCH, SEQ = 8, 128
@@ -41,8 +41,9 @@ def settle() -> None:
 def scratch_dir(name: str, under: str | None) -> Iterator[Path]:
     """A fresh folder for one benchmark's files, in ``under`` (its ``--dir``; default: the
     system's temporary folder), removed afterwards whatever happens."""
-    with tempfile.TemporaryDirectory(prefix=f"tdinspect-bench-{name}-", dir=under,
-                                     ignore_cleanup_errors=True) as folder:
+    with tempfile.TemporaryDirectory(
+        prefix=f"tdinspect-bench-{name}-", dir=under, ignore_cleanup_errors=True
+    ) as folder:
         yield Path(folder)
 
 
@@ -70,9 +71,11 @@ def threads_note() -> str:
 
 def report_line(mode: str, r: dict, target: float, extra: str = "") -> str:
     """One line of a capture benchmark: median step, ratio to eager, ratio with the final flush."""
-    return (f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
-            f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
-            f"  {extra}{fmt_bytes(r['bytes_per_pass'])}/pass")
+    return (
+        f"  {mode:10s} median step {r['median_s'] * 1e3:7.1f} ms vs eager {r['eager_s'] * 1e3:6.1f} ms"
+        f"  ratio {r['ratio']:.2f}x (target <= {target}x)  with final flush {r['total_ratio']:.2f}x"
+        f"  {extra}{fmt_bytes(r['bytes_per_pass'])}/pass"
+    )
 
 
 def compare_modes(model, tokens, steps: int, out: Path, modes: dict, start) -> dict:
@@ -88,25 +91,42 @@ def compare_modes(model, tokens, steps: int, out: Path, modes: dict, start) -> d
         target = out / mode
         t0 = clock()
         with start(target, **kw) as dump:
+
             def step():
                 model(tokens)
                 dump.step()
+
             med, _ = median_step(step, steps)
             entries = dump.recorder.total_entries / steps
         total = clock() - t0
         eager_again, _ = median_step(lambda: model(tokens), steps)
         base = (eager + eager_again) / 2
         size = sum(f.stat().st_size for f in target.rglob("pass*.pt")) / steps
-        results[mode] = dict(median_s=med, eager_s=base, ratio=med / base,
-                             total_ratio=total / (base * steps), bytes_per_pass=size, entries=entries)
+        results[mode] = dict(
+            median_s=med,
+            eager_s=base,
+            ratio=med / base,
+            total_ratio=total / (base * steps),
+            bytes_per_pass=size,
+            entries=entries,
+        )
         eager = eager_again
         shutil.rmtree(target)
     return results
 
 
-def synthetic_run(root: Path, passes: int, entries: int, numel: int, *, seed: int,
-                  noise: float = 0.0, perturb: tuple[int, int] | None = None,
-                  sidecars: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+def synthetic_run(
+    root: Path,
+    passes: int,
+    entries: int,
+    numel: int,
+    *,
+    seed: int,
+    noise: float = 0.0,
+    perturb: tuple[int, int] | None = None,
+    sidecars: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """A dump of ``passes`` x ``entries`` tensors (``dtype``, default float32) of ``numel`` elements, written by our
     recorder: the same values for every seed (rolled copies of one random vector), plus
     ``noise`` everywhere (a rerun on another backend) and a 10% error at ``perturb=(pass,

@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import scratch_dir, settle, synthetic_run as write_run  # noqa: E402
+from common import scratch_dir, settle  # noqa: E402
+from common import synthetic_run as write_run
 
-from tdinspect import DumpSet, kernels  # noqa: E402
+from tdinspect import DumpSet  # noqa: E402
 from tdinspect.dumper.recorder import Recorder  # noqa: E402
-
+from tdinspect.numerics import kernels
 
 CHUNK = 1 << 20
 _BUFFERS: dict = {}
@@ -69,7 +70,7 @@ def native_chunked(x: torch.Tensor, y: torch.Tensor) -> None:
     """The same a million elements at a time into one reused buffer."""
     for i in range(0, x.numel(), CHUNK):
         d = _buffer("d", min(CHUNK, x.numel() - i), x.dtype)
-        torch.sub(x[i:i + CHUNK], y[i:i + CHUNK], out=d)
+        torch.sub(x[i : i + CHUNK], y[i : i + CHUNK], out=d)
         d.abs_().max()
 
 
@@ -79,8 +80,8 @@ def widened_chunked(x: torch.Tensor, y: torch.Tensor) -> None:
     for i in range(0, x.numel(), CHUNK):
         k = min(CHUNK, x.numel() - i)
         a, b = _buffer("a", k, torch.float32), _buffer("b", k, torch.float32)
-        a.copy_(x[i:i + k])
-        b.copy_(y[i:i + k])
+        a.copy_(x[i : i + k])
+        b.copy_(y[i : i + k])
         a.sub_(b).abs_().max()
 
 
@@ -113,8 +114,7 @@ def ratio(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[f
     return total / t, statistics.median(floors), t
 
 
-def alternate(a: DumpSet, b: DumpSet, rounds: int,
-              compare=_abs_max_diff) -> tuple[list, list, int, float]:
+def alternate(a: DumpSet, b: DumpSet, rounds: int, compare=_abs_max_diff) -> tuple[list, list, int, float]:
     """Floor throughputs and diff times of ``rounds`` alternating rounds (drifts hit both
     alike) after one untimed warm-up of each, the bytes a diff compares, and the seconds of
     the warm-up diff (the first of the process pays the kernel's load)."""
@@ -129,13 +129,15 @@ def alternate(a: DumpSet, b: DumpSet, rounds: int,
         t0 = time.perf_counter()
         a.diff(b).table(progress=False)
         times.append(time.perf_counter() - t0)
-    total = sum(2 * math.prod(s) * getattr(torch, str(d).removeprefix("torch.")).itemsize
-                for pa in a.pass_indexes() for s, d in zip(pa.shape, pa.dtype))
+    total = sum(
+        2 * math.prod(s) * getattr(torch, str(d).removeprefix("torch.")).itemsize
+        for pa in a.pass_indexes()
+        for s, d in zip(pa.shape, pa.dtype)
+    )
     return floors, times, total, first
 
 
-def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff,
-                    settled: bool = False) -> float:
+def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff, settled: bool = False) -> float:
     """Bytes per second of the floor: both pass files mapped by ``torch.load``, ``compare``
     on each pair (``settled``: after :func:`common.settle`, as a side-by-side round times
     each call)."""
@@ -153,8 +155,9 @@ def floor_throughput(a: DumpSet, b: DumpSet, compare=_abs_max_diff,
     return total / (time.perf_counter() - t0)
 
 
-def narrow_run(root: Path, passes: int, entries: int, numel: int, dtype: torch.dtype, *,
-               noise: float = 0.0) -> Path:
+def narrow_run(
+    root: Path, passes: int, entries: int, numel: int, dtype: torch.dtype, *, noise: float = 0.0
+) -> Path:
     """A dump of ``passes`` x ``entries`` tensors of ``numel`` elements of ``dtype``, filled a
     million elements at a time from one random block (scaled per block, plus ``noise``), so
     that 1 GB tensors need no 4 GB float32 source."""
@@ -168,7 +171,7 @@ def narrow_run(root: Path, passes: int, entries: int, numel: int, dtype: torch.d
             for j, i in enumerate(range(0, numel, block)):
                 k = min(block, numel - i)
                 v = base[:k] * (1 + ((p * 7 + e + j) % 13) / 13)
-                t[i:i + k] = (v + jitter[:k]).to(dtype) if noise else v.to(dtype)
+                t[i : i + k] = (v + jitter[:k]).to(dtype) if noise else v.to(dtype)
             rec.record(f"model.layers.{e // 10}.op{e % 10}", t, module_type="Linear")
         rec.step()
     rec.close()
@@ -196,11 +199,14 @@ def narrow_floats(root: Path, args) -> None:
             floors, times, total, _ = alternate(a, b, args.rounds, compare)
             ours, floor = total / statistics.median(times), statistics.median(floors)
             best, best_floor = total / min(times), max(floors)
-            print(f"{name:14s} {size:>13,} B a tensor x {entries:4d} x 2 passes: {ours / 1e9:6.2f} "
-                  f"GB/s, floor {floor / 1e9:6.2f} GB/s ({compare.__name__}), ratio "
-                  f"{ours / floor:4.0%} (medians); best rounds {best / 1e9:6.2f} vs "
-                  f"{best_floor / 1e9:6.2f} GB/s, {best / best_floor:4.0%}; the floor's compares "
-                  + ", ".join(f"{c.__name__} {v / 1e9:.2f}" for c, v in speeds.items()), flush=True)
+            print(
+                f"{name:14s} {size:>13,} B a tensor x {entries:4d} x 2 passes: {ours / 1e9:6.2f} "
+                f"GB/s, floor {floor / 1e9:6.2f} GB/s ({compare.__name__}), ratio "
+                f"{ours / floor:4.0%} (medians); best rounds {best / 1e9:6.2f} vs "
+                f"{best_floor / 1e9:6.2f} GB/s, {best / best_floor:4.0%}; the floor's compares "
+                + ", ".join(f"{c.__name__} {v / 1e9:.2f}" for c, v in speeds.items()),
+                flush=True,
+            )
             shutil.rmtree(x)
             shutil.rmtree(y)
 
@@ -242,9 +248,11 @@ def loop_only(args) -> None:
         best = min(floors, key=lambda c: min(times[(name, c)]))
         ours, floor = min(times[name]), min(times[(name, best)])
         med, fmed = statistics.median(times[name]), statistics.median(times[(name, best)])
-        print(f"{name:14s} loop {n / ours / 1e9:5.2f} G elements/s, floor {n / floor / 1e9:5.2f} "
-              f"({best.__name__}): {floor / ours:4.0%} (fastest calls), {fmed / med:4.0%} (medians)",
-              flush=True)
+        print(
+            f"{name:14s} loop {n / ours / 1e9:5.2f} G elements/s, floor {n / floor / 1e9:5.2f} "
+            f"({best.__name__}): {floor / ours:4.0%} (fastest calls), {fmed / med:4.0%} (medians)",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -253,12 +261,16 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=20)
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtype-sizes", default="1K,64K,1M,16M,256M",
-                        help="bytes a tensor in section 4 (K, M, G suffixes; 1G needs ~5 GB free)")
+    parser.add_argument(
+        "--dtype-sizes",
+        default="1K,64K,1M,16M,256M",
+        help="bytes a tensor in section 4 (K, M, G suffixes; 1G needs ~5 GB free)",
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16,float16,float8_e4m3fn,float8_e5m2")
     parser.add_argument("--dtypes-only", action="store_true", help="run section 4 alone")
-    parser.add_argument("--loop-only", action="store_true",
-                        help="the compiled loop alone, one thread, in memory (see above)")
+    parser.add_argument(
+        "--loop-only", action="store_true", help="the compiled loop alone, one thread, in memory (see above)"
+    )
     parser.add_argument("--loop-numel", type=int, default=1 << 22)
     parser.add_argument("--small-entries", type=int, default=10_000)
     parser.add_argument("--small-numel", type=int, default=256)
@@ -281,15 +293,16 @@ def main() -> None:
         t0 = time.perf_counter()
         DumpSet.open(meta)
         t_open_bare = time.perf_counter() - t0
-        print(f"open 100 passes x 1500 entries: {t_open:.2f} s with sidecars (target < 1 s), "
-              f"{t_open_bare:.2f} s without ({ds.n_entries()} entries)")
+        print(
+            f"open 100 passes x 1500 entries: {t_open:.2f} s with sidecars (target < 1 s), "
+            f"{t_open_bare:.2f} s without ({ds.n_entries()} entries)"
+        )
         shutil.rmtree(meta)
 
         # 2. throughput on big tensors; 3. early exit
         shape = (args.passes, args.entries, args.numel)
         a = write_run(root / "a", *shape, seed=1)
-        b = write_run(root / "b", *shape, seed=2, noise=1e-4,
-                      perturb=(args.passes - 1, args.entries // 2))
+        b = write_run(root / "b", *shape, seed=2, noise=1e-4, perturb=(args.passes - 1, args.entries // 2))
         c = write_run(root / "c", *shape, seed=3, noise=1e-4, perturb=(0, args.entries // 2))
         A, B, C = DumpSet.open(a), DumpSet.open(b), DumpSet.open(c)
         # the warm-up of both sides (page cache, the kernel's numba import and compilation or
@@ -297,16 +310,20 @@ def main() -> None:
         floors, times, run_bytes, t_first = alternate(A, B, args.rounds)
         floor, t_full = statistics.median(floors), statistics.median(times)
         ours = run_bytes / t_full
-        print(f"diff throughput, all metrics ({kernels.default_backend()} kernel): "
-              f"{ours / 1e9:.2f} GB/s; floor (mmap load + (a-b).abs().max()): {floor / 1e9:.2f} GB/s; "
-              f"ratio {ours / floor:.0%} (target >= 50%); medians of {args.rounds} rounds, "
-              f"{run_bytes / 1e9:.2f} GB compared, {args.passes * args.entries} entries; first "
-              f"diff in this process (kernel load included) {t_first:.2f} s")
+        print(
+            f"diff throughput, all metrics ({kernels.default_backend()} kernel): "
+            f"{ours / 1e9:.2f} GB/s; floor (mmap load + (a-b).abs().max()): {floor / 1e9:.2f} GB/s; "
+            f"ratio {ours / floor:.0%} (target >= 50%); medians of {args.rounds} rounds, "
+            f"{run_bytes / 1e9:.2f} GB compared, {args.passes * args.entries} entries; first "
+            f"diff in this process (kernel load included) {t_first:.2f} s"
+        )
         t0 = time.perf_counter()
         div = A.diff(C).first_divergence()
         t_first = time.perf_counter() - t0
-        print(f"first_divergence at pass 0: {t_first:.3f} s vs full diff {t_full:.2f} s "
-              f"({t_first / t_full:.1%}); found {div.key} pass {div.pass_}")
+        print(
+            f"first_divergence at pass 0: {t_first:.3f} s vs full diff {t_full:.2f} s "
+            f"({t_first / t_full:.1%}); found {div.key} pass {div.pass_}"
+        )
         for d in (a, b, c):
             shutil.rmtree(d)
 
@@ -316,8 +333,10 @@ def main() -> None:
         x = write_run(root / "small_a", 1, args.small_entries, args.small_numel, seed=1)
         y = write_run(root / "small_b", 1, args.small_entries, args.small_numel, seed=2, noise=1e-3)
         ours, floor, t = ratio(DumpSet.open(x), DumpSet.open(y), args.rounds)
-        print(f"{args.small_entries} entries of {args.small_numel} float32: diff {t:.2f} s "
-              f"({t / args.small_entries * 1e6:.0f} us an entry), ratio to the floor {ours / floor:.0%}")
+        print(
+            f"{args.small_entries} entries of {args.small_numel} float32: diff {t:.2f} s "
+            f"({t / args.small_entries * 1e6:.0f} us an entry), ratio to the floor {ours / floor:.0%}"
+        )
 
 
 if __name__ == "__main__":

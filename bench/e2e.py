@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import settle, synthetic_run  # noqa: E402
 
 from tdinspect import DumpSet  # noqa: E402
-from tdinspect.rawpass import read_raw  # noqa: E402
+from tdinspect.store.rawpass import read_raw  # noqa: E402
 
 
 def other_tool_run(root: Path, like: Path) -> Path:
@@ -69,6 +69,7 @@ def one_thread(fn):
     """``fn`` run with one torch intra-op thread: on a loaded machine torch's thread pool
     waits on busy cores (the floor then took 10x longer), so each floor is measured both
     ways and the faster (the stricter floor) is used."""
+
     def run(*args):
         before = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -76,6 +77,7 @@ def one_thread(fn):
             return fn(*args)
         finally:
             torch.set_num_threads(before)
+
     return run
 
 
@@ -128,32 +130,39 @@ def alternate(rounds: int, cases: dict) -> dict[str, list[float]]:
 
 def line(name: str, ours: list[float], floor: list[float]) -> str:
     mo, mf = statistics.median(ours), statistics.median(floor)
-    return (f"  {name:32s} ours {mo:7.3f} s (min {min(ours):.3f})  floor {mf:7.3f} s "
-            f"(min {min(floor):.3f})  ratio {mf / mo:.2f} (of minima {min(floor) / min(ours):.2f})")
+    return (
+        f"  {name:32s} ours {mo:7.3f} s (min {min(ours):.3f})  floor {mf:7.3f} s "
+        f"(min {min(floor):.3f})  ratio {mf / mo:.2f} (of minima {min(floor) / min(ours):.2f})"
+    )
 
 
 def first_big_pair() -> tuple[float, int, int]:
     """(seconds, kernels loaded from numba's cache, kernels compiled) of this process's first
     comparison of a pair of 2^17 float32 (run on a worker)."""
     t0 = time.perf_counter()
-    from tdinspect import kernels
-    from tdinspect.metrics import compare_tensors
+    from tdinspect.numerics import kernels
+    from tdinspect.numerics.metrics import compare_tensors
 
     x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(0))
     compare_tensors(x * 1.001, x)
     seconds = time.perf_counter() - t0
     # the compiled loops (one per codec) that this process made: numba dispatchers
     loops = [d for d in (kernels._NUMBA_KERNELS or {}).values() if hasattr(d, "stats")]
-    return (seconds, sum(sum(d.stats.cache_hits.values()) for d in loops),
-            sum(sum(d.stats.cache_misses.values()) for d in loops))
+    return (
+        seconds,
+        sum(sum(d.stats.cache_hits.values()) for d in loops),
+        sum(sum(d.stats.cache_misses.values()) for d in loops),
+    )
 
 
 def workers_first_diff() -> list[tuple[float, int, int]]:
     from dask.distributed import Client, LocalCluster
 
     first_big_pair()  # the client first: the kernel is then in numba's on-disk cache
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
         workers = list(client.scheduler_info()["workers"])
         futures = [client.submit(first_big_pair, pure=False, workers=[w]) for w in workers]
         return client.gather(futures)
@@ -163,9 +172,11 @@ def cli_rounds(rounds: int) -> dict[str, list[float]]:
     root = Path(__file__).resolve().parent.parent / "sample_dumps"
     a, b = str(root / "float32"), str(root / "wrong_layer")
     py = sys.executable
-    cases = {"import torch": [py, "-c", "import torch"],
-             "tdinspect diff": [py, "-m", "tdinspect", "diff", a, b],
-             "tdinspect first-divergence": [py, "-m", "tdinspect", "first-divergence", a, b]}
+    cases = {
+        "import torch": [py, "-c", "import torch"],
+        "tdinspect diff": [py, "-m", "tdinspect", "diff", a, b],
+        "tdinspect first-divergence": [py, "-m", "tdinspect", "first-divergence", a, b],
+    }
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):
         for name, cmd in cases.items():
@@ -188,14 +199,17 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     root = Path(tempfile.mkdtemp(prefix="tdinspect-bench-e2e-", dir=args.dir))
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     try:
         if "e2e" not in skip:
             shape = (args.passes, args.entries, args.numel)
             a = synthetic_run(root / "a", *shape, seed=1)
-            b = synthetic_run(root / "b", *shape, seed=2, noise=1e-4,
-                              perturb=(args.passes - 1, args.entries // 2))
+            b = synthetic_run(
+                root / "b", *shape, seed=2, noise=1e-4, perturb=(args.passes - 1, args.entries // 2)
+            )
             a0, b0 = other_tool_run(root / "a0", a), other_tool_run(root / "b0", b)
             divs = {}
 
@@ -203,62 +217,85 @@ def main() -> None:
                 def run():
                     t, divs[name] = end_to_end(x, y)
                     return t
+
                 return run
 
-            times = alternate(args.rounds, {
-                "floor (no sidecars)": lambda: floor_mmap(a0, b0),
-                "floor1 (no sidecars)": lambda: one_thread(floor_mmap)(a0, b0),
-                "ours (no sidecars)": ours(a0, b0, "bare"),
-                "floor (sidecars)": lambda: floor_mmap(a, b),
-                "floor1 (sidecars)": lambda: one_thread(floor_mmap)(a, b),
-                "ours (sidecars)": ours(a, b, "sidecars")})
+            times = alternate(
+                args.rounds,
+                {
+                    "floor (no sidecars)": lambda: floor_mmap(a0, b0),
+                    "floor1 (no sidecars)": lambda: one_thread(floor_mmap)(a0, b0),
+                    "ours (no sidecars)": ours(a0, b0, "bare"),
+                    "floor (sidecars)": lambda: floor_mmap(a, b),
+                    "floor1 (sidecars)": lambda: one_thread(floor_mmap)(a, b),
+                    "ours (sidecars)": ours(a, b, "sidecars"),
+                },
+            )
             for kind in ("no sidecars", "sidecars"):
-                print(f"  floor {kind}: {statistics.median(times[f'floor ({kind})']):.3f} s with "
-                      f"{torch.get_num_threads()} torch threads, "
-                      f"{statistics.median(times[f'floor1 ({kind})']):.3f} s with one")
-                times[f"floor ({kind})"] = [min(p, q) for p, q in zip(times[f"floor ({kind})"],
-                                                                      times[f"floor1 ({kind})"])]
+                print(
+                    f"  floor {kind}: {statistics.median(times[f'floor ({kind})']):.3f} s with "
+                    f"{torch.get_num_threads()} torch threads, "
+                    f"{statistics.median(times[f'floor1 ({kind})']):.3f} s with one"
+                )
+                times[f"floor ({kind})"] = [
+                    min(p, q) for p, q in zip(times[f"floor ({kind})"], times[f"floor1 ({kind})"])
+                ]
             gb = 2 * args.passes * args.entries * args.numel * 4 / 1e9
-            print(f"end to end, {args.passes} passes x {args.entries} entries of {args.numel} "
-                  f"float32 ({gb:.2f} GB compared), medians of {args.rounds} rounds; "
-                  f"first divergence {divs['bare'].key} pass {divs['bare'].pass_}:")
+            print(
+                f"end to end, {args.passes} passes x {args.entries} entries of {args.numel} "
+                f"float32 ({gb:.2f} GB compared), medians of {args.rounds} rounds; "
+                f"first divergence {divs['bare'].key} pass {divs['bare'].pass_}:"
+            )
             assert divs["bare"].key == divs["sidecars"].key
-            print(line("without sidecars (other tool)", times["ours (no sidecars)"],
-                       times["floor (no sidecars)"]))
-            print(line("with sidecars (tdinspect)", times["ours (sidecars)"],
-                       times["floor (sidecars)"]))
+            print(
+                line(
+                    "without sidecars (other tool)", times["ours (no sidecars)"], times["floor (no sidecars)"]
+                )
+            )
+            print(line("with sidecars (tdinspect)", times["ours (sidecars)"], times["floor (sidecars)"]))
         if "small" not in skip:
             n, numel = args.small_entries, args.small_numel
             x = synthetic_run(root / "small_a", 1, n, numel, seed=1)
             y = synthetic_run(root / "small_b", 1, n, numel, seed=2, noise=1e-3)
             pa, pb = DumpSet.open(x).get_pass(0), DumpSet.open(y).get_pass(0)
-            times = alternate(args.rounds, {
-                "floor mmap": lambda: floor_mmap(x, y),
-                "floor raw": lambda: floor_raw(pa, pb),
-                "floor raw, one thread": lambda: one_thread(floor_raw)(pa, pb),
-                "ours": lambda: small_diff(x, y)})
-            floor = [min(m, r, r1) for m, r, r1 in zip(times["floor mmap"], times["floor raw"],
-                                                        times["floor raw, one thread"])]
-            print(f"one pass of {n} entries of {numel} float32 (diff().table(), open excluded), "
-                  f"medians of {args.rounds} rounds; floor mapped "
-                  f"{statistics.median(times['floor mmap']):.3f} s, raw "
-                  f"{statistics.median(times['floor raw']):.3f} s, raw with one torch thread "
-                  f"{statistics.median(times['floor raw, one thread']):.3f} s:")
+            times = alternate(
+                args.rounds,
+                {
+                    "floor mmap": lambda: floor_mmap(x, y),
+                    "floor raw": lambda: floor_raw(pa, pb),
+                    "floor raw, one thread": lambda: one_thread(floor_raw)(pa, pb),
+                    "ours": lambda: small_diff(x, y),
+                },
+            )
+            floor = [
+                min(m, r, r1)
+                for m, r, r1 in zip(times["floor mmap"], times["floor raw"], times["floor raw, one thread"])
+            ]
+            print(
+                f"one pass of {n} entries of {numel} float32 (diff().table(), open excluded), "
+                f"medians of {args.rounds} rounds; floor mapped "
+                f"{statistics.median(times['floor mmap']):.3f} s, raw "
+                f"{statistics.median(times['floor raw']):.3f} s, raw with one torch thread "
+                f"{statistics.median(times['floor raw, one thread']):.3f} s:"
+            )
             print(line("many small entries", times["ours"], floor))
             per = statistics.median(times["ours"]) / n * 1e6
-            print(f"  ours {per:.1f} us an entry, floor "
-                  f"{statistics.median(floor) / n * 1e6:.1f} us an entry")
+            print(f"  ours {per:.1f} us an entry, floor {statistics.median(floor) / n * 1e6:.1f} us an entry")
         if "cluster" not in skip:
             for i, (t, hits, compiled) in enumerate(workers_first_diff()):
-                print(f"LocalCluster worker {i}: first big pair {t:.2f} s (numba import included), "
-                      f"kernels from the on-disk cache {hits}, compiled {compiled}")
+                print(
+                    f"LocalCluster worker {i}: first big pair {t:.2f} s (numba import included), "
+                    f"kernels from the on-disk cache {hits}, compiled {compiled}"
+                )
         if "cli" not in skip:
             times = cli_rounds(args.rounds)
             base = statistics.median(times["import torch"])
             print(f"CLI on the sample dumps, medians of {args.rounds} rounds:")
             for name, v in times.items():
-                print(f"  {name:28s} {statistics.median(v):.2f} s (min {min(v):.2f}), "
-                      f"{statistics.median(v) / base:.2f}x import torch")
+                print(
+                    f"  {name:28s} {statistics.median(v):.2f} s (min {min(v):.2f}), "
+                    f"{statistics.median(v) / base:.2f}x import torch"
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

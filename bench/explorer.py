@@ -22,8 +22,9 @@ import matplotlib
 matplotlib.use("Agg")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tdinspect  # noqa: E402
 from common import scratch_dir  # noqa: E402
+
+import tdinspect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "sample_dumps"
 
@@ -100,20 +101,26 @@ def main() -> None:
     args = parser.parse_args()
     ref = tdinspect.DumpSet.open(ROOT / "float32")
     rows = explorer_rows(ref, args.repeats)
-    print(f"{'B':12s} {'build':>7s} {'thr max':>8s} {'metric max':>10s} {'pick max':>8s} "
-          f"{'dashboard':>9s}   (seconds)")
+    print(
+        f"{'B':12s} {'build':>7s} {'thr max':>8s} {'metric max':>10s} {'pick max':>8s} "
+        f"{'dashboard':>9s}   (seconds)"
+    )
     for other, r in rows.items():
         print(f"{other:12s} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 8, 9))))
-    from tdinspect.samples import capture_model_run
+    from tdinspect.examples.samples import capture_model_run
 
-    print(f"\ndashboard interactions (seconds; entry table included)\n{'pair':24s} {'rows':>6s} "
-          f"{'build':>7s} {'thr max':>8s} {'metric max':>10s} {'auto':>6s} {'table max':>9s}")
+    print(
+        f"\ndashboard interactions (seconds; entry table included)\n{'pair':24s} {'rows':>6s} "
+        f"{'build':>7s} {'thr max':>8s} {'metric max':>10s} {'auto':>6s} {'table max':>9s}"
+    )
     with scratch_dir("explorer", args.dir) as out:
-        pairs = {"float32 vs wrong_layer": (ref, ROOT / "wrong_layer"),
-                 f"{args.passes} passes": (
-                     capture_model_run(out / "a", steps=args.passes),
-                     capture_model_run(out / "b", steps=args.passes,
-                                       perturb="layers.2.mlp.down.weight"))}
+        pairs = {
+            "float32 vs wrong_layer": (ref, ROOT / "wrong_layer"),
+            f"{args.passes} passes": (
+                capture_model_run(out / "a", steps=args.passes),
+                capture_model_run(out / "b", steps=args.passes, perturb="layers.2.mlp.down.weight"),
+            ),
+        }
         for name, (a, b) in pairs.items():
             n, *r = dashboard_row(a, b, args.repeats)
             print(f"{name:24s} {n:6d} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 6, 9))))

@@ -12,15 +12,16 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tdinspect  # noqa: E402
 from common import bench_model, scratch_dir, threads_note  # noqa: E402
+
+import tdinspect  # noqa: E402
 
 TARGETS = {"full": 1.6, "compare_to": 1.5, "on_nonfinite": 1.1}
 
@@ -37,16 +38,18 @@ def run(steps: int, out: Path) -> dict:
                 model(tokens)
                 dump.step()
         models = {mode: copy.deepcopy(model) for mode in ("eager", *TARGETS)}
-        caps = {"eager": None,
-                "full": tdinspect.capture(models["full"], out / "full", warn_unfired=False),
-                "compare_to": tdinspect.capture(models["compare_to"], compare_to=ref,
-                                                warn_unfired=False),
-                "on_nonfinite": tdinspect.capture(models["on_nonfinite"], on_nonfinite="raise",
-                                                  warn_unfired=False)}
+        caps = {
+            "eager": None,
+            "full": tdinspect.capture(models["full"], out / "full", warn_unfired=False),
+            "compare_to": tdinspect.capture(models["compare_to"], compare_to=ref, warn_unfired=False),
+            "on_nonfinite": tdinspect.capture(
+                models["on_nonfinite"], on_nonfinite="raise", warn_unfired=False
+            ),
+        }
         order = list(caps)
         times: dict[str, list[float]] = {mode: [] for mode in order}
         for r in range(steps + 1):  # round 0 warms up (numba compiles its kernel there)
-            for mode in order[r % len(order):] + order[:r % len(order)]:
+            for mode in order[r % len(order) :] + order[: r % len(order)]:
                 t0 = time.perf_counter()
                 models[mode](tokens)
                 if caps[mode] is not None:
@@ -76,8 +79,10 @@ def main() -> None:
     print(f"live checks, module level, {args.steps} rounds, {threads_note()}")
     for mode, (median, ratio, lo, hi) in res.items():
         target = f"(target <= {TARGETS[mode]}x)" if mode in TARGETS else ""
-        print(f"  {mode:12s} median step {median * 1e3:7.1f} ms  ratio to eager in the same round: "
-              f"median {ratio:.2f}x, quartiles {lo:.2f}-{hi:.2f} {target}")
+        print(
+            f"  {mode:12s} median step {median * 1e3:7.1f} ms  ratio to eager in the same round: "
+            f"median {ratio:.2f}x, quartiles {lo:.2f}-{hi:.2f} {target}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Per tensor: statistics, checksum and both of one float32 CPU tensor, with the compiled
-one-read loops (:mod:`tdinspect.onepass`) and with torch's reductions (``TDINSPECT_ONEPASS=0``),
+one-read loops (:mod:`tdinspect.numerics.onepass`) and with torch's reductions (``TDINSPECT_ONEPASS=0``),
 interleaved round by round; prints per case the median over rounds of the best of ``--best``.
 
     python bench/onepass.py [--mb 4] [--rounds 15] [--best 5] [--threads 1]
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from tdinspect.checksum import tensor_checksum
-from tdinspect.stats import stats_and_checksum, tensor_stats
+from tdinspect.numerics.checksum import tensor_checksum
+from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
 
 CASES = {"statistics": tensor_stats, "checksum": tensor_checksum, "both": stats_and_checksum}
 WAYS = {"one read": "1", "torch's reductions": "0"}
@@ -47,8 +47,10 @@ def main() -> None:
             for case, fn in CASES.items():
                 got.setdefault((case, way), []).append(best_ms(fn, x, args.best))
     os.environ.pop("TDINSPECT_ONEPASS", None)
-    print(f"{args.mb:g} MB float32, {args.threads} thread(s), median over {args.rounds} rounds "
-          f"of the best of {args.best}:")
+    print(
+        f"{args.mb:g} MB float32, {args.threads} thread(s), median over {args.rounds} rounds "
+        f"of the best of {args.best}:"
+    )
     for case in CASES:
         cells = ", ".join(f"{way} {statistics.median(got[case, way]):.2f} ms" for way in WAYS)
         print(f"  {case:10s} {cells}")

@@ -13,7 +13,7 @@ import zipfile
 
 import torch
 
-from tdinspect import picklelayout
+from tdinspect.store import picklelayout
 
 
 def data_pkl(entries: int) -> bytes:
@@ -43,8 +43,10 @@ def main() -> None:
         pickled = data_pkl(n)
         fast = per_entry_us(picklelayout._template_layout, pickled, n, args.rounds)
         exact = per_entry_us(picklelayout._exact_layout, pickled, n, args.rounds)
-        print(f"{n:>6} entries: template {fast:5.1f} us an entry, opcode reader {exact:5.1f} us "
-              f"({exact / fast:.1f}x, minima of {args.rounds})")
+        print(
+            f"{n:>6} entries: template {fast:5.1f} us an entry, opcode reader {exact:5.1f} us "
+            f"({exact / fast:.1f}x, minima of {args.rounds})"
+        )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from common import synthetic_run
 
 from tdinspect.dumpset import DumpSet
-from tdinspect.format import load_pass
+from tdinspect.store.format import load_pass
 
 
 def main() -> None:
@@ -40,9 +40,11 @@ def main() -> None:
             unpickled.append(time.perf_counter() - t0)
             assert s == s2
         r, u = statistics.median(records), statistics.median(unpickled)
-        print(f"{args.entries} entries x {args.numel} float32, medians of {args.rounds}: "
-              f"records {r * 1e3:.0f} ms ({args.entries / r:,.0f} entries/s), "
-              f"torch.load {u * 1e3:.0f} ms ({args.entries / u:,.0f} entries/s): {u / r:.1f}x faster")
+        print(
+            f"{args.entries} entries x {args.numel} float32, medians of {args.rounds}: "
+            f"records {r * 1e3:.0f} ms ({args.entries / r:,.0f} entries/s), "
+            f"torch.load {u * 1e3:.0f} ms ({args.entries / u:,.0f} entries/s): {u / r:.1f}x faster"
+        )
 
 
 if __name__ == "__main__":

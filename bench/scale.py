@@ -8,7 +8,7 @@ has small noise everywhere), then reports, in one run:
   torch, xarray and pandas included: about 260 MB) of open,
   full diff and first_divergence;
 - diff throughput single-threaded, on the local thread pool
-  (:mod:`tdinspect.parallel`) and on a ``dask.distributed.LocalCluster``
+  (:mod:`tdinspect.util.parallel`) and on a ``dask.distributed.LocalCluster``
   (2 worker processes);
 - first_divergence with the divergence at pass 0, in the middle and at the
   last pass, as a fraction of the full diff of the same pair (variants share
@@ -41,7 +41,7 @@ ENTRY = 1 << 20  # float32 elements per entry: 4 MB
 PROBE = """
 import json, sys, time
 from tdinspect import DumpSet
-import tdinspect.parallel
+import tdinspect.util.parallel
 what, a, b = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()
 ds = DumpSet.open(a)
@@ -78,8 +78,9 @@ def variant(ref: Path, out: Path, perturb_pass: int) -> Path:
 
 
 def probe(what: str, a: Path, b: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, what, str(a), str(b)], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, what, str(a), str(b)], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -95,12 +96,16 @@ def main() -> None:
         a = synthetic_run(root / "a", args.passes, entries, ENTRY, seed=1)
         b = synthetic_run(root / "b", args.passes, entries, ENTRY, seed=2, noise=1e-4)
         size = sum(f.stat().st_size for f in a.rglob("*.pt"))
-        print(f"built 2 runs of {size / 1e9:.2f} GB ({args.passes} passes x {entries} entries of "
-              f"4 MB) in {time.perf_counter() - t0:.0f} s")
+        print(
+            f"built 2 runs of {size / 1e9:.2f} GB ({args.passes} passes x {entries} entries of "
+            f"4 MB) in {time.perf_counter() - t0:.0f} s"
+        )
         for what in ("open", "diff", "first"):
             r = probe(what, a, b)
-            print(f"  peak RSS {what:5s}: {r['rss_mb']:7.0f} MB ({r['s']:.1f} s); the run is "
-                  f"{size / 1e6:.0f} MB ({size / 1e6 / r['rss_mb']:.1f}x the peak)")
+            print(
+                f"  peak RSS {what:5s}: {r['rss_mb']:7.0f} MB ({r['s']:.1f} s); the run is "
+                f"{size / 1e6:.0f} MB ({size / 1e6 / r['rss_mb']:.1f}x the peak)"
+            )
         both = 2 * size
         A = DumpSet.open(a)
         A.diff(b).first_divergence()  # untimed: loads the kernel (once per process) and pass 0
@@ -112,8 +117,12 @@ def main() -> None:
             timings[name] = time.perf_counter() - t0
         from distributed import Client, LocalCluster
 
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                          dashboard_address=None) as cluster, Client(cluster) as client:
+        with (
+            LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             t0 = time.perf_counter()
             DumpSet.open(a, client=client).diff(b).table(progress=False)
             timings["LocalCluster (2 processes)"] = time.perf_counter() - t0
@@ -128,9 +137,11 @@ def main() -> None:
             t0 = time.perf_counter()
             A.diff(v).table(progress=False)
             t_full = time.perf_counter() - t0
-            print(f"  first_divergence at {label:6s}: {t_first:.2f} s = {t_first / t_full:.1%} of the "
-                  f"full diff ({t_full:.2f} s); found pass {div.pass_}, "
-                  f"{len(diff.passes_read)} passes read")
+            print(
+                f"  first_divergence at {label:6s}: {t_first:.2f} s = {t_first / t_full:.1%} of the "
+                f"full diff ({t_full:.2f} s); found pass {div.pass_}, "
+                f"{len(diff.passes_read)} passes read"
+            )
             shutil.rmtree(v)
 
 

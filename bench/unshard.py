@@ -47,7 +47,7 @@ from tdinspect.dumper.recorder import Recorder  # noqa: E402
 def _values(p: int, e: int, seq: int, hidden: int, noise: float) -> torch.Tensor:
     """Entry ``e`` of pass ``p``: the same on every rank (a replica is one), noise included."""
     base = torch.randn(seq, hidden, generator=torch.Generator().manual_seed(p * 1000 + e))
-    gen = torch.Generator().manual_seed(10 ** 6 + p * 1000 + e)
+    gen = torch.Generator().manual_seed(10**6 + p * 1000 + e)
     return base + noise * torch.randn(seq, hidden, generator=gen) if noise else base
 
 
@@ -61,8 +61,14 @@ def write(root: Path, a: argparse.Namespace, *, layout: str, noise: float = 0.0)
     dims = {r"\.tp\d+$": "s h(tp)", r"\.partial\d+$": "s h(tp,partial)"}
     for rank in range(ranks):
         os.environ["RANK"] = str(rank)
-        rec = Recorder(root, level="module", parallel={"tp": (rank, ranks)} if ranks > 1 else None,
-                       dims=dims, background_write=False, checksum=a.checksum)
+        rec = Recorder(
+            root,
+            level="module",
+            parallel={"tp": (rank, ranks)} if ranks > 1 else None,
+            dims=dims,
+            background_write=False,
+            checksum=a.checksum,
+        )
         for p in range(a.passes):
             for e in range(a.entries):
                 kind = _kind(e, a.mixed)
@@ -93,9 +99,11 @@ def timed(fn) -> float:
 
 def read_only(root: Path):
     """Open every pass of a dump and index its records: the per-record cost, nothing compared."""
+
     def run():
         for pi in DumpSet.open(root)._passes.values():
             pi.load()
+
     return run
 
 
@@ -108,21 +116,20 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mixed", action="store_true")
-    parser.add_argument("--checksum", action="store_true",
-                        help="capture checksums: replicated entries are settled from them")
+    parser.add_argument(
+        "--checksum", action="store_true", help="capture checksums: replicated entries are settled from them"
+    )
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    parser.add_argument("--calls-plain", action="store_true",
-                        help="also time the plain diff of the per-call files (slow)")
+    parser.add_argument(
+        "--calls-plain", action="store_true", help="also time the plain diff of the per-call files (slow)"
+    )
     parser.add_argument("--dir", default=None)
     a = parser.parse_args()
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with scratch_dir("unshard", a.dir) as root:
-        tp2a, tp2b = (write(root / f"tp2{s}", a, layout="tp2", noise=n)
-                      for s, n in (("a", 0.0), ("b", 1e-6)))
-        ca, cb = (write(root / f"calls{s}", a, layout="calls", noise=n)
-                  for s, n in (("a", 0.0), ("b", 1e-6)))
-        fa, fb = (write(root / f"full{s}", a, layout="full", noise=n)
-                  for s, n in (("a", 0.0), ("b", 1e-6)))
+        tp2a, tp2b = (write(root / f"tp2{s}", a, layout="tp2", noise=n) for s, n in (("a", 0.0), ("b", 1e-6)))
+        ca, cb = (write(root / f"calls{s}", a, layout="calls", noise=n) for s, n in (("a", 0.0), ("b", 1e-6)))
+        fa, fb = (write(root / f"full{s}", a, layout="full", noise=n) for s, n in (("a", 0.0), ("b", 1e-6)))
 
         def diff(x, y, **kw):
             return lambda: DumpSet.open(x).diff(y, **kw).table(progress=False)
@@ -153,19 +160,26 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         rate = {k: nbytes / med[k] for k, (_, nbytes) in runs.items()}
         base = {"unshard": rate["tp2 plain"], "concat": rate["whole plain"]}
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.clock} clock; "
-              f"{a.passes} passes x {a.entries} entries of [{a.seq}, {a.hidden}] float32"
-              + (" (mixed: 1/2 tp, 1/4 partial, 1/4 replicated)" if a.mixed else " (all tp)")
-              + (", checksums" if a.checksum else "") + f"; load {os.getloadavg()[0]:.1f}")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.clock} clock; "
+            f"{a.passes} passes x {a.entries} entries of [{a.seq}, {a.hidden}] float32"
+            + (" (mixed: 1/2 tp, 1/4 partial, 1/4 replicated)" if a.mixed else " (all tp)")
+            + (", checksums" if a.checksum else "")
+            + f"; load {os.getloadavg()[0]:.1f}"
+        )
         for k, (_, nbytes) in runs.items():
             ratio = f"ratio to plain {rate[k] / base[k]:.2f} (target >= 0.8)" if k in base else ""
-            print(f"  {k:11s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:6.2f} GB/s  {ratio:34s}"
-                  f"runs {', '.join(f'{t:.3f}' for t in times[k])} s")
+            print(
+                f"  {k:11s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:6.2f} GB/s  {ratio:34s}"
+                f"runs {', '.join(f'{t:.3f}' for t in times[k])} s"
+            )
         layout = med["calls read"] - med["whole read"]
-        print(f"  per-record cost of the per-call layout: {layout * 1e3:.1f} ms a diff "
-              f"({med['calls read'] * 1e3:.1f} vs {med['whole read'] * 1e3:.1f} ms to open and "
-              f"index); concat layout-corrected ratio "
-              f"{(med['whole plain'] + layout) / med['concat']:.2f}")
+        print(
+            f"  per-record cost of the per-call layout: {layout * 1e3:.1f} ms a diff "
+            f"({med['calls read'] * 1e3:.1f} vs {med['whole read'] * 1e3:.1f} ms to open and "
+            f"index); concat layout-corrected ratio "
+            f"{(med['whole plain'] + layout) / med['concat']:.2f}"
+        )
 
 
 if __name__ == "__main__":

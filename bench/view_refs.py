@@ -40,8 +40,10 @@ def main() -> None:
     for mode in ("stats_only", "full"):
         times = []
         for _ in range(3):
-            with tempfile.TemporaryDirectory() as out, \
-                    tdinspect.capture_ops(out, stats_only=mode == "stats_only", background_write=False) as dump:
+            with (
+                tempfile.TemporaryDirectory() as out,
+                tdinspect.capture_ops(out, stats_only=mode == "stats_only", background_write=False) as dump,
+            ):
                 times.append(cpu_seconds(lambda: work(x)))
                 dump.step()
         per_op = (min(times) - eager) / (ROUNDS * OPS_PER_ROUND) * 1e6

@@ -1,5 +1,5 @@
 """Writes and executes the notebooks: ``python notebooks/make_notebooks.py`` from the
-repository root (after ``python -m tdinspect.samples sample_dumps``). They are committed with
+repository root (after ``python -m tdinspect.examples.samples sample_dumps``). They are committed with
 their outputs; CI executes them again with nbmake.
 
 Importing this file writes nothing (pytest's doctest collection imports it).
@@ -22,314 +22,464 @@ def save(name, cells):
     nb = nbf.v4.new_notebook()
     nb.cells = cells
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": "notebooks"}}).execute()
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}
+    ).execute()
     nbf.write(nb, f"notebooks/{name}")
 
 
 def main():
-    save("01_capture_and_explore.ipynb", [
-        MD("# 1. Capture a model and explore what it did\n\nWe capture every leaf module of the bundled "
-           "`TinyTransformer` for two steps, then open the dump as an xarray cube."),
-        CODE("import tempfile, torch, tdinspect\nfrom tdinspect.examples import make_model, make_tokens\n"
-             "model = make_model(seed=0)\nout = tempfile.mkdtemp()\n"
-             "with torch.no_grad(), tdinspect.capture(model, out) as dump:\n"
-             "    for step in range(2):\n        model(make_tokens(seed=step))\n        dump.step()\n"
-             "dump.folder"),
-        MD("`DumpSet.open` reads only metadata (the sidecars). The cube has dims `op × call × pass`; "
-           "`call` is 0-based (`model.expert::call2` is call 2)."),
-        CODE("ds = tdinspect.DumpSet.open(out)\nds"),
-        CODE("cube = ds.to_xarray()\ncube[['absmax', 'std', 'order']].sel(op='model.expert')"),
-        MD("Where do activations get large? The largest absolute value of every layer's leaves:"),
-        CODE("fig = tdinspect.plot.heatmap(ds, 'absmax')"),
-        MD("Tensors stay on disk until asked for:"),
-        CODE("t = ds.tensor('model.expert', call=2, pass_=1)\nt.shape, t.dtype"),
-        MD("The explorer: search an op, move the call and pass sliders."),
-        CODE("tdinspect.explore(ds)"),
-    ])
+    save(
+        "01_capture_and_explore.ipynb",
+        [
+            MD(
+                "# 1. Capture a model and explore what it did\n\nWe capture every leaf module of the bundled "
+                "`TinyTransformer` for two steps, then open the dump as an xarray cube."
+            ),
+            CODE(
+                "import tempfile, torch, tdinspect\nfrom tdinspect.examples.models import make_model, make_tokens\n"
+                "model = make_model(seed=0)\nout = tempfile.mkdtemp()\n"
+                "with torch.no_grad(), tdinspect.capture(model, out) as dump:\n"
+                "    for step in range(2):\n        model(make_tokens(seed=step))\n        dump.step()\n"
+                "dump.folder"
+            ),
+            MD(
+                "`DumpSet.open` reads only metadata (the sidecars). The cube has dims `op × call × pass`; "
+                "`call` is 0-based (`model.expert::call2` is call 2)."
+            ),
+            CODE("ds = tdinspect.DumpSet.open(out)\nds"),
+            CODE("cube = ds.to_xarray()\ncube[['absmax', 'std', 'order']].sel(op='model.expert')"),
+            MD("Where do activations get large? The largest absolute value of every layer's leaves:"),
+            CODE("fig = tdinspect.plot.heatmap(ds, 'absmax')"),
+            MD("Tensors stay on disk until asked for:"),
+            CODE("t = ds.tensor('model.expert', call=2, pass_=1)\nt.shape, t.dtype"),
+            MD("The explorer: search an op, move the call and pass sliders."),
+            CODE("tdinspect.explore(ds)"),
+        ],
+    )
 
-    save("02_compare_two_runs.ipynb", [
-        MD("# 2. Compare two runs: which layer went wrong?\n\n`sample_dumps/wrong_layer` was captured with "
-           "one weight (`layers.2.mlp.down`) scaled by 1.2. Which entry parts first from the float32 "
-           "reference?"),
-        CODE("import tdinspect\nref = tdinspect.DumpSet.open('../sample_dumps/float32')\n"
-             "diff = ref.diff('../sample_dumps/wrong_layer')\ndiff.first_divergence()"),
-        MD("The first entry over the threshold is the layer we broke. The threshold is `\"auto\"` by "
-           "default: each entry's comes from its two dtypes, `u/4` for `rel_diff` with `u` the unit "
-           "roundoff of the coarser one (float32: 1.5e-8, so an entry diverges once the runs agree "
-           "to fewer than about half of float32's digits); the reason says where it came from. A "
-           "number sets one threshold for every entry:"),
-        CODE("print(diff.summary()['threshold'])\nprint(diff.first_divergence(threshold=1e-3))"),
-        MD("Everything after the broken layer carries the error; `growth` lists only the entries "
-           "that *add* error (growth = error / largest error before it), not those that inherit it:"),
-        CODE("diff.growth().query('`pass` == 0').sort_values('growth', ascending=False).head(5)"),
-        CODE("fig = tdinspect.plot.divergence(diff)"),
-        MD("## float32 vs bfloat16\n\nA precision change is not a bug: errors are small everywhere and grow "
-           "along the network. The dtype difference is shown, not counted as a divergence, and "
-           "`\"auto\"` takes the coarser side's precision: for a bfloat16 entry against a float32 one "
-           "the threshold is bfloat16's `u/4` = 9.8e-4, which bfloat16 rounding stays under "
-           "(the dashed line). A fixed 1e-5 shows where the error grows past that."),
-        CODE("bf = ref.diff('../sample_dumps/bfloat16')\nprint(bf.first_divergence())\n"
-             "print(bf.first_divergence(threshold=1e-5))\n"
-             "bf.table(progress=False)[['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']].head(8)"),
-        CODE("fig = tdinspect.plot.divergence(bf)"),
-        MD("Move the threshold: the first-divergence marker and its description follow. The explorer "
-           "starts here at a fixed 1e-5; tick `auto` to go back to each entry's dtype-derived "
-           "threshold (switching the metric does too)."),
-        CODE("explorer = tdinspect.explore(bf, threshold=1e-5)\nexplorer"),
-    ])
+    save(
+        "02_compare_two_runs.ipynb",
+        [
+            MD(
+                "# 2. Compare two runs: which layer went wrong?\n\n`sample_dumps/wrong_layer` was captured with "
+                "one weight (`layers.2.mlp.down`) scaled by 1.2. Which entry parts first from the float32 "
+                "reference?"
+            ),
+            CODE(
+                "import tdinspect\nref = tdinspect.DumpSet.open('../sample_dumps/float32')\n"
+                "diff = ref.diff('../sample_dumps/wrong_layer')\ndiff.first_divergence()"
+            ),
+            MD(
+                'The first entry over the threshold is the layer we broke. The threshold is `"auto"` by '
+                "default: each entry's comes from its two dtypes, `u/4` for `rel_diff` with `u` the unit "
+                "roundoff of the coarser one (float32: 1.5e-8, so an entry diverges once the runs agree "
+                "to fewer than about half of float32's digits); the reason says where it came from. A "
+                "number sets one threshold for every entry:"
+            ),
+            CODE("print(diff.summary()['threshold'])\nprint(diff.first_divergence(threshold=1e-3))"),
+            MD(
+                "Everything after the broken layer carries the error; `growth` lists only the entries "
+                "that *add* error (growth = error / largest error before it), not those that inherit it:"
+            ),
+            CODE("diff.growth().query('`pass` == 0').sort_values('growth', ascending=False).head(5)"),
+            CODE("fig = tdinspect.plot.divergence(diff)"),
+            MD(
+                "## float32 vs bfloat16\n\nA precision change is not a bug: errors are small everywhere and grow "
+                "along the network. The dtype difference is shown, not counted as a divergence, and "
+                '`"auto"` takes the coarser side\'s precision: for a bfloat16 entry against a float32 one '
+                "the threshold is bfloat16's `u/4` = 9.8e-4, which bfloat16 rounding stays under "
+                "(the dashed line). A fixed 1e-5 shows where the error grows past that."
+            ),
+            CODE(
+                "bf = ref.diff('../sample_dumps/bfloat16')\nprint(bf.first_divergence())\n"
+                "print(bf.first_divergence(threshold=1e-5))\n"
+                "bf.table(progress=False)[['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']].head(8)"
+            ),
+            CODE("fig = tdinspect.plot.divergence(bf)"),
+            MD(
+                "Move the threshold: the first-divergence marker and its description follow. The explorer "
+                "starts here at a fixed 1e-5; tick `auto` to go back to each entry's dtype-derived "
+                "threshold (switching the metric does too)."
+            ),
+            CODE("explorer = tdinspect.explore(bf, threshold=1e-5)\nexplorer"),
+        ],
+    )
 
-    save("03_op_level.ipynb", [
-        MD("# 3. One level down: aten ops, forward and backward\n\nThe design document's LayerNorm "
-           "example, captured with `capture_ops(..., inputs=True)` in bfloat16 and float32."),
-        CODE("import tdinspect, io, torch\nfrom tdinspect.examples import layernorm_test\n"
-             "buf = io.StringIO()\nwith tdinspect.capture_ops(trace=buf):\n"
-             "    layernorm_test(torch.bfloat16)\nprint(buf.getvalue())"),
-        CODE("bf16 = tdinspect.DumpSet.open('../sample_dumps/ops_layernorm')\nbf16.ops"),
-        MD("Compare the bf16 run against the float32 one (the reference). The bf16 run casts its "
-           "inputs with `_to_copy` ops that the float32 run never calls: those entries exist only in "
-           "B. One-sided entries are *structural* divergences, so they come first by default, and "
-           "say nothing about precision:"),
-        CODE("f32 = tdinspect.DumpSet.open('../sample_dumps/ops_layernorm_f32')\n"
-             "d = f32.diff(bf16)\nd.first_divergence()"),
-        MD("`structural=\"report\"` sets the casts aside (listed, not hidden) and looks for the first "
-           "*numeric* divergence:"),
-        CODE("div = d.first_divergence(structural='report')\ndiv"),
-        MD("It is the `sum` of the LayerNorm output, the test's loss. A LayerNorm output has mean 0 "
-           "by construction, so its sum is a cancellation: float32 gets about -4e-6, bfloat16 "
-           "(rounding every partial sum to 8 bits of mantissa) about -0.05. A large *relative* "
-           "difference of a number that should be 0, and harmless: the backward pass starts from "
-           "`ones_like` (identical on both sides, rel_diff 0), not from the loss value. Where bf16 "
-           "really loses precision is the LayerNorm itself and its backward:"),
-        CODE("t = d.table(progress=False)\n"
-             "t[t['key'].str.contains('native_layer_norm|sum|ones_like') & (t['reason'] == '')][\n"
-             "    ['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']]"),
-        MD("`rel_diff_cast` compares after rounding the float32 side to bfloat16: near 0 for the "
-           "forward inputs (bf16 got exactly the rounded inputs), not 0 for the outputs."),
-        MD("Is `native_layer_norm` itself wrong in bf16, or did it receive rounded inputs? Replay it on "
-           "its recorded inputs in float64:"),
-        CODE("tdinspect.replay(bf16, 'model.LayerNorm/aten.native_layer_norm.default')"),
-        CODE("tdinspect.replay(bf16, 'model.LayerNorm/aten.native_layer_norm_backward.default')"),
-    ])
+    save(
+        "03_op_level.ipynb",
+        [
+            MD(
+                "# 3. One level down: aten ops, forward and backward\n\nThe design document's LayerNorm "
+                "example, captured with `capture_ops(..., inputs=True)` in bfloat16 and float32."
+            ),
+            CODE(
+                "import tdinspect, io, torch\nfrom tdinspect.examples.models import layernorm_test\n"
+                "buf = io.StringIO()\nwith tdinspect.capture_ops(trace=buf):\n"
+                "    layernorm_test(torch.bfloat16)\nprint(buf.getvalue())"
+            ),
+            CODE("bf16 = tdinspect.DumpSet.open('../sample_dumps/ops_layernorm')\nbf16.ops"),
+            MD(
+                "Compare the bf16 run against the float32 one (the reference). The bf16 run casts its "
+                "inputs with `_to_copy` ops that the float32 run never calls: those entries exist only in "
+                "B. One-sided entries are *structural* divergences, so they come first by default, and "
+                "say nothing about precision:"
+            ),
+            CODE(
+                "f32 = tdinspect.DumpSet.open('../sample_dumps/ops_layernorm_f32')\n"
+                "d = f32.diff(bf16)\nd.first_divergence()"
+            ),
+            MD(
+                '`structural="report"` sets the casts aside (listed, not hidden) and looks for the first '
+                "*numeric* divergence:"
+            ),
+            CODE("div = d.first_divergence(structural='report')\ndiv"),
+            MD(
+                "It is the `sum` of the LayerNorm output, the test's loss. A LayerNorm output has mean 0 "
+                "by construction, so its sum is a cancellation: float32 gets about -4e-6, bfloat16 "
+                "(rounding every partial sum to 8 bits of mantissa) about -0.05. A large *relative* "
+                "difference of a number that should be 0, and harmless: the backward pass starts from "
+                "`ones_like` (identical on both sides, rel_diff 0), not from the loss value. Where bf16 "
+                "really loses precision is the LayerNorm itself and its backward:"
+            ),
+            CODE(
+                "t = d.table(progress=False)\n"
+                "t[t['key'].str.contains('native_layer_norm|sum|ones_like') & (t['reason'] == '')][\n"
+                "    ['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']]"
+            ),
+            MD(
+                "`rel_diff_cast` compares after rounding the float32 side to bfloat16: near 0 for the "
+                "forward inputs (bf16 got exactly the rounded inputs), not 0 for the outputs."
+            ),
+            MD(
+                "Is `native_layer_norm` itself wrong in bf16, or did it receive rounded inputs? Replay it on "
+                "its recorded inputs in float64:"
+            ),
+            CODE("tdinspect.replay(bf16, 'model.LayerNorm/aten.native_layer_norm.default')"),
+            CODE("tdinspect.replay(bf16, 'model.LayerNorm/aten.native_layer_norm_backward.default')"),
+        ],
+    )
 
-    save("04_compare_a_port.ipynb", [
-        MD("# 4. Compare a port against its reference\n\nAn engine rarely runs the reference's code: "
-           "here a hand-written port of a tiny Hugging Face Llama (`tdinspect.examples_port`) with other "
-           "attribute names, fused `qkv` and `gate_up` projections and its own RMSNorm class, loaded with "
-           "the same weights. We capture both, let tdinspect *suggest* how their entries pair, look at "
-           "the plan, find a porting bug and see where along the tokens it starts."),
-        CODE("import tempfile, tdinspect\nfrom tdinspect.examples_port import capture_port_pair\n"
-             "root = tempfile.mkdtemp()\n"
-             "ref_dir, port_dir = capture_port_pair(root + '/good')           # same weights, Llama's RoPE\n"
-             "_, buggy_dir = capture_port_pair(root + '/bug', rope='interleaved')  # the porting bug\n"
-             "ref, port = tdinspect.DumpSet.open(ref_dir), tdinspect.DumpSet.open(port_dir)\n"
-             "print(ref.ops[:6])\nprint(port.ops[:6])"),
-        MD("By name, nothing lines up: the first answer is an entry only the reference has."),
-        CODE("ref.diff(port).first_divergence()"),
-        MD("## Suggest a mapping\n\n`suggest_mapping` pairs entries by name, then by **values** (an A "
-           "tensor equal to a B tensor, or to a slice of one: `q_proj` is a chunk of the fused `qkv`), "
-           "then by execution order, shape and module type. Per-layer pairs become one rule with a "
-           "group. Pairs it cannot support are listed, never used."),
-        CODE("s = tdinspect.suggest_mapping(ref, port)\ns"),
-        CODE("s.pairs.head(10)"),
-        MD("## Edit a rule, look at the plan\n\nRules are plain data: `{a_regex: b_template}` or "
-           "`{a_regex: [b_template, transform]}`, the transform in a small language (parsed, never "
-           "evaluated). Write the `v_proj` slice as a `narrow` instead of a chunk. The plan shows which "
-           "A entry meets which B entry through which transform **before any tensor is read**."),
-        CODE("rules = dict(s.rules)\n"
-             "rules[r'model\\.model\\.layers\\.(\\d+)\\.self_attn\\.v_proj'] = "
-             "[r'model.blocks.\\1.attn.qkv', 'narrow(-1, 48, 16)']\n"
-             "d = ref.diff(port, mapping=rules)\n"
-             "plan = d.plan()\nplan[['a_key', 'b_key', 'transform', 'shape_b_after', 'status']].head(12)"),
-        MD("Same weights: with the rules, nothing diverges even at a float32-noise threshold. The "
-           "entries only the reference has (its rotary-embedding module, the activation the port computes "
-           "inline) are set aside and listed with `structural='report'`."),
-        CODE("print(d.first_divergence(threshold=1e-10, structural='report'))\n"
-             "d.structural_entries(progress=False)"),
-        MD("## The bug\n\nThe second port rotates interleaved pairs instead of the two halves of each "
-           "head (a classic RoPE porting bug). q, k and v come out of their projections before the "
-           "rotation, so the first entry to part is the attention output. Its error is small "
-           "(rel_diff 2e-5: a fixed 1e-3 would let it through), but the default threshold, "
-           "`\"auto\"`, takes it from the dtypes: float32's `u/4` = 1.5e-8."),
-        CODE("bug = ref.diff(buggy_dir, mapping=rules)\n"
-             "div = bug.first_divergence(structural='report')\ndiv"),
-        MD("Per entry, in execution order (A key, the B entry it met, the error):"),
-        CODE("t = bug.table(progress=False)\n"
-             "t[~t['structural']][['key', 'key_b', 'rel_diff', 'cosine']].head(14)"),
-        CODE("fig = tdinspect.plot.divergence(bug)"),
-        MD("## Where along the tokens?\n\nThe error per position of the token dim tells a position "
-           "bug from a layer bug at a glance. Position 0 is rotated by angle 0 whatever the pairing, so "
-           "a RoPE bug leaves it exact and parts from the second token on; a wrong weight would show at "
-           "every position."),
-        CODE("da = bug.per_position('model.model.layers.0.self_attn.o_proj', dim=1)\n"
-             "print('first divergent position:', da.attrs['first_position'])\nda.isel(call=0).round(9).to_pandas()  # pass x position"),
-        CODE("fig = tdinspect.plot.per_position(bug, dim=1)"),
-        MD("The rules go to a file for the command line:\n\n"
-           "```\ntdinspect suggest-mapping ref/ port/ > map.yaml\n"
-           "tdinspect first-divergence ref/ port/ --mapping map.yaml --structural report\n```"),
-        CODE("print(s.to_yaml()[:600])"),
-    ])
+    save(
+        "04_compare_a_port.ipynb",
+        [
+            MD(
+                "# 4. Compare a port against its reference\n\nAn engine rarely runs the reference's code: "
+                "here a hand-written port of a tiny Hugging Face Llama (`tdinspect.examples.port`) with other "
+                "attribute names, fused `qkv` and `gate_up` projections and its own RMSNorm class, loaded with "
+                "the same weights. We capture both, let tdinspect *suggest* how their entries pair, look at "
+                "the plan, find a porting bug and see where along the tokens it starts."
+            ),
+            CODE(
+                "import tempfile, tdinspect\nfrom tdinspect.examples.port import capture_port_pair\n"
+                "root = tempfile.mkdtemp()\n"
+                "ref_dir, port_dir = capture_port_pair(root + '/good')           # same weights, Llama's RoPE\n"
+                "_, buggy_dir = capture_port_pair(root + '/bug', rope='interleaved')  # the porting bug\n"
+                "ref, port = tdinspect.DumpSet.open(ref_dir), tdinspect.DumpSet.open(port_dir)\n"
+                "print(ref.ops[:6])\nprint(port.ops[:6])"
+            ),
+            MD("By name, nothing lines up: the first answer is an entry only the reference has."),
+            CODE("ref.diff(port).first_divergence()"),
+            MD(
+                "## Suggest a mapping\n\n`suggest_mapping` pairs entries by name, then by **values** (an A "
+                "tensor equal to a B tensor, or to a slice of one: `q_proj` is a chunk of the fused `qkv`), "
+                "then by execution order, shape and module type. Per-layer pairs become one rule with a "
+                "group. Pairs it cannot support are listed, never used."
+            ),
+            CODE("s = tdinspect.suggest_mapping(ref, port)\ns"),
+            CODE("s.pairs.head(10)"),
+            MD(
+                "## Edit a rule, look at the plan\n\nRules are plain data: `{a_regex: b_template}` or "
+                "`{a_regex: [b_template, transform]}`, the transform in a small language (parsed, never "
+                "evaluated). Write the `v_proj` slice as a `narrow` instead of a chunk. The plan shows which "
+                "A entry meets which B entry through which transform **before any tensor is read**."
+            ),
+            CODE(
+                "rules = dict(s.rules)\n"
+                "rules[r'model\\.model\\.layers\\.(\\d+)\\.self_attn\\.v_proj'] = "
+                "[r'model.blocks.\\1.attn.qkv', 'narrow(-1, 48, 16)']\n"
+                "d = ref.diff(port, mapping=rules)\n"
+                "plan = d.plan()\nplan[['a_key', 'b_key', 'transform', 'shape_b_after', 'status']].head(12)"
+            ),
+            MD(
+                "Same weights: with the rules, nothing diverges even at a float32-noise threshold. The "
+                "entries only the reference has (its rotary-embedding module, the activation the port computes "
+                "inline) are set aside and listed with `structural='report'`."
+            ),
+            CODE(
+                "print(d.first_divergence(threshold=1e-10, structural='report'))\n"
+                "d.structural_entries(progress=False)"
+            ),
+            MD(
+                "## The bug\n\nThe second port rotates interleaved pairs instead of the two halves of each "
+                "head (a classic RoPE porting bug). q, k and v come out of their projections before the "
+                "rotation, so the first entry to part is the attention output. Its error is small "
+                "(rel_diff 2e-5: a fixed 1e-3 would let it through), but the default threshold, "
+                '`"auto"`, takes it from the dtypes: float32\'s `u/4` = 1.5e-8.'
+            ),
+            CODE(
+                "bug = ref.diff(buggy_dir, mapping=rules)\n"
+                "div = bug.first_divergence(structural='report')\ndiv"
+            ),
+            MD("Per entry, in execution order (A key, the B entry it met, the error):"),
+            CODE(
+                "t = bug.table(progress=False)\n"
+                "t[~t['structural']][['key', 'key_b', 'rel_diff', 'cosine']].head(14)"
+            ),
+            CODE("fig = tdinspect.plot.divergence(bug)"),
+            MD(
+                "## Where along the tokens?\n\nThe error per position of the token dim tells a position "
+                "bug from a layer bug at a glance. Position 0 is rotated by angle 0 whatever the pairing, so "
+                "a RoPE bug leaves it exact and parts from the second token on; a wrong weight would show at "
+                "every position."
+            ),
+            CODE(
+                "da = bug.per_position('model.model.layers.0.self_attn.o_proj', dim=1)\n"
+                "print('first divergent position:', da.attrs['first_position'])\nda.isel(call=0).round(9).to_pandas()  # pass x position"
+            ),
+            CODE("fig = tdinspect.plot.per_position(bug, dim=1)"),
+            MD(
+                "The rules go to a file for the command line:\n\n"
+                "```\ntdinspect suggest-mapping ref/ port/ > map.yaml\n"
+                "tdinspect first-divergence ref/ port/ --mapping map.yaml --structural report\n```"
+            ),
+            CODE("print(s.to_yaml()[:600])"),
+        ],
+    )
 
-    save("05_magics.ipynb", [
-        MD("# 5. The magics: capture, open and diff from cells\n\n`%load_ext tdinspect` adds "
-           "`%%tdi_capture`, `%tdi_open` and `%tdi_diff`. We capture a model and a copy of it with "
-           "one weight (`layers.2.mlp.down`) scaled by 1.2, then find where they part."),
-        CODE("%load_ext tdinspect\nimport tempfile, torch, tdinspect\nfrom tdinspect.examples import make_model, "
-             "make_tokens\ngood, bad = make_model(seed=0), make_model(seed=0)\nwith torch.no_grad():\n"
-             "    bad.get_parameter('layers.2.mlp.down.weight').mul_(1.2)\n"
-             "x = make_tokens(seed=0)\nout = tempfile.mkdtemp()  # `$out` expands in magic lines"),
-        MD("`%%tdi_capture DIR --model VAR` captures what the cell runs, one pass per run of the cell:"),
-        CODE("%%tdi_capture $out/good --model good\nwith torch.no_grad():\n    good(x)"),
-        CODE("%%tdi_capture $out/bad --model bad\nwith torch.no_grad():\n    bad(x)"),
-        MD("`%tdi_open NAME PATH` opens a dump into a variable and shows its summary:"),
-        CODE("%tdi_open ref $out/good"),
-        MD("`%tdi_diff A B` takes variables or folders and shows one summary; `--as d` keeps the Diff:"),
-        CODE("%tdi_diff ref $out/bad --as d"),
-        MD("The summary follows `--metric` and `--threshold`:"),
-        CODE("%tdi_diff ref $out/bad --metric cosine --threshold 0.9999"),
-        MD("A mistake stops the cell with one line saying what was looked up, so *Run All* stops "
-           "there instead of failing later:"),
-        nbf.v4.new_code_cell("%tdi_diff ref nosuch", metadata={"tags": ["raises-exception"]}),
-        MD("With the extension loaded, entry names complete inside `ref.tensor('...` (press Tab); a "
-           "misspelt one gets the closest names:"),
-        CODE("try:\n    ref.tensor('model.layers.2.mlp.dwn')\nexcept KeyError as exc:\n    print(exc)"),
-        CODE("ref.tensor('model.layers.2.mlp.down').shape"),
-        MD("The kept Diff goes on to the explorer (metric, threshold, pass and entry pickers):"),
-        CODE("tdinspect.explore(d)"),
-    ])
+    save(
+        "05_magics.ipynb",
+        [
+            MD(
+                "# 5. The magics: capture, open and diff from cells\n\n`%load_ext tdinspect` adds "
+                "`%%tdi_capture`, `%tdi_open` and `%tdi_diff`. We capture a model and a copy of it with "
+                "one weight (`layers.2.mlp.down`) scaled by 1.2, then find where they part."
+            ),
+            CODE(
+                "%load_ext tdinspect\nimport tempfile, torch, tdinspect\nfrom tdinspect.examples.models import make_model, "
+                "make_tokens\ngood, bad = make_model(seed=0), make_model(seed=0)\nwith torch.no_grad():\n"
+                "    bad.get_parameter('layers.2.mlp.down.weight').mul_(1.2)\n"
+                "x = make_tokens(seed=0)\nout = tempfile.mkdtemp()  # `$out` expands in magic lines"
+            ),
+            MD("`%%tdi_capture DIR --model VAR` captures what the cell runs, one pass per run of the cell:"),
+            CODE("%%tdi_capture $out/good --model good\nwith torch.no_grad():\n    good(x)"),
+            CODE("%%tdi_capture $out/bad --model bad\nwith torch.no_grad():\n    bad(x)"),
+            MD("`%tdi_open NAME PATH` opens a dump into a variable and shows its summary:"),
+            CODE("%tdi_open ref $out/good"),
+            MD("`%tdi_diff A B` takes variables or folders and shows one summary; `--as d` keeps the Diff:"),
+            CODE("%tdi_diff ref $out/bad --as d"),
+            MD("The summary follows `--metric` and `--threshold`:"),
+            CODE("%tdi_diff ref $out/bad --metric cosine --threshold 0.9999"),
+            MD(
+                "A mistake stops the cell with one line saying what was looked up, so *Run All* stops "
+                "there instead of failing later:"
+            ),
+            nbf.v4.new_code_cell("%tdi_diff ref nosuch", metadata={"tags": ["raises-exception"]}),
+            MD(
+                "With the extension loaded, entry names complete inside `ref.tensor('...` (press Tab); a "
+                "misspelt one gets the closest names:"
+            ),
+            CODE("try:\n    ref.tensor('model.layers.2.mlp.dwn')\nexcept KeyError as exc:\n    print(exc)"),
+            CODE("ref.tensor('model.layers.2.mlp.down').shape"),
+            MD("The kept Diff goes on to the explorer (metric, threshold, pass and entry pickers):"),
+            CODE("tdinspect.explore(d)"),
+        ],
+    )
 
-    save("06_which_module_introduces_the_error.ipynb", [
-        MD("# 6. Which module introduces the error? Grafting\n\nRun B scales one weight "
-           "(`layers.2.mlp.down`) by 1%. An ordinary diff shows the first module that differs, and "
-           "then every module after it differs too: they *inherit* the error. To tell a module that "
-           "makes an error from one that only carries it, feed every module the reference's own "
-           "inputs (`tdinspect.graft`) and look at what still differs."),
-        CODE("import tempfile, torch, tdinspect\nfrom tdinspect.examples import make_model, make_tokens\n"
-             "root = tempfile.mkdtemp()\n\n"
-             "def run(path, scale=1.0, graft_from=None):\n"
-             "    model = make_model(seed=0)\n"
-             "    with torch.no_grad():\n"
-             "        model.layers[2].mlp.down.weight.mul_(scale)\n"
-             "        with tdinspect.capture(model, path, record=('inputs', 'outputs', 'params')) as dump:\n"
-             "            g = tdinspect.graft(model, graft_from, capture=dump) if graft_from else None\n"
-             "            for step in range(2):\n"
-             "                model(make_tokens(seed=step))\n"
-             "                dump.step()          # also moves the graft to the reference's next pass\n"
-             "            if g: g.close()\n"
-             "    return path\n\n"
-             "a = run(root + '/a')                          # the reference\n"
-             "b = run(root + '/b', scale=1.01)              # one weight 1% off\n"
-             "b_grafted = run(root + '/bg', scale=1.01, graft_from=a)"),
-        MD("With `record=('inputs', 'outputs', 'params')` the dump holds each module's parameters "
-           "(`name.weight`, stored again only when they change), its inputs (`name[in][0]`) and its "
-           "outputs. The first bitwise difference is the parameter itself:"),
-        CODE("ref = tdinspect.DumpSet.open(a)\nref.diff(b).first_divergence(metric='equal')"),
-        MD("Without the parameters, the ordinary diff of outputs sees the error spread from that "
-           "module to everything after it:"),
-        CODE("plain = ref.filter(r'^(?!.*\\.(weight|bias)$)').diff(b)\n"
-             "t = plain.table(progress=False)\n"
-             "outs = t[~t['key'].str.contains(r'\\[in\\]') & (t['pass'] == 0)]\n"
-             "print((outs['rel_diff'] > 1e-12).sum(), 'of', len(outs), 'module outputs differ')\n"
-             "outs[outs['rel_diff'] > 1e-12][['key', 'rel_diff']].head(8)"),
-        MD("## Grafted\n\nIn the grafted run every leaf module received the reference's recorded "
-           "inputs, so each output error is the module's own. `Diff.introduced()` ranks modules by "
-           "it: one module made the error, every other agrees with the reference to float32 noise."),
-        CODE("ranked = ref.filter(r'^(?!.*\\.(weight|bias)$)').diff(b_grafted).introduced(progress=False)\n"
-             "ranked.head(6)"),
-        MD("`what='outputs'` does the converse: the selected modules' outputs are replaced by the "
-           "reference's, so a suspect can be switched off. Replacing the output of the module that "
-           "introduced the error makes the rest of the run bitwise equal to the reference:"),
-        CODE("model = make_model(seed=0)\n"
-             "with torch.no_grad():\n"
-             "    model.layers[2].mlp.down.weight.mul_(1.01)\n"
-             "    with tdinspect.graft(model, a, modules=[r'layers\\.2\\.mlp\\.down$'], what='outputs'):\n"
-             "        logits = model(make_tokens(seed=0))\n"
-             "torch.equal(logits, ref.tensor('model.lm_head', pass_=0))"),
-        MD("## Determinism without tensors: checksums\n\n`capture(..., stats_only=True, checksum=True)` "
-           "stores a 64-bit fingerprint of every tensor's bits (computed on its device) next to its "
-           "statistics. `metric='equal'` then compares runs bit for bit without writing any tensor."),
-        CODE("def checksums(path, scale=1.0):\n"
-             "    model = make_model(seed=0)\n"
-             "    with torch.no_grad():\n"
-             "        model.layers[2].mlp.down.weight.mul_(scale)\n"
-             "        with tdinspect.capture(model, path, stats_only=True, checksum=True) as dump:\n"
-             "            model(make_tokens(seed=0))\n"
-             "            dump.step()\n"
-             "    return tdinspect.DumpSet.open(path)\n\n"
-             "c1, c2, c3 = checksums(root + '/c1'), checksums(root + '/c2'), checksums(root + '/c3', 1.01)\n"
-             "print(c1.diff(c2).first_divergence(metric='equal'))\n"
-             "print(c1.diff(c3).first_divergence(metric='equal'))"),
-    ])
+    save(
+        "06_which_module_introduces_the_error.ipynb",
+        [
+            MD(
+                "# 6. Which module introduces the error? Grafting\n\nRun B scales one weight "
+                "(`layers.2.mlp.down`) by 1%. An ordinary diff shows the first module that differs, and "
+                "then every module after it differs too: they *inherit* the error. To tell a module that "
+                "makes an error from one that only carries it, feed every module the reference's own "
+                "inputs (`tdinspect.graft`) and look at what still differs."
+            ),
+            CODE(
+                "import tempfile, torch, tdinspect\nfrom tdinspect.examples.models import make_model, make_tokens\n"
+                "root = tempfile.mkdtemp()\n\n"
+                "def run(path, scale=1.0, graft_from=None):\n"
+                "    model = make_model(seed=0)\n"
+                "    with torch.no_grad():\n"
+                "        model.layers[2].mlp.down.weight.mul_(scale)\n"
+                "        with tdinspect.capture(model, path, record=('inputs', 'outputs', 'params')) as dump:\n"
+                "            g = tdinspect.graft(model, graft_from, capture=dump) if graft_from else None\n"
+                "            for step in range(2):\n"
+                "                model(make_tokens(seed=step))\n"
+                "                dump.step()          # also moves the graft to the reference's next pass\n"
+                "            if g: g.close()\n"
+                "    return path\n\n"
+                "a = run(root + '/a')                          # the reference\n"
+                "b = run(root + '/b', scale=1.01)              # one weight 1% off\n"
+                "b_grafted = run(root + '/bg', scale=1.01, graft_from=a)"
+            ),
+            MD(
+                "With `record=('inputs', 'outputs', 'params')` the dump holds each module's parameters "
+                "(`name.weight`, stored again only when they change), its inputs (`name[in][0]`) and its "
+                "outputs. The first bitwise difference is the parameter itself:"
+            ),
+            CODE("ref = tdinspect.DumpSet.open(a)\nref.diff(b).first_divergence(metric='equal')"),
+            MD(
+                "Without the parameters, the ordinary diff of outputs sees the error spread from that "
+                "module to everything after it:"
+            ),
+            CODE(
+                "plain = ref.filter(r'^(?!.*\\.(weight|bias)$)').diff(b)\n"
+                "t = plain.table(progress=False)\n"
+                "outs = t[~t['key'].str.contains(r'\\[in\\]') & (t['pass'] == 0)]\n"
+                "print((outs['rel_diff'] > 1e-12).sum(), 'of', len(outs), 'module outputs differ')\n"
+                "outs[outs['rel_diff'] > 1e-12][['key', 'rel_diff']].head(8)"
+            ),
+            MD(
+                "## Grafted\n\nIn the grafted run every leaf module received the reference's recorded "
+                "inputs, so each output error is the module's own. `Diff.introduced()` ranks modules by "
+                "it: one module made the error, every other agrees with the reference to float32 noise."
+            ),
+            CODE(
+                "ranked = ref.filter(r'^(?!.*\\.(weight|bias)$)').diff(b_grafted).introduced(progress=False)\n"
+                "ranked.head(6)"
+            ),
+            MD(
+                "`what='outputs'` does the converse: the selected modules' outputs are replaced by the "
+                "reference's, so a suspect can be switched off. Replacing the output of the module that "
+                "introduced the error makes the rest of the run bitwise equal to the reference:"
+            ),
+            CODE(
+                "model = make_model(seed=0)\n"
+                "with torch.no_grad():\n"
+                "    model.layers[2].mlp.down.weight.mul_(1.01)\n"
+                "    with tdinspect.graft(model, a, modules=[r'layers\\.2\\.mlp\\.down$'], what='outputs'):\n"
+                "        logits = model(make_tokens(seed=0))\n"
+                "torch.equal(logits, ref.tensor('model.lm_head', pass_=0))"
+            ),
+            MD(
+                "## Determinism without tensors: checksums\n\n`capture(..., stats_only=True, checksum=True)` "
+                "stores a 64-bit fingerprint of every tensor's bits (computed on its device) next to its "
+                "statistics. `metric='equal'` then compares runs bit for bit without writing any tensor."
+            ),
+            CODE(
+                "def checksums(path, scale=1.0):\n"
+                "    model = make_model(seed=0)\n"
+                "    with torch.no_grad():\n"
+                "        model.layers[2].mlp.down.weight.mul_(scale)\n"
+                "        with tdinspect.capture(model, path, stats_only=True, checksum=True) as dump:\n"
+                "            model(make_tokens(seed=0))\n"
+                "            dump.step()\n"
+                "    return tdinspect.DumpSet.open(path)\n\n"
+                "c1, c2, c3 = checksums(root + '/c1'), checksums(root + '/c2'), checksums(root + '/c3', 1.01)\n"
+                "print(c1.diff(c2).first_divergence(metric='equal'))\n"
+                "print(c1.diff(c3).first_divergence(metric='equal'))"
+            ),
+        ],
+    )
 
-    save("07_live.ipynb", [
-        MD("# 7. Check while the model runs: live comparison and NaN/Inf\n\nTwo full dumps and a "
-           "diff afterwards cost disk for an answer that is one entry. Here the reference is "
-           "`sample_dumps/float32` (two steps of the bundled model); the run under test has one "
-           "weight (`layers.2.mlp.down`) scaled by 1.2, and is compared with the reference **as it "
-           "runs**: it stops at the first entry past the threshold, with the same answer as an "
-           "offline diff, and writes nothing."),
-        CODE("import tempfile, os, torch, tdinspect\nfrom tdinspect.examples import make_model, "
-             "make_tokens\nREF = '../sample_dumps/float32'\n"
-             "run = make_model(seed=0)\nwith torch.no_grad():\n"
-             "    run.get_parameter('layers.2.mlp.down.weight').mul_(1.2)\n"
-             "work = tempfile.mkdtemp()\n"
-             "try:\n    with torch.no_grad(), tdinspect.capture(run, compare_to=REF) as cap:\n"
-             "        for step in range(2):\n            run(make_tokens(seed=step))\n"
-             "            cap.step()\nexcept tdinspect.DivergenceError as err:\n"
-             "    live = err.divergence\nlive"),
-        MD("The same answer as the offline diff of two full dumps (same metric, same threshold, same "
-           "rule: live comparison calls `Diff`'s own per-pair function):"),
-        CODE("offline = tdinspect.DumpSet.open(REF).diff('../sample_dumps/wrong_layer')"
-             ".first_divergence()\n"
-             "print(live.key, live.pass_, live.value)\nprint(offline.key, offline.pass_, offline.value)\n"
-             "live.before"),
-        MD("## Evidence, not a full dump\n\nWith a `dump_dir`, only the divergent entry and the "
-           "five before it are written, from both sides, in the usual format:"),
-        CODE("ev = os.path.join(work, 'ev')\n"
-             "try:\n    with torch.no_grad(), tdinspect.capture(run, ev, compare_to=REF) as cap:\n"
-             "        for step in range(2):\n            run(make_tokens(seed=step))\n"
-             "            cap.step()\nexcept tdinspect.DivergenceError as err:\n"
-             "    print(err)\n"
-             "for root, _, files in sorted(os.walk(ev)):\n"
-             "    for f in sorted(files):\n        print(os.path.relpath(os.path.join(root, f), ev))"),
-        CODE("tdinspect.DumpSet.open(ev + '/evidence/ref').diff(ev + '/evidence/run')"
-             ".table(progress=False)[['key', 'rel_diff', 'cosine']]"),
-        MD("`on_divergence='record'` goes on and keeps every entry's metrics (and with a `dump_dir`, one "
-           "CSV per pass in `dump_dir/live/`):"),
-        CODE("with torch.no_grad(), tdinspect.capture(run, compare_to=REF, on_divergence='record') as cap:\n"
-             "    for step in range(2):\n        run(make_tokens(seed=step))\n        cap.step()\n"
-             "t = cap.live.table()\nt[t['pass'] == 1][['key', 'rel_diff', 'max_abs']].tail(6)"),
-        MD("In a notebook cell: `%%tdi_capture --model VAR --compare-to REF` (evidence directory "
-           "optional, `--on-divergence raise|warn|record`)."),
-        CODE("%load_ext tdinspect"),
-        CODE("%%tdi_capture --model run --compare-to ../sample_dumps/float32 --on-divergence record\n"
-             "with torch.no_grad():\n    run(make_tokens(seed=0))"),
-        MD("## NaN and Inf: the first one, named\n\n`on_nonfinite='raise'` checks every output with "
-           "one fused reduction on its device (on a GPU the flags stay there until `step()`), with or "
-           "without a dump. Here a hook puts NaN into one module's output in the third step:"),
-        CODE("sick = make_model(seed=0)\ncalls = []\n"
-             "def inject(mod, args, out):\n    calls.append(1)\n"
-             "    if len(calls) == 3:\n        out = out.clone(); out[0, 0, :3] = float('nan')\n"
-             "    return out\n"
-             "hook = sick.layers[1].mlp.up.register_forward_hook(inject)\n"
-             "try:\n    with torch.no_grad(), tdinspect.capture(sick, on_nonfinite='raise') as cap:\n"
-             "        for step in range(4):\n            sick(make_tokens(seed=step))\n"
-             "            cap.step()\nexcept tdinspect.NonFiniteError as err:\n    print(err)"),
-        MD("An existing dump answers the same (from its statistics), in Python or with "
-           "`tdinspect first-nonfinite DIR` (exit status 1 when found):"),
-        CODE("with torch.no_grad(), tdinspect.capture(sick, work + '/sick') as cap:\n"
-             "    calls.clear()\n    for step in range(4):\n        sick(make_tokens(seed=step))\n"
-             "        cap.step()\ntdinspect.DumpSet.open(work + '/sick').first_nonfinite()"),
-        MD("At op level the check covers backward ops too, and says whether an op **created** the "
-           "non-finite values or inherited them. `sqrt(relu(x))` is finite going forward; at a "
-           "negative `x` its backward divides by `sqrt(0)`:"),
-        CODE("class SqrtRelu(torch.nn.Module):\n    def forward(self, x):\n"
-             "        return torch.sqrt(torch.relu(x))\n"
-             "m, x = SqrtRelu(), torch.tensor([4.0, -1.0, 9.0], requires_grad=True)\n"
-             "try:\n    with tdinspect.capture_ops(model=m, on_nonfinite='raise'):\n"
-             "        y = m(x)\n        print('forward finite:', bool(torch.isfinite(y).all()))\n"
-             "        y.sum().backward()\nexcept tdinspect.NonFiniteError as err:\n    print(err)"),
-    ])
+    save(
+        "07_live.ipynb",
+        [
+            MD(
+                "# 7. Check while the model runs: live comparison and NaN/Inf\n\nTwo full dumps and a "
+                "diff afterwards cost disk for an answer that is one entry. Here the reference is "
+                "`sample_dumps/float32` (two steps of the bundled model); the run under test has one "
+                "weight (`layers.2.mlp.down`) scaled by 1.2, and is compared with the reference **as it "
+                "runs**: it stops at the first entry past the threshold, with the same answer as an "
+                "offline diff, and writes nothing."
+            ),
+            CODE(
+                "import tempfile, os, torch, tdinspect\nfrom tdinspect.examples.models import make_model, "
+                "make_tokens\nREF = '../sample_dumps/float32'\n"
+                "run = make_model(seed=0)\nwith torch.no_grad():\n"
+                "    run.get_parameter('layers.2.mlp.down.weight').mul_(1.2)\n"
+                "work = tempfile.mkdtemp()\n"
+                "try:\n    with torch.no_grad(), tdinspect.capture(run, compare_to=REF) as cap:\n"
+                "        for step in range(2):\n            run(make_tokens(seed=step))\n"
+                "            cap.step()\nexcept tdinspect.DivergenceError as err:\n"
+                "    live = err.divergence\nlive"
+            ),
+            MD(
+                "The same answer as the offline diff of two full dumps (same metric, same threshold, same "
+                "rule: live comparison calls `Diff`'s own per-pair function):"
+            ),
+            CODE(
+                "offline = tdinspect.DumpSet.open(REF).diff('../sample_dumps/wrong_layer')"
+                ".first_divergence()\n"
+                "print(live.key, live.pass_, live.value)\nprint(offline.key, offline.pass_, offline.value)\n"
+                "live.before"
+            ),
+            MD(
+                "## Evidence, not a full dump\n\nWith a `dump_dir`, only the divergent entry and the "
+                "five before it are written, from both sides, in the usual format:"
+            ),
+            CODE(
+                "ev = os.path.join(work, 'ev')\n"
+                "try:\n    with torch.no_grad(), tdinspect.capture(run, ev, compare_to=REF) as cap:\n"
+                "        for step in range(2):\n            run(make_tokens(seed=step))\n"
+                "            cap.step()\nexcept tdinspect.DivergenceError as err:\n"
+                "    print(err)\n"
+                "for root, _, files in sorted(os.walk(ev)):\n"
+                "    for f in sorted(files):\n        print(os.path.relpath(os.path.join(root, f), ev))"
+            ),
+            CODE(
+                "tdinspect.DumpSet.open(ev + '/evidence/ref').diff(ev + '/evidence/run')"
+                ".table(progress=False)[['key', 'rel_diff', 'cosine']]"
+            ),
+            MD(
+                "`on_divergence='record'` goes on and keeps every entry's metrics (and with a `dump_dir`, one "
+                "CSV per pass in `dump_dir/live/`):"
+            ),
+            CODE(
+                "with torch.no_grad(), tdinspect.capture(run, compare_to=REF, on_divergence='record') as cap:\n"
+                "    for step in range(2):\n        run(make_tokens(seed=step))\n        cap.step()\n"
+                "t = cap.live.table()\nt[t['pass'] == 1][['key', 'rel_diff', 'max_abs']].tail(6)"
+            ),
+            MD(
+                "In a notebook cell: `%%tdi_capture --model VAR --compare-to REF` (evidence directory "
+                "optional, `--on-divergence raise|warn|record`)."
+            ),
+            CODE("%load_ext tdinspect"),
+            CODE(
+                "%%tdi_capture --model run --compare-to ../sample_dumps/float32 --on-divergence record\n"
+                "with torch.no_grad():\n    run(make_tokens(seed=0))"
+            ),
+            MD(
+                "## NaN and Inf: the first one, named\n\n`on_nonfinite='raise'` checks every output with "
+                "one fused reduction on its device (on a GPU the flags stay there until `step()`), with or "
+                "without a dump. Here a hook puts NaN into one module's output in the third step:"
+            ),
+            CODE(
+                "sick = make_model(seed=0)\ncalls = []\n"
+                "def inject(mod, args, out):\n    calls.append(1)\n"
+                "    if len(calls) == 3:\n        out = out.clone(); out[0, 0, :3] = float('nan')\n"
+                "    return out\n"
+                "hook = sick.layers[1].mlp.up.register_forward_hook(inject)\n"
+                "try:\n    with torch.no_grad(), tdinspect.capture(sick, on_nonfinite='raise') as cap:\n"
+                "        for step in range(4):\n            sick(make_tokens(seed=step))\n"
+                "            cap.step()\nexcept tdinspect.NonFiniteError as err:\n    print(err)"
+            ),
+            MD(
+                "An existing dump answers the same (from its statistics), in Python or with "
+                "`tdinspect first-nonfinite DIR` (exit status 1 when found):"
+            ),
+            CODE(
+                "with torch.no_grad(), tdinspect.capture(sick, work + '/sick') as cap:\n"
+                "    calls.clear()\n    for step in range(4):\n        sick(make_tokens(seed=step))\n"
+                "        cap.step()\ntdinspect.DumpSet.open(work + '/sick').first_nonfinite()"
+            ),
+            MD(
+                "At op level the check covers backward ops too, and says whether an op **created** the "
+                "non-finite values or inherited them. `sqrt(relu(x))` is finite going forward; at a "
+                "negative `x` its backward divides by `sqrt(0)`:"
+            ),
+            CODE(
+                "class SqrtRelu(torch.nn.Module):\n    def forward(self, x):\n"
+                "        return torch.sqrt(torch.relu(x))\n"
+                "m, x = SqrtRelu(), torch.tensor([4.0, -1.0, 9.0], requires_grad=True)\n"
+                "try:\n    with tdinspect.capture_ops(model=m, on_nonfinite='raise'):\n"
+                "        y = m(x)\n        print('forward finite:', bool(torch.isfinite(y).all()))\n"
+                "        y.sum().backward()\nexcept tdinspect.NonFiniteError as err:\n    print(err)"
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

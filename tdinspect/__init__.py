@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib as _importlib
 
-from .config import ConfigError, DumpConfig
-from .dumper.checks import DivergenceError, NonFinite, NonFiniteError
-from .dumper.modules import ModuleCapture, capture
-from .dumper.writer import CaptureWriteError
-from .format import DumpFormatError, load_pass
-from .naming import KeyParts, parse_key
-from .runs import RunWarning, list_runs
+from tdinspect.config import ConfigError, DumpConfig
+from tdinspect.dumper.checks import DivergenceError, NonFinite, NonFiniteError
+from tdinspect.dumper.modules import ModuleCapture, capture
+from tdinspect.dumper.writer import CaptureWriteError
+from tdinspect.naming import KeyParts, parse_key
+from tdinspect.store.format import DumpFormatError, load_pass
+from tdinspect.store.runs import RunWarning, list_runs
 
 __version__ = "0.1.0"
 
@@ -32,24 +32,51 @@ _LAZY = {
     "capture_ops": ("tdinspect.dumper.ops", "capture_ops"),
     "OpCapture": ("tdinspect.dumper.ops", "OpCapture"),
     "replay": ("tdinspect.replay", "replay"),
-    "graft": ("tdinspect.grafting", "graft"),
-    "Graft": ("tdinspect.grafting", "Graft"),
-    "GraftError": ("tdinspect.grafting", "GraftError"),
+    "graft": ("tdinspect.dumper.graft", "graft"),
+    "Graft": ("tdinspect.dumper.graft", "Graft"),
+    "GraftError": ("tdinspect.dumper.graft", "GraftError"),
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
-    "Diff": ("tdinspect.diff", "Diff"),
-    "Divergence": ("tdinspect.diff", "Divergence"),
-    "UncomparedWarning": ("tdinspect.diff", "UncomparedWarning"),
-    "suggest_mapping": ("tdinspect.align.suggest", "suggest_mapping"),
+    "Diff": ("tdinspect.compare.diff", "Diff"),
+    "Divergence": ("tdinspect.compare.diff", "Divergence"),
+    "UncomparedWarning": ("tdinspect.compare.diff", "UncomparedWarning"),
+    "suggest_mapping": ("tdinspect.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
     "dashboard": ("tdinspect.jupyter.dashboard", "dashboard"),
     "plot": ("tdinspect.jupyter.plots", None),
 }
 
-__all__ = ["capture", "capture_ops", "ModuleCapture", "OpCapture", "DumpConfig", "ConfigError",
-           "CaptureWriteError", "DivergenceError", "NonFiniteError", "NonFinite", "DumpFormatError", "load_pass", "parse_key", "KeyParts",
-           "list_runs", "RunWarning",
-           "replay", "graft", "Graft", "GraftError", "DumpSet", "Diff", "Divergence", "UncomparedWarning", "suggest_mapping", "explore", "dashboard", "plot",
-           "load_ipython_extension", "unload_ipython_extension"]
+__all__ = [
+    "capture",
+    "capture_ops",
+    "ModuleCapture",
+    "OpCapture",
+    "DumpConfig",
+    "ConfigError",
+    "CaptureWriteError",
+    "DivergenceError",
+    "NonFiniteError",
+    "NonFinite",
+    "DumpFormatError",
+    "load_pass",
+    "parse_key",
+    "KeyParts",
+    "list_runs",
+    "RunWarning",
+    "replay",
+    "graft",
+    "Graft",
+    "GraftError",
+    "DumpSet",
+    "Diff",
+    "Divergence",
+    "UncomparedWarning",
+    "suggest_mapping",
+    "explore",
+    "dashboard",
+    "plot",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
 
 
 def __getattr__(name: str):
@@ -68,13 +95,13 @@ def __dir__():
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext tdinspect``: register the ``%tdi_*`` magics."""
-    from .jupyter.magics import load_ipython_extension as load
+    from tdinspect.jupyter.magics import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext tdinspect``: remove the magics again."""
-    from .jupyter.magics import unload_ipython_extension as unload
+    from tdinspect.jupyter.magics import unload_ipython_extension as unload
 
     unload(ipython)

@@ -20,7 +20,7 @@ Examples
 
 ``--threshold auto`` (the default) derives each entry's threshold from its
 two dtypes (``rel_diff``: ``u/4``, ``u`` the unit roundoff of the coarser:
-float32 1.5e-8, bfloat16 9.8e-4; see :mod:`tdinspect.metrics`); a number
+float32 1.5e-8, bfloat16 9.8e-4; see :mod:`tdinspect.numerics.metrics`); a number
 keeps one threshold for every entry.
 """
 
@@ -35,9 +35,9 @@ import sys
 import traceback
 from typing import Any
 
-from .metrics import METRICS
-from .report import text_table
-from .terminal import visible, visible_streams
+from tdinspect.numerics.metrics import METRICS
+from tdinspect.report import text_table
+from tdinspect.util.terminal import visible, visible_streams
 
 
 class _Fail(Exception):
@@ -60,8 +60,7 @@ def threshold_arg(text: str) -> float | str:
     try:
         return _number_or_auto(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number (not NaN), got {text!r}") \
-            from None
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number (not NaN), got {text!r}") from None
 
 
 def _threshold(values: list[str] | None):
@@ -80,15 +79,13 @@ def _threshold(values: list[str] | None):
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise _Fail(f"--threshold {v!r}: invalid regular expression {pattern!r} ({exc})") \
-                    from None
+                raise _Fail(f"--threshold {v!r}: invalid regular expression {pattern!r} ({exc})") from None
             out[pattern] = _number_or_auto(number)
         if plain:
             out[".*"] = _number_or_auto(plain[-1])
         return out
     except ValueError:
-        raise _Fail(f"--threshold: expected auto, a number (not NaN) or REGEX=NUMBER, got {values}") \
-            from None
+        raise _Fail(f"--threshold: expected auto, a number (not NaN) or REGEX=NUMBER, got {values}") from None
 
 
 def _json_default(o: Any):
@@ -108,6 +105,7 @@ def _dump(obj: Any) -> str:
         if hasattr(v, "item"):
             return clean(v.item())
         return v
+
     return json.dumps(clean(obj), indent=2, default=_json_default)
 
 
@@ -122,15 +120,30 @@ def _run_arg(value: str | None) -> int | str | None:
 
 
 def cmd_ls(args) -> int:
-    from .dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     ds = DumpSet.open(args.path, run=_run_arg(args.run), on_error=args.on_error)
     s = ds.summary()
     runs = DumpSet.runs(args.path)
     if args.json:
-        print(_dump({**s, "passes": ds.passes, "ops": ds.ops,
-                     "runs": [{"id": r.id, "folders": [f.path.name for f in r.folders],
-                               "started": r.started, "opened": r.id == ds.run.id} for r in runs]}))
+        print(
+            _dump(
+                {
+                    **s,
+                    "passes": ds.passes,
+                    "ops": ds.ops,
+                    "runs": [
+                        {
+                            "id": r.id,
+                            "folders": [f.path.name for f in r.folders],
+                            "started": r.started,
+                            "opened": r.id == ds.run.id,
+                        }
+                        for r in runs
+                    ],
+                }
+            )
+        )
         return 0
     if len(runs) > 1:
         print(f"{len(runs)} runs (oldest first; --run N or a folder name picks one):")
@@ -139,13 +152,16 @@ def cmd_ls(args) -> int:
     print(repr(ds))
     first = ds.pass_indexes()[0]
     calls: dict[str, int] = {}
-    from .naming import split_call
+    from tdinspect.naming import split_call
+
     for k in first.keys:
         base, call = split_call(k)
         calls[base] = max(calls.get(base, 0), call + 1)
     shapes = _shapes_per_call(ds)
-    rows = [[k, calls.get(k, 0), first.dtype[first.position[k]] if k in first.position else "",
-             shapes.get(k, "")] for k in ds.ops]
+    rows = [
+        [k, calls.get(k, 0), first.dtype[first.position[k]] if k in first.position else "", shapes.get(k, "")]
+        for k in ds.ops
+    ]
     print(text_table(["op", f"calls in pass {first.index}", "dtype", "shape"], rows))
     return 0
 
@@ -153,7 +169,7 @@ def cmd_ls(args) -> int:
 def _shapes_per_call(ds) -> dict[str, str]:
     """Each op's shape, or, when its calls differ (prefill ``[2, 16, 64]`` then decode
     ``[2, 1, 64]``), every distinct shape with where it first appears and how often."""
-    from .naming import split_call
+    from tdinspect.naming import split_call
 
     seen: dict[str, dict[str, list]] = {}
     for pi in ds.pass_indexes():
@@ -166,13 +182,15 @@ def _shapes_per_call(ds) -> dict[str, str]:
         if len(by_shape) == 1:
             out[base] = next(iter(by_shape))
         else:
-            out[base] = "; ".join(f"{shape} (pass {p} call {c}{f', x{n}' if n > 1 else ''})"
-                                  for shape, (p, c, n) in by_shape.items())
+            out[base] = "; ".join(
+                f"{shape} (pass {p} call {c}{f', x{n}' if n > 1 else ''})"
+                for shape, (p, c, n) in by_shape.items()
+            )
     return out
 
 
 def cmd_stats(args) -> int:
-    from .dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     ds = DumpSet.open(args.path, run=_run_arg(args.run), on_error=args.on_error)
     if args.op:
@@ -183,8 +201,7 @@ def cmd_stats(args) -> int:
     df = ds.entries(progress=False)
     if args.pass_ is not None:
         df = df[df["pass"] == args.pass_]
-    cols = ["rank", "pass", "key", "dtype", "shape", "min", "max", "mean", "std", "absmax", "nan",
-            "inf"]
+    cols = ["rank", "pass", "key", "dtype", "shape", "min", "max", "mean", "std", "absmax", "nan", "inf"]
     if args.json:
         print(_dump(df[cols].to_dict("records")))
     else:
@@ -193,16 +210,16 @@ def cmd_stats(args) -> int:
 
 
 def _diff(args):
-    from .dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     a = DumpSet.open(args.a, on_error=args.on_error)
     b = DumpSet.open(args.b, on_error=args.on_error)
     mapping = None
     if args.mapping:
-        from .align.mapping import Mapping
+        from tdinspect.align.mapping import Mapping
+
         mapping = Mapping.from_file(args.mapping)
-    return a.diff(b, align=args.align, mapping=mapping,
-                  unshard=args.unshard, concat=args.concat)
+    return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat)
 
 
 def cmd_first_divergence(args) -> int:
@@ -213,8 +230,10 @@ def cmd_first_divergence(args) -> int:
         print(_dump(summary))
         return 0 if div is None else 1
     if div is None:
-        print(f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
-              f"\n  threshold: {summary['threshold']}")
+        print(
+            f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
+            f"\n  threshold: {summary['threshold']}"
+        )
         if summary["nearest"]:
             print(f"  nearest: {visible(summary['nearest']['text'])}")
         gap = summary.get("uncompared_after")
@@ -222,14 +241,20 @@ def cmd_first_divergence(args) -> int:
             print(f"  but {visible(gap['text'])}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
-        print(f"first divergence: {visible(div['key'])} ({where}, call {div['call']})\n"
-              f"  {visible(div['reason'])}"
-              f"\n  threshold: {summary['threshold']}")
+        print(
+            f"first divergence: {visible(div['key'])} ({where}, call {div['call']})\n"
+            f"  {visible(div['reason'])}"
+            f"\n  threshold: {summary['threshold']}"
+        )
     listed = summary.get("structural_entries")
     if listed:
         print(f"{len(listed)} structural entries set aside (--structural report):")
-        print(text_table(["pass", "rank", "key", "key_b", "reason"],
-                         [[r["pass"], r["rank"], r["key"], r["key_b"], r["reason"]] for r in listed]))
+        print(
+            text_table(
+                ["pass", "rank", "key", "key_b", "reason"],
+                [[r["pass"], r["rank"], r["key"], r["key_b"], r["reason"]] for r in listed],
+            )
+        )
     return 0 if div is None else 1
 
 
@@ -240,8 +265,9 @@ def cmd_diff(args) -> int:
     df = diff.divergences(thr, metric, progress=False)
     summary = diff.summary(thr, metric)
     if args.json:
-        summary["divergences"] = df[["rank", "pass", "key", "reason", metric, "why"]].head(
-            args.limit).to_dict("records")
+        summary["divergences"] = (
+            df[["rank", "pass", "key", "reason", metric, "why"]].head(args.limit).to_dict("records")
+        )
         summary["n_divergences"] = int(len(df))
         print(_dump(summary))
         return 0 if df.empty else 1
@@ -265,7 +291,7 @@ def cmd_diff(args) -> int:
 
 def _value_text(value, thr):
     """A divergent metric value with the digits its reason shows (0.99999773, not 1)."""
-    from .diff import digits_apart
+    from tdinspect.compare.diff import digits_apart
 
     if not isinstance(value, float) or not math.isfinite(value) or not math.isfinite(thr):
         return value
@@ -273,14 +299,28 @@ def _value_text(value, thr):
 
 
 def cmd_first_nonfinite(args) -> int:
-    from .dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     found = DumpSet.open(args.path, on_error=args.on_error).first_nonfinite()
     if args.json:
-        print(_dump(None if found is None else {
-            "key": found.key, "op": found.op, "call": found.call, "pass": found.pass_,
-            "rank": found.rank, "nan": found.nan, "inf": found.inf, "numel": found.numel,
-            "inherited": found.inherited, "order": found.order}))
+        print(
+            _dump(
+                None
+                if found is None
+                else {
+                    "key": found.key,
+                    "op": found.op,
+                    "call": found.call,
+                    "pass": found.pass_,
+                    "rank": found.rank,
+                    "nan": found.nan,
+                    "inf": found.inf,
+                    "numel": found.numel,
+                    "inherited": found.inherited,
+                    "order": found.order,
+                }
+            )
+        )
     elif found is None:
         print(f"no NaN/Inf in {args.path}")
     else:
@@ -289,29 +329,48 @@ def cmd_first_nonfinite(args) -> int:
 
 
 def cmd_suggest_mapping(args) -> int:
-    from .align.suggest import suggest_mapping
-    from .dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
+    from tdinspect.suggest import suggest_mapping
 
-    s = suggest_mapping(DumpSet.open(args.a, on_error=args.on_error),
-                        DumpSet.open(args.b, on_error=args.on_error), pass_=args.pass_,
-                        rank=args.rank, tol=args.tol, min_confidence=args.min_confidence)
+    s = suggest_mapping(
+        DumpSet.open(args.a, on_error=args.on_error),
+        DumpSet.open(args.b, on_error=args.on_error),
+        pass_=args.pass_,
+        rank=args.rank,
+        tol=args.tol,
+        min_confidence=args.min_confidence,
+    )
     if args.json:
-        print(_dump({"rules": s.rules, "pairs": s.pairs.to_dict("records"),
-                     "unmatched_a": s.unmatched_a, "unmatched_b": s.unmatched_b}))
+        print(
+            _dump(
+                {
+                    "rules": s.rules,
+                    "pairs": s.pairs.to_dict("records"),
+                    "unmatched_a": s.unmatched_a,
+                    "unmatched_b": s.unmatched_b,
+                }
+            )
+        )
     else:
         print(s.to_yaml(), end="")
     return 0
 
 
 def cmd_dashboard(args) -> int:
-    from .jupyter.dashboard import serve
+    from tdinspect.jupyter.dashboard import serve
 
-    return serve(args.a, args.b, port=args.port, metric=args.metric, threshold=args.threshold,
-                 open_browser=not args.no_browser)
+    return serve(
+        args.a,
+        args.b,
+        port=args.port,
+        metric=args.metric,
+        threshold=args.threshold,
+        open_browser=not args.no_browser,
+    )
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from tdinspect.examples.demo import run_demo
 
     return run_demo(args.out)
 
@@ -325,37 +384,72 @@ def build_parser() -> argparse.ArgumentParser:
         if two:
             p.add_argument("a", help="reference dump (folder, rank folder or pass file)")
             p.add_argument("b", help="compared dump")
-            p.add_argument("--metric", choices=sorted(METRICS), default=None,
-                           help="divergence metric (default rel_diff; stats_rel for stats-only)")
-            p.add_argument("--threshold", action="append", metavar="auto|T|REGEX=T",
-                           help="auto (default): each entry's from its two dtypes, rel_diff u/4 "
-                                "and cosine 1 - u/4 with u the unit roundoff of the coarser "
-                                "(float32 1.5e-8, float16 1.2e-4, bfloat16 9.8e-4), sqnr_db "
-                                "10*log10(2/u), integers exact, fixed defaults for the other "
-                                "metrics; a number for every entry; REGEX=T per entry name "
-                                "(repeatable, T a number or auto)")
-            p.add_argument("--align", choices=["name", "sequence"], default="name",
-                           help="pair entries by name (default) or by aligning the two sequences "
-                                "of (op, shape): op-level runs of two implementations whose op "
-                                "sequences differ (eager vs SDPA attention)")
-            p.add_argument("--mapping", metavar="FILE", default=None,
-                           help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
-                                "pairing differently named entries")
-            p.add_argument("--unshard", action="store_true",
-                           help="reassemble tensor/context/expert-parallel ranks on both sides")
-            p.add_argument("--concat", metavar="pass:DIM|call:DIM", default=None,
-                           help="put consecutive passes or calls end to end along DIM on both "
-                                "sides (a decode run against one full forward)")
+            p.add_argument(
+                "--metric",
+                choices=sorted(METRICS),
+                default=None,
+                help="divergence metric (default rel_diff; stats_rel for stats-only)",
+            )
+            p.add_argument(
+                "--threshold",
+                action="append",
+                metavar="auto|T|REGEX=T",
+                help="auto (default): each entry's from its two dtypes, rel_diff u/4 "
+                "and cosine 1 - u/4 with u the unit roundoff of the coarser "
+                "(float32 1.5e-8, float16 1.2e-4, bfloat16 9.8e-4), sqnr_db "
+                "10*log10(2/u), integers exact, fixed defaults for the other "
+                "metrics; a number for every entry; REGEX=T per entry name "
+                "(repeatable, T a number or auto)",
+            )
+            p.add_argument(
+                "--align",
+                choices=["name", "sequence"],
+                default="name",
+                help="pair entries by name (default) or by aligning the two sequences "
+                "of (op, shape): op-level runs of two implementations whose op "
+                "sequences differ (eager vs SDPA attention)",
+            )
+            p.add_argument(
+                "--mapping",
+                metavar="FILE",
+                default=None,
+                help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
+                "pairing differently named entries",
+            )
+            p.add_argument(
+                "--unshard",
+                action="store_true",
+                help="reassemble tensor/context/expert-parallel ranks on both sides",
+            )
+            p.add_argument(
+                "--concat",
+                metavar="pass:DIM|call:DIM",
+                default=None,
+                help="put consecutive passes or calls end to end along DIM on both "
+                "sides (a decode run against one full forward)",
+            )
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")
-            p.add_argument("--run", default=None, help="which run of a folder holding several: "
-                           "-1 the newest (default), -2 the one before, 0 the oldest, or a "
-                           "run id or rank folder name")
+            p.add_argument(
+                "--run",
+                default=None,
+                help="which run of a folder holding several: "
+                "-1 the newest (default), -2 the one before, 0 the oldest, or a "
+                "run id or rank folder name",
+            )
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--on-error", choices=["raise", "warn"], default="raise",
-                       help="on an unreadable pass: stop (default) or skip it with a warning")
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="on an error, print the traceback too")
+        p.add_argument(
+            "--on-error",
+            choices=["raise", "warn"],
+            default="raise",
+            help="on an unreadable pass: stop (default) or skip it with a warning",
+        )
+        p.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="on an error, print the traceback too",
+        )
 
     common(sub.add_parser("ls", help="what a dump holds"))
     p = sub.add_parser("stats", help="per-entry statistics")
@@ -367,45 +461,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=20, help="rows shown")
     p = sub.add_parser("first-divergence", help="the first divergent entry")
     common(p, two=True)
-    p.add_argument("--structural", choices=["diverge", "report"], default="diverge",
-                   help="report: list one-sided/unmatched entries and name the first numerical "
-                        "divergence")
+    p.add_argument(
+        "--structural",
+        choices=["diverge", "report"],
+        default="diverge",
+        help="report: list one-sided/unmatched entries and name the first numerical divergence",
+    )
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
-    p = sub.add_parser("suggest-mapping", help="propose mapping rules (YAML on stdout) pairing "
-                                              "differently named entries of A and B")
+    p = sub.add_parser(
+        "suggest-mapping",
+        help="propose mapping rules (YAML on stdout) pairing differently named entries of A and B",
+    )
     p.add_argument("a", help="reference dump")
     p.add_argument("b", help="compared dump (a port, another engine)")
     p.add_argument("--pass", dest="pass_", type=int, default=None, help="pass to learn from")
     p.add_argument("--rank", type=int, default=None, help="rank to learn from")
     p.add_argument("--tol", type=float, default=1e-6, help="rel_diff at which values count as equal")
-    p.add_argument("--min-confidence", type=float, default=0.6,
-                   help="pairs below it are listed as comments, not used")
+    p.add_argument(
+        "--min-confidence", type=float, default=0.6, help="pairs below it are listed as comments, not used"
+    )
     p.add_argument("--json", action="store_true", help="rules, pairs and unmatched entries as JSON")
     p.add_argument("--on-error", choices=["raise", "warn"], default="raise")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="on an error, print the traceback too")
-    p = sub.add_parser("dashboard", help="serve a dashboard of two dumps in the browser "
-                                         "(Voila: pip install 'tdinspect[dashboard]')")
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
+    )
+    p = sub.add_parser(
+        "dashboard",
+        help="serve a dashboard of two dumps in the browser (Voila: pip install 'tdinspect[dashboard]')",
+    )
     p.add_argument("a", help="reference dump")
     p.add_argument("b", help="compared dump")
     p.add_argument("--metric", choices=sorted(METRICS), default=None)
-    p.add_argument("--threshold", type=threshold_arg, default="auto",
-                   help="auto (default: from each entry's dtypes) or a number")
+    p.add_argument(
+        "--threshold",
+        type=threshold_arg,
+        default="auto",
+        help="auto (default: from each entry's dtypes) or a number",
+    )
     p.add_argument("--port", type=int, default=8866)
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="on an error, print the traceback too")
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
+    )
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
     p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="on an error, print the traceback too")
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
+    )
     return parser
 
 
-COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "diff": cmd_diff,
-            "first-divergence": cmd_first_divergence, "first-nonfinite": cmd_first_nonfinite,
-            "suggest-mapping": cmd_suggest_mapping,
-            "dashboard": cmd_dashboard, "demo": cmd_demo}
+COMMANDS = {
+    "ls": cmd_ls,
+    "stats": cmd_stats,
+    "diff": cmd_diff,
+    "first-divergence": cmd_first_divergence,
+    "first-nonfinite": cmd_first_nonfinite,
+    "suggest-mapping": cmd_suggest_mapping,
+    "dashboard": cmd_dashboard,
+    "demo": cmd_demo,
+}
 
 
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader left
@@ -437,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     found"); ``--debug`` prints the traceback as well. When the reader of
     stdout leaves (``| head``), the command stops quietly with 141, as a
     command ended by SIGPIPE does. Everything it prints goes through
-    :func:`tdinspect.terminal.visible`.
+    :func:`tdinspect.util.terminal.visible`.
     """
     args = build_parser().parse_args(argv)
     with visible_streams():  # names from files never reach the terminal as control characters
@@ -445,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from .config import ConfigError
-    from .format import DumpFormatError
+    from tdinspect.config import ConfigError
+    from tdinspect.store.format import DumpFormatError
 
     try:
         return COMMANDS[args.command](args)

@@ -50,11 +50,13 @@ class ConfigError(ValueError):
 
 def _env(environ: Mapping[str, str], suffix: str) -> tuple[str, str] | None:
     """The value of one switch across both families, as ``(variable, value)``."""
-    found = [(fam + suffix, environ[fam + suffix]) for fam in _FAMILIES
-             if environ.get(fam + suffix, "") != ""]
+    found = [
+        (fam + suffix, environ[fam + suffix]) for fam in _FAMILIES if environ.get(fam + suffix, "") != ""
+    ]
     if len(found) == 2 and found[0][1] != found[1][1]:
-        raise ConfigError(f"{found[0][0]}={found[0][1]!r} and {found[1][0]}={found[1][1]!r} "
-                          "disagree; set one of them")
+        raise ConfigError(
+            f"{found[0][0]}={found[0][1]!r} and {found[1][0]}={found[1][1]!r} disagree; set one of them"
+        )
     return found[-1] if found else None
 
 
@@ -87,8 +89,10 @@ def parse_record(value, source: str = "record") -> tuple[str, ...]:
     kinds = {str(k).strip() for k in items} - {""}
     unknown = sorted(kinds - set(RECORD_KINDS))
     if unknown or not kinds:
-        raise ConfigError(f"{source}={value!r}: expected one or more of {', '.join(RECORD_KINDS)}"
-                          + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        raise ConfigError(
+            f"{source}={value!r}: expected one or more of {', '.join(RECORD_KINDS)}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
     return tuple(k for k in RECORD_KINDS if k in kinds)
 
 
@@ -135,7 +139,7 @@ class DumpConfig:
         """Whether dumping is on (a dump directory is set)."""
         return self.dump_dir is not None and str(self.dump_dir) != ""
 
-    def with_env(self, environ: Mapping[str, str] | None = None) -> "DumpConfig":
+    def with_env(self, environ: Mapping[str, str] | None = None) -> DumpConfig:
         """This config overlaid by the environment (``os.environ`` by default)."""
         environ = os.environ if environ is None else environ
         directory = _env(environ, "DIR")
@@ -162,8 +166,11 @@ class DumpConfig:
         under graphs would silently miss every op.
         """
         if requested and self.enabled:
-            warnings.warn("tensor dump is enabled: forcing use_cuda_graph=False so that hooks run "
-                          "(CUDA-graph replay never re-enters Python)", stacklevel=2)
+            warnings.warn(
+                "tensor dump is enabled: forcing use_cuda_graph=False so that hooks run "
+                "(CUDA-graph replay never re-enters Python)",
+                stacklevel=2,
+            )
             return False
         return requested
 
@@ -228,8 +235,9 @@ def load_predicate(ref: str) -> Predicate:
     except ConfigError:
         raise
     except (Exception, SystemExit) as exc:
-        raise ConfigError(f"filter_fn {ref!r}: importing {target!r} failed: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"filter_fn {ref!r}: importing {target!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"filter_fn {ref!r}: {target!r} has no callable {attr!r}")

@@ -24,16 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .format import DumpFormatError
-from .naming import parse_key, split_call, split_module_path
-from .parallel import map_in_waves
-from .passindex import PassIndex
-from .runs import RunWarning, list_runs, select_run
-from .stats import STAT_NAMES
-from .terminal import warn
+from tdinspect.naming import parse_key, split_call, split_module_path
+from tdinspect.numerics.stats import STAT_NAMES
+from tdinspect.store.format import DumpFormatError
+from tdinspect.store.passindex import PassIndex
+from tdinspect.store.runs import RunWarning, list_runs, select_run
+from tdinspect.util.parallel import map_in_waves
+from tdinspect.util.terminal import warn
 
-if TYPE_CHECKING:  # for annotations and completion only; diff imports this module
-    from .diff import Diff
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from tdinspect.compare.diff import Diff
 
 
 def _stats_of(pi: PassIndex) -> np.ndarray:
@@ -52,20 +54,34 @@ class DumpSet:
         What was opened.
     """
 
-    def __init__(self, path: Path, passes: dict[tuple[int, int], PassIndex], *,
-                 op_pattern: re.Pattern | None = None, client: Any = None, skipped=()):
+    def __init__(
+        self,
+        path: Path,
+        passes: dict[tuple[int, int], PassIndex],
+        *,
+        op_pattern: re.Pattern | None = None,
+        client: Any = None,
+        skipped=(),
+    ):
         self.path = Path(path)
         self._passes = dict(sorted(passes.items(), key=lambda kv: (kv[0][1], kv[0][0])))
         self._op_pattern = op_pattern
         self.client = client
         self.skipped = list(skipped)
-        self.run = None  # the Run opened (tdinspect.runs.Run), set by open()
-        self._cube: "xr.Dataset | None" = None
+        self.run = None  # the Run opened (tdinspect.store.runs.Run), set by open()
+        self._cube: xr.Dataset | None = None
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, *, run: int | str | None = None, on_error: str = "raise",
-             client: Any = None, dims: dict[str, str] | None = None) -> "DumpSet":
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        run: int | str | None = None,
+        on_error: str = "raise",
+        client: Any = None,
+        dims: dict[str, str] | None = None,
+    ) -> DumpSet:
         """Open a dump folder, a rank folder, or one pass file; reads metadata only.
 
         Parameters
@@ -73,8 +89,8 @@ class DumpSet:
         path : str or Path
         run : int or str, optional
             Which run of a folder holding several (a capture never merges into an
-            earlier one; see :mod:`tdinspect.runs`): the newest by default, with a
-            one-line :class:`~tdinspect.runs.RunWarning` saying so; ``-2`` the one
+            earlier one; see :mod:`tdinspect.store.runs`): the newest by default, with a
+            one-line :class:`~tdinspect.store.runs.RunWarning` saying so; ``-2`` the one
             before, ``0`` the oldest, or a run id or rank folder name.
             :meth:`runs` lists them.
         on_error : {"raise", "warn"}
@@ -103,14 +119,18 @@ class DumpSet:
             raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'warn'")
         rules = None
         if dims:
-            from .align.dims import DimsRules
+            from tdinspect.align.dims import DimsRules
 
             rules = DimsRules(dims, what="DumpSet.open(dims=...)")
         chosen, runs = select_run(path, run)
         if run is None and len(runs) > 1:
-            warn(f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
-                 f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
-                 "lists them)", RunWarning, stacklevel=2)
+            warn(
+                f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
+                f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
+                "lists them)",
+                RunWarning,
+                stacklevel=2,
+            )
         folders = chosen.folders
         passes: dict[tuple[int, int], PassIndex] = {}
         skipped = []
@@ -132,15 +152,16 @@ class DumpSet:
                     pi.dims = [rules.lookup(split_call(k)[0]) or d for k, d in zip(pi.keys, pi.dims)]
                 passes[(folder.rank, idx)] = pi
         if not passes:
-            raise DumpFormatError(f"{path}: no readable pass" + (f" ({len(skipped)} skipped)"
-                                                                  if skipped else ""))
+            raise DumpFormatError(
+                f"{path}: no readable pass" + (f" ({len(skipped)} skipped)" if skipped else "")
+            )
         ds = cls(Path(path), passes, client=client, skipped=skipped)
         ds.run = chosen
         return ds
 
     @staticmethod
     def runs(path: str | os.PathLike) -> list:
-        """The runs a dump folder holds, oldest first (:func:`tdinspect.runs.list_runs`).
+        """The runs a dump folder holds, oldest first (:func:`tdinspect.store.runs.list_runs`).
 
         Examples
         --------
@@ -162,8 +183,9 @@ class DumpSet:
         try:
             return self._passes[(rank, pass_)]
         except KeyError:
-            raise KeyError(f"{self.path}: no pass {pass_} for rank {rank} "
-                           f"(passes: {self.passes}, ranks: {self.ranks})") from None
+            raise KeyError(
+                f"{self.path}: no pass {pass_} for rank {rank} (passes: {self.passes}, ranks: {self.ranks})"
+            ) from None
 
     @property
     def ranks(self) -> list[int]:
@@ -237,17 +259,26 @@ class DumpSet:
         return pi.tensor(key)
 
     # -- selection -----------------------------------------------------------------------
-    def sel(self, *, op: str | Iterable[str] | None = None, pass_: int | Iterable[int] | None = None,
-            rank: int | Iterable[int] | None = None) -> "DumpSet":
+    def sel(
+        self,
+        *,
+        op: str | Iterable[str] | None = None,
+        pass_: int | Iterable[int] | None = None,
+        rank: int | Iterable[int] | None = None,
+    ) -> DumpSet:
         """A smaller DumpSet: some ops (exact names), passes and/or ranks."""
+
         def as_set(v):
             return None if v is None else ({v} if isinstance(v, (int, str)) else set(v))
+
         ops, ps, rs = as_set(op), as_set(pass_), as_set(rank)
-        passes = {k: v for k, v in self._passes.items()
-                  if (ps is None or k[1] in ps) and (rs is None or k[0] in rs)}
+        passes = {
+            k: v for k, v in self._passes.items() if (ps is None or k[1] in ps) and (rs is None or k[0] in rs)
+        }
         if not passes:
-            raise KeyError(f"{self.path}: selection matches no pass (passes {self.passes}, "
-                           f"ranks {self.ranks})")
+            raise KeyError(
+                f"{self.path}: selection matches no pass (passes {self.passes}, ranks {self.ranks})"
+            )
         pattern = self._op_pattern
         if ops is not None:
             pattern = re.compile("^(?:" + "|".join(re.escape(o) for o in ops) + ")$")
@@ -255,7 +286,7 @@ class DumpSet:
                 pattern = _both(self._op_pattern, pattern)
         return self._derived(passes, pattern)
 
-    def filter(self, regex: str) -> "DumpSet":
+    def filter(self, regex: str) -> DumpSet:
         """A DumpSet keeping entries whose name ``re.search``-matches ``regex``."""
         try:
             pattern = re.compile(regex)
@@ -265,18 +296,18 @@ class DumpSet:
             pattern = _both(self._op_pattern, pattern)
         return self._derived(self._passes, pattern)
 
-    def _derived(self, passes, pattern) -> "DumpSet":
+    def _derived(self, passes, pattern) -> DumpSet:
         ds = DumpSet(self.path, passes, op_pattern=pattern, client=self.client)
         ds.run = self.run
         return ds
 
     # -- the cube -----------------------------------------------------------------------
     def ensure_stats(self, progress: bool | None = None) -> None:
-        """Compute statistics for passes without sidecars (a progress bar: see :mod:`tdinspect.progress`)."""
+        """Compute statistics for passes without sidecars (a progress bar: see :mod:`tdinspect.util.progress`)."""
         todo = [pi for pi in self._passes.values() if pi.stats is None]
         if not todo:
             return
-        from .progress import bar
+        from tdinspect.util.progress import bar
 
         results = map_in_waves(_stats_of, todo, client=self.client)
         for pi, stats in bar(zip(todo, results), progress, total=len(todo), desc="statistics"):
@@ -293,15 +324,40 @@ class DumpSet:
                 if not self._keep(key):
                     continue
                 base, call = split_call(key)
-                rows.append((rank, p, base, call, i, key, pi.dtype[i], _shape_str(pi.shape[i]),
-                             pi.module_type[i], *pi.stats[i].tolist()))
-        return pd.DataFrame(rows, columns=["rank", "pass", "op", "call", "order", "key", "dtype",
-                                           "shape", "module_type", *STAT_NAMES])
+                rows.append(
+                    (
+                        rank,
+                        p,
+                        base,
+                        call,
+                        i,
+                        key,
+                        pi.dtype[i],
+                        _shape_str(pi.shape[i]),
+                        pi.module_type[i],
+                        *pi.stats[i].tolist(),
+                    )
+                )
+        return pd.DataFrame(
+            rows,
+            columns=[
+                "rank",
+                "pass",
+                "op",
+                "call",
+                "order",
+                "key",
+                "dtype",
+                "shape",
+                "module_type",
+                *STAT_NAMES,
+            ],
+        )
 
-    def to_xarray(self, progress: bool | None = None) -> "xr.Dataset":
+    def to_xarray(self, progress: bool | None = None) -> xr.Dataset:
         """The cube: dims ``op``, ``call``, ``pass`` (and ``rank`` when several).
 
-        Variables are the statistics of :mod:`tdinspect.stats` and ``order``;
+        Variables are the statistics of :mod:`tdinspect.numerics.stats` and ``order``;
         coordinates along ``op`` are parsed from the names (``module``,
         ``aten``, ``stack``, ``layer``, ``leaf``, ``module_type``, ``level``,
         ``dtype``, ``shape``).
@@ -311,7 +367,7 @@ class DumpSet:
             self._cube = self._build_cube()
         return self._cube
 
-    def _build_cube(self) -> "xr.Dataset":
+    def _build_cube(self) -> xr.Dataset:
         ops = self.ops
         op_ix = {o: i for i, o in enumerate(ops)}
         ranks, passes = self.ranks, self.passes
@@ -345,13 +401,15 @@ class DumpSet:
         coords.update(_op_coords(ops, first))
         import xarray as xr  # lazily: the CLI's answers need no cube (0.26 s)
 
-        ds = xr.Dataset(variables, coords=coords,
-                        attrs={"path": str(self.path), "level": self.level,
-                               "stats_only": int(self.stats_only)})
+        ds = xr.Dataset(
+            variables,
+            coords=coords,
+            attrs={"path": str(self.path), "level": self.level, "stats_only": int(self.stats_only)},
+        )
         return ds.isel(rank=0, drop=True) if len(ranks) == 1 else ds
 
     # -- lining up ----------------------------------------------------------------------
-    def unshard(self) -> "DumpSet":
+    def unshard(self) -> DumpSet:
         """A logical dump without the rank dim: sharded tensors reassembled when read.
 
         Uses each rank's recorded parallel coordinates and each entry's dims
@@ -364,11 +422,11 @@ class DumpSet:
         >>> DumpSet.open("dumps/tp2").unshard().ranks      # doctest: +SKIP
         [0]
         """
-        from .align.unshard import unshard
+        from tdinspect.align.unshard import unshard
 
         return unshard(self)
 
-    def concat(self, over: str = "call", dim: int | str = 1) -> "DumpSet":
+    def concat(self, over: str = "call", dim: int | str = 1) -> DumpSet:
         """A logical dump whose entries are put end to end over calls or passes along ``dim``.
 
         A decode run (a prefill call, then one call per token; or a pass per
@@ -380,32 +438,32 @@ class DumpSet:
         --------
         >>> DumpSet.open("dumps/generate").concat("call", dim=1)     # doctest: +SKIP
         """
-        from .align.concat import concat
+        from tdinspect.align.concat import concat
 
         return concat(self, over, dim)
 
-    def narrow(self, dim: int | str, start: int, length: int) -> "DumpSet":
+    def narrow(self, dim: int | str, start: int, length: int) -> DumpSet:
         """A logical dump keeping ``length`` positions from ``start`` along ``dim`` of each entry.
 
         Examples
         --------
         >>> DumpSet.open("dumps/forward").narrow(1, 0, 20)           # doctest: +SKIP
         """
-        from .align.concat import narrow
+        from tdinspect.align.concat import narrow
 
         return narrow(self, dim, start, length)
 
     # -- comparing ------------------------------------------------------------------------
-    def diff(self, other: "DumpSet | str | os.PathLike", **kwargs) -> Diff:
+    def diff(self, other: DumpSet | str | os.PathLike, **kwargs) -> Diff:
         """Compare against ``other``; this DumpSet is the reference (``y``).
 
-        See :class:`tdinspect.diff.Diff` for the keyword arguments.
+        See :class:`tdinspect.compare.diff.Diff` for the keyword arguments.
 
         Examples
         --------
         >>> div = DumpSet.open("a").diff("b").first_divergence()   # doctest: +SKIP
         """
-        from .diff import Diff
+        from tdinspect.compare.diff import Diff
 
         if not isinstance(other, DumpSet):
             other = DumpSet.open(other, client=self.client)
@@ -416,14 +474,14 @@ class DumpSet:
 
         Read from the statistics (computed for passes without sidecars); at op
         level says whether the op's recorded inputs already held NaN/Inf. See
-        :mod:`tdinspect.health`.
+        :mod:`tdinspect.compare.health`.
 
         Examples
         --------
         >>> DumpSet.open("dumps/run_a").first_nonfinite()     # doctest: +SKIP
         NonFinite(model.layers.1.mlp.down (call 0, pass 2): 3 NaN and 0 Inf of 2048 elements)
         """
-        from .health import first_nonfinite
+        from tdinspect.compare.health import first_nonfinite
 
         return first_nonfinite(self)
 
@@ -436,33 +494,46 @@ class DumpSet:
         >>> DumpSet.open("dumps/run_a").not_stored()     # doctest: +SKIP
         [(0, 0, 'model.meta_head', 'meta tensor: no data')]
         """
-        return [(rank, p, key, reason) for (rank, p), pi in self._passes.items()
-                for key, reason in zip(pi.keys, pi.skipped or ())
-                if isinstance(reason, str) and self._keep(key)]
+        return [
+            (rank, p, key, reason)
+            for (rank, p), pi in self._passes.items()
+            for key, reason in zip(pi.keys, pi.skipped or ())
+            if isinstance(reason, str) and self._keep(key)
+        ]
 
     # -- display --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         calls = max((split_call(k)[1] for pi in self._passes.values() for k in pi.keys), default=0)
-        return {"path": str(self.path), "level": self.level, "ops": len(self.ops),
-                "max_calls": calls + 1, "passes": len(self.passes), "ranks": self.ranks,
-                "entries": self.n_entries(), "bytes": self.nbytes, "stats_only": self.stats_only,
-                "skipped": len(self.skipped),
-                "failed": [pi.index for pi in self._passes.values() if pi.failed],
-                "not_stored": len(self.not_stored())}
+        return {
+            "path": str(self.path),
+            "level": self.level,
+            "ops": len(self.ops),
+            "max_calls": calls + 1,
+            "passes": len(self.passes),
+            "ranks": self.ranks,
+            "entries": self.n_entries(),
+            "bytes": self.nbytes,
+            "stats_only": self.stats_only,
+            "skipped": len(self.skipped),
+            "failed": [pi.index for pi in self._passes.values() if pi.failed],
+            "not_stored": len(self.not_stored()),
+        }
 
     def __repr__(self) -> str:
         s = self.summary()
-        return (f"DumpSet({s['path']!r}: {s['level']} level, {s['ops']} ops x up to "
-                f"{s['max_calls']} calls x {s['passes']} passes, ranks {s['ranks']}, "
-                f"{s['entries']} entries, {_human(s['bytes'])}"
-                + (", statistics only" if s["stats_only"] else "")
-                + (f", {s['skipped']} passes skipped" if s["skipped"] else "")
-                + (f", passes {s['failed']} cut short by an error" if s["failed"] else "")
-                + (f", {s['not_stored']} tensors not stored (ds.not_stored())"
-                   if s["not_stored"] else "") + ")")
+        return (
+            f"DumpSet({s['path']!r}: {s['level']} level, {s['ops']} ops x up to "
+            f"{s['max_calls']} calls x {s['passes']} passes, ranks {s['ranks']}, "
+            f"{s['entries']} entries, {_human(s['bytes'])}"
+            + (", statistics only" if s["stats_only"] else "")
+            + (f", {s['skipped']} passes skipped" if s["skipped"] else "")
+            + (f", passes {s['failed']} cut short by an error" if s["failed"] else "")
+            + (f", {s['not_stored']} tensors not stored (ds.not_stored())" if s["not_stored"] else "")
+            + ")"
+        )
 
     def _repr_html_(self) -> str:
-        from .report import dumpset_html
+        from tdinspect.report import dumpset_html
 
         return dumpset_html(self)
 
@@ -472,10 +543,15 @@ def _no_entry(path, key: str, pass_: int, ops: list[str]) -> str:
     import difflib
 
     base = split_call(key)[0]
-    close = difflib.get_close_matches(base, ops, n=3, cutoff=0.5) or [
-        o for o in ops if base.lower() in o.lower()][:3]
-    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else (
-        f"; entries: {', '.join(map(repr, ops[:5]))}{', ...' if len(ops) > 5 else ''}")
+    close = (
+        difflib.get_close_matches(base, ops, n=3, cutoff=0.5)
+        or [o for o in ops if base.lower() in o.lower()][:3]
+    )
+    hint = (
+        f"; did you mean {', '.join(map(repr, close))}?"
+        if close
+        else (f"; entries: {', '.join(map(repr, ops[:5]))}{', ...' if len(ops) > 5 else ''}")
+    )
     if base in ops:
         hint = f" ({base!r} exists, but not this call in this pass)"
     return f"{path}: no entry {key!r} in pass {pass_}{hint}"
@@ -506,8 +582,9 @@ def _human(n: float) -> str:
 
 
 def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:
-    cols: dict[str, list] = {k: [] for k in ("module", "aten", "stack", "layer", "leaf",
-                                             "module_type", "level", "dtype", "shape")}
+    cols: dict[str, list] = {
+        k: [] for k in ("module", "aten", "stack", "layer", "leaf", "module_type", "level", "dtype", "shape")
+    }
     for op in ops:
         try:
             parts = parse_key(op)
@@ -525,8 +602,7 @@ def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:
         cols["level"].append("op" if aten else "module")
         cols["dtype"].append((pi.dtype[i] or "").removeprefix("torch."))
         cols["shape"].append(_shape_str(pi.shape[i]))
-    return {k: ("op", np.asarray(v, dtype=object if k != "layer" else np.int64))
-            for k, v in cols.items()}
+    return {k: ("op", np.asarray(v, dtype=object if k != "layer" else np.int64)) for k, v in cols.items()}
 
 
 def call_axis(calls) -> tuple[np.ndarray, np.ndarray]:

@@ -160,5 +160,5 @@ def split_module_path(module: str) -> tuple[str, int, str]:
     parts = module.split(".")
     for i in range(len(parts) - 1, -1, -1):
         if parts[i].isdigit():
-            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1:])
+            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1 :])
     return "", -1, parts[-1]

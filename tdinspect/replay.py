@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .align.args import describe_args
-from .format import DumpFormatError
-from .metrics import compare_tensors
-from .naming import make_key, parse_key, split_call
-from .terminal import visible
+from tdinspect.align.args import describe_args
+from tdinspect.naming import make_key, parse_key, split_call
+from tdinspect.numerics.metrics import compare_tensors
+from tdinspect.store.format import DumpFormatError
+from tdinspect.util.terminal import visible
 
 
 @dataclass
@@ -72,15 +72,18 @@ class ReplayResult:
         return self.worst("max_abs")
 
     def _repr_html_(self) -> str:
-        from .report import replay_html
+        from tdinspect.report import replay_html
 
         return replay_html(self)
 
     def __repr__(self) -> str:
         def shown(args):
             return ", ".join(f"{n}={v}" for n, v in args)
-        text = (f"ReplayResult({self.key}: rel_diff={self.rel_diff:.3g}, max_abs={self.max_abs:.3g} "
-                f"against a {str(self.dtype).removeprefix('torch.')} re-run; args: {shown(self.args)}")
+
+        text = (
+            f"ReplayResult({self.key}: rel_diff={self.rel_diff:.3g}, max_abs={self.max_abs:.3g} "
+            f"against a {str(self.dtype).removeprefix('torch.')} re-run; args: {shown(self.args)}"
+        )
         if self.other_args is not None:
             text += f"; other run's args: {shown(self.other_args)}"
         return visible(text + ")")  # the key and arguments come from the dump
@@ -88,14 +91,43 @@ class ReplayResult:
 
 # operators refused whatever their schema says: they reach files, other devices' state,
 # or copy into memory they did not allocate
-DENIED = frozenset({"from_file", "save", "load", "_copy_from", "_copy_from_and_resize", "copy",
-                    "copy_", "set_", "_set_from", "record_stream", "_print", "_assert_async",
-                    "_assert_scalar", "_local_scalar_dense", "_nested_tensor_from_mask",
-                    "_foobar", "_make_per_tensor_quantized_tensor"})
+DENIED = frozenset(
+    {
+        "from_file",
+        "save",
+        "load",
+        "_copy_from",
+        "_copy_from_and_resize",
+        "copy",
+        "copy_",
+        "set_",
+        "_set_from",
+        "record_stream",
+        "_print",
+        "_assert_async",
+        "_assert_scalar",
+        "_local_scalar_dense",
+        "_nested_tensor_from_mask",
+        "_foobar",
+        "_make_per_tensor_quantized_tensor",
+    }
+)
 # string arguments that are a fixed choice (``gelu(approximate="tanh")``), never a path
-STRING_CHOICES = frozenset({"approximate", "rounding_mode", "reduce", "equation", "side",
-                            "indexing", "padding_mode", "mode", "interpolation_mode", "UPLO",
-                            "driver"})
+STRING_CHOICES = frozenset(
+    {
+        "approximate",
+        "rounding_mode",
+        "reduce",
+        "equation",
+        "side",
+        "indexing",
+        "padding_mode",
+        "mode",
+        "interpolation_mode",
+        "UPLO",
+        "driver",
+    }
+)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -163,9 +195,17 @@ def _out0_key(key: str) -> str:
     return make_key(f"{parts.module}/{parts.op}[out0]", call)
 
 
-def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
-           dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu",
-           other=None, other_key: str | None = None) -> ReplayResult:
+def replay(
+    source,
+    key: str,
+    pass_: int = 0,
+    *,
+    rank: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+    other=None,
+    other_key: str | None = None,
+) -> ReplayResult:
     """Re-run a recorded op on its recorded inputs and measure its own error.
 
     Parameters
@@ -195,7 +235,7 @@ def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
     ReplayRefused
         If the recorded op could act beyond its own outputs (see :func:`safe_op`).
     """
-    from .dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     ds = source if isinstance(source, DumpSet) else DumpSet.open(os.fspath(source))
     pi = ds.get_pass(pass_, rank)
@@ -234,7 +274,8 @@ def replay(source, key: str, pass_: int = 0, *, rank: int | None = None,
             recorded = pi.tensor(k, loaded)
         except DumpFormatError:
             continue
-        row = compare_tensors(recorded.to(fresh.dtype) if recorded.is_floating_point() else recorded,
-                              fresh.cpu())
+        row = compare_tensors(
+            recorded.to(fresh.dtype) if recorded.is_floating_point() else recorded, fresh.cpu()
+        )
         result.outputs.append({"key": k, **row})
     return result

@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from typing import Any
 
-from .terminal import html_text, visible
+from tdinspect.util.terminal import html_text, visible
 
 # Colours only through the theme's variables; outside JupyterLab they fall back to the text colour.
 _STYLE = """<style>
@@ -60,12 +60,12 @@ def _cell(v: Any) -> str:
 
 def styled(df, highlight_row: int | None = None) -> str:
     """A DataFrame as an HTML table: floats in scientific notation, text and column names
-    escaped (:func:`~tdinspect.terminal.html_text`), no index."""
-    styler = (df.style.format(_cell, na_rep="–").format_index(html_text, axis=1)
-              .hide(axis="index"))
+    escaped (:func:`~tdinspect.util.terminal.html_text`), no index."""
+    styler = df.style.format(_cell, na_rep="–").format_index(html_text, axis=1).hide(axis="index")
     if highlight_row is not None and 0 <= highlight_row < len(df):
-        styler = styler.apply(lambda r: ["font-weight:bold" if r.name == df.index[highlight_row]
-                                         else "" for _ in r], axis=1)
+        styler = styler.apply(
+            lambda r: ["font-weight:bold" if r.name == df.index[highlight_row] else "" for _ in r], axis=1
+        )
     return styler.to_html()
 
 
@@ -81,8 +81,7 @@ def _table(headers: list[str], rows: list[list[Any]], bad_row: int | None = None
 def section(title: str, body: str, *, count: Any = None, open_: bool = False) -> str:
     """A collapsible section (``<details>``); ``count`` is shown beside the title."""
     n = "" if count is None else f" <span class='n'>({html_text(count)})</span>"
-    return (f"<details{' open' if open_ else ''}><summary>{html_text(title)}{n}</summary>"
-            f"{body}</details>")
+    return f"<details{' open' if open_ else ''}><summary>{html_text(title)}{n}</summary>{body}</details>"
 
 
 def _box(inner: str) -> str:
@@ -90,7 +89,7 @@ def _box(inner: str) -> str:
 
 
 def text_table(headers: list[str], rows: list[list[Any]]) -> str:
-    """A plain aligned table for terminals (cells escaped: :func:`tdinspect.terminal.visible`)."""
+    """A plain aligned table for terminals (cells escaped: :func:`tdinspect.util.terminal.visible`)."""
     cells = [headers] + [[visible(fmt(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
@@ -101,29 +100,47 @@ def text_table(headers: list[str], rows: list[list[Any]]) -> str:
 def dumpset_html(ds) -> str:
     import pandas as pd
 
-    from .dumpset import _human
+    from tdinspect.dumpset import _human
 
     s = ds.summary()
-    facts = [["path", s["path"]], ["level", s["level"]], ["ops", s["ops"]],
-             ["calls (max)", s["max_calls"]], ["passes", s["passes"]], ["ranks", s["ranks"]],
-             ["entries", s["entries"]], ["tensor bytes", _human(s["bytes"])],
-             ["statistics only", s["stats_only"]]]
+    facts = [
+        ["path", s["path"]],
+        ["level", s["level"]],
+        ["ops", s["ops"]],
+        ["calls (max)", s["max_calls"]],
+        ["passes", s["passes"]],
+        ["ranks", s["ranks"]],
+        ["entries", s["entries"]],
+        ["tensor bytes", _human(s["bytes"])],
+        ["statistics only", s["stats_only"]],
+    ]
     first = ds.pass_indexes()[0]
     uninit = sum(sum(pi.uninitialized) for pi in ds.pass_indexes())
     if uninit:
         facts.append(["uninitialised entries (not saved)", uninit])
     keys = [k for k in first.keys if ds._keep(k)]
     pos = [first.position[k] for k in keys]
-    rows = pd.DataFrame({"key": keys, "dtype": [first.dtype[i] for i in pos],
-                         "shape": [str(first.shape[i]) for i in pos],
-                         "module": [first.module_type[i] or "" for i in pos]})
-    parts = [f"<b>DumpSet</b> {html_text(s['path'])}", section("facts", _table(["", ""], facts),
-                                                                  open_=True),
-             section(f"entries of pass {first.index}, rank {first.rank}", styled(rows),
-                     count=len(rows))]
+    rows = pd.DataFrame(
+        {
+            "key": keys,
+            "dtype": [first.dtype[i] for i in pos],
+            "shape": [str(first.shape[i]) for i in pos],
+            "module": [first.module_type[i] or "" for i in pos],
+        }
+    )
+    parts = [
+        f"<b>DumpSet</b> {html_text(s['path'])}",
+        section("facts", _table(["", ""], facts), open_=True),
+        section(f"entries of pass {first.index}, rank {first.rank}", styled(rows), count=len(rows)),
+    ]
     if s["skipped"]:
-        parts.append(section("skipped passes (unreadable)",
-                             "<br>".join(html_text(x) for x in ds.skipped), count=s["skipped"]))
+        parts.append(
+            section(
+                "skipped passes (unreadable)",
+                "<br>".join(html_text(x) for x in ds.skipped),
+                count=s["skipped"],
+            )
+        )
     return _box("".join(parts))
 
 
@@ -131,10 +148,11 @@ def _divergence_body(div) -> str:
     import pandas as pd
 
     where = f"pass {div.pass_}" + (f", rank {div.rank}" if div.rank else "")
-    rows = pd.DataFrame([*div.before, (div.key, div.value)],
-                        columns=["entries up to it", div.metric])
-    return (f"<span class='bad'>{html_text(div.key)}</span> ({where}, call {div.call}): "
-            f"{html_text(div.reason)}" + styled(rows, highlight_row=len(rows) - 1))
+    rows = pd.DataFrame([*div.before, (div.key, div.value)], columns=["entries up to it", div.metric])
+    return (
+        f"<span class='bad'>{html_text(div.key)}</span> ({where}, call {div.call}): "
+        f"{html_text(div.reason)}" + styled(rows, highlight_row=len(rows) - 1)
+    )
 
 
 def divergence_html(div) -> str:
@@ -178,7 +196,7 @@ def side_differences(diff) -> list[str]:
         kb = {k for k in b._passes[key].keys if a._keep(k)}
         mapping = getattr(diff, "mapping", None)
         if mapping is not None:  # pairs through the rules: A entries are named by their partners
-            from .diff import _mapped_key
+            from tdinspect.compare.diff import _mapped_key
 
             partner = {k: _mapped_key(mapping, k) for k in ka}
             only_a = {k for k, m in partner.items() if m not in b._passes[key].position}
@@ -193,8 +211,10 @@ def side_differences(diff) -> list[str]:
             (rank, p), names = found[0]
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             n = sum(len(x) for _, x in found)
-            out.append(f"entry names only in {side}: {n} in {len(found)} pass(es) (first: pass {p}, "
-                       f"rank {rank}: {shown})")
+            out.append(
+                f"entry names only in {side}: {n} in {len(found)} pass(es) (first: pass {p}, "
+                f"rank {rank}: {shown})"
+            )
     return out
 
 
@@ -208,8 +228,13 @@ class DiffSummary:
     >>> DiffSummary(diff, threshold=0.999, metric="cosine")   # doctest: +SKIP
     """
 
-    def __init__(self, diff, threshold: float | dict | None = None, metric: str | None = None,
-                 structural: str = "diverge"):
+    def __init__(
+        self,
+        diff,
+        threshold: float | dict | None = None,
+        metric: str | None = None,
+        structural: str = "diverge",
+    ):
         self.diff = diff
         self.metric = metric or diff.default_metric
         self.threshold = threshold
@@ -222,8 +247,11 @@ class DiffSummary:
         kinds: Counter = Counter()
         for rows in self.diff._results.values():
             for reason in rows.loc[rows["structural"], "reason"]:
-                kinds[reason.split(" (")[0] if reason.startswith("NaN") else
-                      ("shape mismatch" if reason.startswith("shape") else reason)] += 1
+                kinds[
+                    reason.split(" (")[0]
+                    if reason.startswith("NaN")
+                    else ("shape mismatch" if reason.startswith("shape") else reason)
+                ] += 1
         return kinds
 
     def __repr__(self) -> str:
@@ -231,8 +259,11 @@ class DiffSummary:
         lines = [f"Diff A={d.a.path} (reference), B={d.b.path}: {d.mode}, align={d.align}"]
         lines += [f"  sides differ: {x}" for x in side_differences(d)]
         lines.append(f"  threshold: {self.threshold_text()}")
-        lines.append(f"  first divergence: {self.divergence!r}" if self.divergence else
-                     f"  no divergence ({self.metric})")
+        lines.append(
+            f"  first divergence: {self.divergence!r}"
+            if self.divergence
+            else f"  no divergence ({self.metric})"
+        )
         if self.nearest:
             lines.append(f"  nearest: {self.nearest['text']}")
         if self.gap:
@@ -249,17 +280,24 @@ class DiffSummary:
 
     def _repr_html_(self) -> str:
         d = self.diff
-        head = (f"<b>Diff</b> A (reference) = {html_text(d.a.path)}<br>"
-                f"B = {html_text(d.b.path)}<br>mode: {d.mode}, align: {d.align}, "
-                f"metric: {html_text(self.metric)}, threshold: {self._thr_text()}")
+        head = (
+            f"<b>Diff</b> A (reference) = {html_text(d.a.path)}<br>"
+            f"B = {html_text(d.b.path)}<br>mode: {d.mode}, align: {d.align}, "
+            f"metric: {html_text(self.metric)}, threshold: {self._thr_text()}"
+        )
         parts = [head]
         differ = side_differences(d)
         if differ:
-            parts.append("<div class='note'><b>the two sides differ:</b><br>"
-                         + "<br>".join(html_text(x) for x in differ) + "</div>")
+            parts.append(
+                "<div class='note'><b>the two sides differ:</b><br>"
+                + "<br>".join(html_text(x) for x in differ)
+                + "</div>"
+            )
         if self.divergence is None:
-            parts.append(f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
-                         f"at threshold {self._thr_text()})</p>")
+            parts.append(
+                f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
+                f"at threshold {self._thr_text()})</p>"
+            )
             if self.nearest:
                 parts.append(f"<div class='note'>nearest: {html_text(self.nearest['text'])}</div>")
             if self.gap:
@@ -270,13 +308,22 @@ class DiffSummary:
         total, read = sum(kinds.values()), len(d._results)
         if total:
             body = _table(["kind", "entries"], [[k, n] for k, n in kinds.most_common()])
-            rows = [r for f in d._results.values() for r in
-                    f.loc[f["structural"], ["pass", "rank", "key", "reason"]].values.tolist()]
+            rows = [
+                r
+                for f in d._results.values()
+                for r in f.loc[f["structural"], ["pass", "rank", "key", "reason"]].values.tolist()
+            ]
             import pandas as pd
 
             body += styled(pd.DataFrame(rows[:20], columns=["pass", "rank", "key", "reason"]))
-            parts.append(section(f"structural problems in the {read} of {len(d._jobs())} "
-                                 f"(rank, pass) pairs compared so far", body, count=total))
+            parts.append(
+                section(
+                    f"structural problems in the {read} of {len(d._jobs())} "
+                    f"(rank, pass) pairs compared so far",
+                    body,
+                    count=total,
+                )
+            )
         return _box("".join(parts))
 
 
@@ -287,17 +334,21 @@ def diff_html(diff, threshold=None, metric=None) -> str:
 def replay_html(result) -> str:
     import pandas as pd
 
-    rows = pd.DataFrame([[o["key"], o.get("rel_diff"), o.get("max_abs"), o.get("cosine")]
-                         for o in result.outputs], columns=["output", "rel_diff", "max_abs", "cosine"])
+    rows = pd.DataFrame(
+        [[o["key"], o.get("rel_diff"), o.get("max_abs"), o.get("cosine")] for o in result.outputs],
+        columns=["output", "rel_diff", "max_abs", "cosine"],
+    )
     args = getattr(result, "args", [])
     other = getattr(result, "other_args", None)
     names = list(dict.fromkeys([n for n, _ in args] + [n for n, _ in other or []]))
     a, b = dict(args), dict(other or [])
-    table = pd.DataFrame([[n, a.get(n, "")] + ([b.get(n, "")] if other is not None else [])
-                          for n in names],
-                         columns=["argument", "recorded"] + (["other run"] if other is not None else []))
-    return _box(f"<b>Replay</b> of {html_text(result.op)} against a "
-                f"{html_text(str(result.dtype).removeprefix('torch.'))} re-run on its recorded "
-                f"inputs: the op's own error{styled(rows)}"
-                + (section("recorded arguments", styled(table), count=len(names), open_=True)
-                   if names else ""))
+    table = pd.DataFrame(
+        [[n, a.get(n, "")] + ([b.get(n, "")] if other is not None else []) for n in names],
+        columns=["argument", "recorded"] + (["other run"] if other is not None else []),
+    )
+    return _box(
+        f"<b>Replay</b> of {html_text(result.op)} against a "
+        f"{html_text(str(result.dtype).removeprefix('torch.'))} re-run on its recorded "
+        f"inputs: the op's own error{styled(rows)}"
+        + (section("recorded arguments", styled(table), count=len(names), open_=True) if names else "")
+    )

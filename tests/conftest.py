@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tdinspect.examples import make_model, make_tokens
-from tdinspect.samples import capture_model_run
+from tdinspect.examples.models import make_model, make_tokens
+from tdinspect.examples.samples import capture_model_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,8 +45,9 @@ def runs(tmp_path_factory):
         "wrong": capture_model_run(root / "wrong", steps=3, perturb="layers.2.mlp.down.weight"),
         "bf16": capture_model_run(root / "bf16", steps=3, dtype=torch.bfloat16),
         "stats": capture_model_run(root / "stats", steps=3, stats_only=True),
-        "stats_wrong": capture_model_run(root / "stats_wrong", steps=3, stats_only=True,
-                                         perturb="layers.2.mlp.down.weight"),
+        "stats_wrong": capture_model_run(
+            root / "stats_wrong", steps=3, stats_only=True, perturb="layers.2.mlp.down.weight"
+        ),
     }
 
 
@@ -58,12 +59,11 @@ def only_folder(run: Path) -> Path:
 def rewrite_sidecar(sidecar: Path, doc: dict, bind: bool = True) -> None:
     """Write ``doc`` as ``sidecar``: bound to its pass file as the writer does (a careful
     attacker), or (``bind=False``) as an editor would, keeping whatever binding it holds."""
-    from tdinspect.sidecars import seal
+    from tdinspect.store.sidecars import seal
 
     if not bind:
         sidecar.write_text(json.dumps(doc, separators=(",", ":")))
         return
-    data = json.dumps({k: v for k, v in doc.items() if k != "binding"},
-                      separators=(",", ":")).encode()
+    data = json.dumps({k: v for k, v in doc.items() if k != "binding"}, separators=(",", ":")).encode()
     pass_file = sidecar.with_suffix(".pt")
     sidecar.write_bytes(seal(data, pass_file if pass_file.exists() else None))

@@ -18,10 +18,10 @@ from torch import nn
 import tdinspect
 from tdinspect import DumpSet
 from tdinspect.cli import main
-from tdinspect.diff import Thresholds
-from tdinspect.examples import make_model, make_tokens
-from tdinspect.live import LiveCompare
-from tdinspect.metrics import auto_threshold, unit_roundoff
+from tdinspect.compare.diff import Thresholds
+from tdinspect.dumper.live import LiveCompare
+from tdinspect.examples.models import make_model, make_tokens
+from tdinspect.numerics.metrics import auto_threshold, unit_roundoff
 from tdinspect.report import DiffSummary
 
 from .test_checksum import SplitK  # another reduction order
@@ -51,16 +51,18 @@ def float32_runs(tmp_path_factory):
     norm = make_model(seed=0)
     with torch.no_grad():
         norm.layers[1].ln2.weight.mul_(1.01)  # one norm weight 1% off
-    return {"ref": _run(root / "ref", make_model(seed=0)),
-            "ref2": _run(root / "ref2", make_model(seed=0)),
-            "norm": _run(root / "norm", norm),
-            "bf16": _run(root / "bf16", make_model(seed=0, dtype=torch.bfloat16)),
-            "split": _run(root / "split", _split_k(make_model(seed=0)))}
+    return {
+        "ref": _run(root / "ref", make_model(seed=0)),
+        "ref2": _run(root / "ref2", make_model(seed=0)),
+        "norm": _run(root / "norm", norm),
+        "bf16": _run(root / "bf16", make_model(seed=0, dtype=torch.bfloat16)),
+        "split": _run(root / "split", _split_k(make_model(seed=0))),
+    }
 
 
 def test_the_rule_per_dtype_pair():
     u32, u16, ub16 = (torch.finfo(d).eps / 2 for d in (torch.float32, torch.float16, torch.bfloat16))
-    assert unit_roundoff("torch.float64") == 2.0 ** -53 and unit_roundoff(torch.float32) == u32
+    assert unit_roundoff("torch.float64") == 2.0**-53 and unit_roundoff(torch.float32) == u32
     assert unit_roundoff("torch.complex64") == u32 and unit_roundoff("torch.int64") == 0.0
     assert unit_roundoff("torch.bool") == 0.0 and unit_roundoff("") is None
     assert unit_roundoff("torch.qint8") is None and unit_roundoff("os.system") is None
@@ -70,16 +72,24 @@ def test_the_rule_per_dtype_pair():
     assert auto_threshold("rel_diff_cast", "torch.float16", "torch.int32") == (u16 / 4, "auto: float16")
     assert auto_threshold("rel_diff", "torch.int64", "torch.int64") == (0.0, "auto: int64")
     assert auto_threshold("cosine", "torch.float16", "torch.float16") == (1 - u16 / 4, "auto: float16")
-    assert auto_threshold("cosine", "torch.float64", "torch.float64")[0] == 1 - 2.0 ** -50
+    assert auto_threshold("cosine", "torch.float64", "torch.float64")[0] == 1 - 2.0**-50
     assert auto_threshold("cosine", "torch.int8", "torch.int8")[0] == 1.0
     # sqnr_db = -10 log10(2 rel_diff), at rel_diff = u/4
     assert auto_threshold("sqnr_db", "torch.float32", "torch.float32")[0] == pytest.approx(
-        -10 * math.log10(2 * u32 / 4), rel=1e-12)
+        -10 * math.log10(2 * u32 / 4), rel=1e-12
+    )
     assert auto_threshold("sqnr_db", "torch.float32", "torch.float32")[0] == pytest.approx(75.26, abs=0.01)
     assert auto_threshold("sqnr_db", "torch.int64", "torch.int64")[0] == math.inf
     # no dtype-derived scale, or unknown dtypes: the fixed default
-    for name, fixed in (("max_abs", 1e-3), ("mean_abs", 1e-4), ("max_rel", 1e-2), ("mismatch", 0.0),
-                        ("equal", 1.0), ("stats_rel", 1e-3), ("max_abs_cast", 1e-3)):
+    for name, fixed in (
+        ("max_abs", 1e-3),
+        ("mean_abs", 1e-4),
+        ("max_rel", 1e-2),
+        ("mismatch", 0.0),
+        ("equal", 1.0),
+        ("stats_rel", 1e-3),
+        ("max_abs_cast", 1e-3),
+    ):
         assert auto_threshold(name, "torch.float32", "torch.float32") == (fixed, "default")
     assert auto_threshold("rel_diff", "torch.float32", "") == (1e-3, "default")
 
@@ -152,11 +162,12 @@ def test_float64_reduction_order_finds_nothing(tmp_path):
 
 
 def test_integers_diverge_on_any_difference(tmp_path):
-    big = torch.full((4,), 2 ** 60, dtype=torch.int64)
+    big = torch.full((4,), 2**60, dtype=torch.int64)
     x = torch.arange(8.0)
     a = write_dump(tmp_path / "a", [{"model.ids": big, "model.x": x}])
-    b = write_dump(tmp_path / "b", [{"model.ids": big + torch.tensor([0, 0, 1, 0]),
-                                     "model.x": x.to(torch.float64)}])
+    b = write_dump(
+        tmp_path / "b", [{"model.ids": big + torch.tensor([0, 0, 1, 0]), "model.x": x.to(torch.float64)}]
+    )
     d = DumpSet.open(a).diff(b)
     div = d.first_divergence()
     assert div.key == "model.ids" and div.threshold == 0.0 and div.reason.endswith("(auto: int64)")
@@ -166,10 +177,14 @@ def test_integers_diverge_on_any_difference(tmp_path):
 
 
 def _llama_run(path, dtype=torch.float32, **overrides):
-    from tdinspect.examples_port import make_hf_llama, port_tokens
+    from tdinspect.examples.port import make_hf_llama, port_tokens
 
-    return _run(path, make_hf_llama(seed=0, **overrides).to(dtype), steps=1,
-                tokens=lambda seed: port_tokens(seed=seed))
+    return _run(
+        path,
+        make_hf_llama(seed=0, **overrides).to(dtype),
+        steps=1,
+        tokens=lambda seed: port_tokens(seed=seed),
+    )
 
 
 def test_a_rope_theta_change_in_a_tiny_llama_is_found_by_default(tmp_path):
@@ -192,16 +207,17 @@ def test_live_comparison_uses_auto(float32_runs, tmp_path):
     with torch.no_grad():
         model.layers[1].ln2.weight.mul_(1.01)
     with pytest.raises(tdinspect.DivergenceError) as err:
-        with torch.no_grad(), tdinspect.capture(model, compare_to=float32_runs["ref"],
-                                                environ={}) as dump:
+        with torch.no_grad(), tdinspect.capture(model, compare_to=float32_runs["ref"], environ={}) as dump:
             model(make_tokens(seed=0))
             dump.step()
     offline = DumpSet.open(float32_runs["ref"]).diff(float32_runs["norm"]).first_divergence()
     live = err.value.divergence
     assert (live.key, live.reason, live.threshold) == (offline.key, offline.reason, offline.threshold)
     assert LiveCompare(float32_runs["ref"], threshold=1e-3).threshold.fixed == 1e-3
-    with torch.no_grad(), tdinspect.capture(model, compare_to=float32_runs["ref"], threshold=1e-3,
-                                            environ={}) as dump:
+    with (
+        torch.no_grad(),
+        tdinspect.capture(model, compare_to=float32_runs["ref"], threshold=1e-3, environ={}) as dump,
+    ):
         model(make_tokens(seed=0))  # the old fixed default lets it through
         dump.step()
 
@@ -215,8 +231,7 @@ def test_cli_auto_is_the_default_and_is_shown(float32_runs, capsys):
     assert main(["first-divergence", ref, norm, "--threshold", "auto"]) == 1
     assert main(["first-divergence", ref, norm, "--threshold", "1e-3"]) == 0
     assert "threshold: 0.001" in capsys.readouterr().out
-    assert main(["first-divergence", ref, norm, "--threshold", "ln2=1e-3", "--threshold",
-                 "mlp=auto"]) == 1
+    assert main(["first-divergence", ref, norm, "--threshold", "ln2=1e-3", "--threshold", "mlp=auto"]) == 1
     assert "model.layers.1.mlp.up" in capsys.readouterr().out
     assert main(["diff", ref, str(float32_runs["bf16"])]) == 0
     out = capsys.readouterr().out
@@ -234,8 +249,10 @@ def test_reprs_show_auto(float32_runs):
     d = DumpSet.open(float32_runs["ref"]).diff(float32_runs["norm"])
     assert "threshold: auto by default (rel_diff u/4" in repr(d)
     text = repr(DiffSummary(d))
-    assert "threshold: auto (rel_diff u/4, u = unit roundoff of the coarser dtype: float32 1.49e-08)" \
-        in text and "(auto: float32)" in text
+    assert (
+        "threshold: auto (rel_diff u/4, u = unit roundoff of the coarser dtype: float32 1.49e-08)" in text
+        and "(auto: float32)" in text
+    )
     html = d._repr_html_()
     assert "threshold: auto (rel_diff u/4" in html and "(auto: float32)" in html
     assert "threshold: 0.001" in repr(DiffSummary(d, threshold=1e-3))
@@ -251,7 +268,7 @@ def test_plots_draw_each_entrys_auto_threshold(float32_runs):
     labels = ax.get_legend_handles_labels()[1]
     assert "threshold auto, per entry (above diverges)" in labels and ax.get_title() == "no divergence"
     step = next(line for line in ax.lines if line.get_label().startswith("threshold auto"))
-    assert set(step.get_ydata()) == {2.0 ** -8 / 4}  # bfloat16's u/4 on every entry
+    assert set(step.get_ydata()) == {2.0**-8 / 4}  # bfloat16's u/4 on every entry
     fixed = tdinspect.plot.divergence(d, threshold=1e-5).axes[0]
     assert "threshold 1.0e-05 (above diverges)" in fixed.get_legend_handles_labels()[1]
     assert fixed.get_title().startswith("first divergence:")
@@ -267,7 +284,7 @@ def test_plots_draw_each_entrys_auto_threshold(float32_runs):
 def _llama_ops(path, dtype=torch.float32, norm_scale=None, layer=1):
     """A tiny HF Llama (eager attention, no padding mask: HF builds no mask constant from
     ``finfo(dtype).min`` that would differ between the dtypes) captured op by op."""
-    from tdinspect.examples_port import make_hf_llama, port_tokens
+    from tdinspect.examples.port import make_hf_llama, port_tokens
 
     model = make_hf_llama(seed=0)
     model.config._attn_implementation = "eager"
@@ -285,9 +302,12 @@ def _llama_ops(path, dtype=torch.float32, norm_scale=None, layer=1):
 def llama_ops(tmp_path_factory):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("auto_ops")
-    return {"f32": _llama_ops(root / "f32"), "bf16": _llama_ops(root / "bf16", torch.bfloat16),
-            "norm": _llama_ops(root / "norm", norm_scale=1.01),
-            "bf16_norm": _llama_ops(root / "bf16_norm", torch.bfloat16, norm_scale=3.0, layer=0)}
+    return {
+        "f32": _llama_ops(root / "f32"),
+        "bf16": _llama_ops(root / "bf16", torch.bfloat16),
+        "norm": _llama_ops(root / "norm", norm_scale=1.01),
+        "bf16_norm": _llama_ops(root / "bf16_norm", torch.bfloat16, norm_scale=3.0, layer=0),
+    }
 
 
 def test_float32_ops_on_bfloat16_values_are_judged_at_bfloat16(llama_ops):
@@ -307,7 +327,10 @@ def test_float32_ops_on_bfloat16_values_are_judged_at_bfloat16(llama_ops):
     pow_ = t.loc["model.model.norm/aten.pow.Tensor_Scalar[out0]"]
     for row in (sin, pow_):
         assert (row["dtype_a"], row["dtype_b"], row["upstream"]) == (
-            "torch.float32", "torch.float32", "bfloat16")
+            "torch.float32",
+            "torch.float32",
+            "bfloat16",
+        )
         assert F32 < row["rel_diff"] < 9.8e-4  # over float32's bar, bf16 rounding only
     # a real bug in the bf16 run (a norm weight 3x) is still found; float32 ops after
     # it are judged at bfloat16 and say why
@@ -317,7 +340,10 @@ def test_float32_ops_on_bfloat16_values_are_judged_at_bfloat16(llama_ops):
     why = bug.divergences()
     up = why[why["why"].str.endswith("(auto: bfloat16 upstream)")]
     assert len(up) and (up["dtype_a"] == "torch.float32").all() and (up["dtype_b"] == "torch.float32").all()
-    assert up["why"].iloc[0].startswith("rel_diff ") and " > 0.000977 (auto: bfloat16 upstream)" in up["why"].iloc[0]
+    assert (
+        up["why"].iloc[0].startswith("rel_diff ")
+        and " > 0.000977 (auto: bfloat16 upstream)" in up["why"].iloc[0]
+    )
 
 
 def test_float32_op_level_bug_is_found_at_its_first_op(llama_ops):
@@ -388,13 +414,18 @@ def half_llama_runs(tmp_path_factory):
     rel_diff sees at ~5e-5, under float16's auto threshold (1.2e-4)."""
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("half_llama")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     runs = {}
-    for name, impl, scale in (("eager", "eager", 1.0), ("sdpa", "sdpa", 1.0),
-                              ("scaled", "sdpa", 1.01)):
+    for name, impl, scale in (("eager", "eager", 1.0), ("sdpa", "sdpa", 1.0), ("scaled", "sdpa", 1.01)):
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(cfg).to(torch.float16).eval()
         model.config._attn_implementation = impl
@@ -421,14 +452,12 @@ def test_no_divergence_names_the_nearest_entry_and_how_much_it_adds(half_llama_r
     assert noise["share"] < near["share"] / 10 and (noise["growth"] or 0) < near["growth"] / 5
     assert ref.diff(half_llama_runs["eager"]).nearest() is None  # identical: nothing to name
 
-    assert main(["first-divergence", str(half_llama_runs["eager"]),
-                 str(half_llama_runs["scaled"])]) == 0
+    assert main(["first-divergence", str(half_llama_runs["eager"]), str(half_llama_runs["scaled"])]) == 0
     out = capsys.readouterr().out
     assert "no divergence" in out and "nearest: model.model.layers.1.mlp.down_proj (pass 0)" in out
     assert main(["diff", str(half_llama_runs["eager"]), str(half_llama_runs["scaled"])]) == 0
     assert "nearest: model.model.layers.1.mlp.down_proj" in capsys.readouterr().out
-    assert main(["first-divergence", str(half_llama_runs["eager"]),
-                 str(half_llama_runs["eager"])]) == 0
+    assert main(["first-divergence", str(half_llama_runs["eager"]), str(half_llama_runs["eager"])]) == 0
     assert "nearest" not in capsys.readouterr().out
 
     shown = DiffSummary(diff)

@@ -12,6 +12,7 @@ are kept in ``test-artifacts/`` (paths printed).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -20,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import json
 import time
 import urllib.request
 from pathlib import Path
@@ -30,8 +30,16 @@ import pytest
 from .conftest import ROOT
 
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = ROOT / "test-artifacts"
 
 
@@ -64,7 +72,7 @@ def _wait_for_server(url: str, proc, log: Path, what: str) -> None:
             return  # the server answers
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{what} did not start:\n" + log.read_text())
+                raise RuntimeError(f"{what} did not start:\n" + log.read_text()) from None
             time.sleep(0.5)
 
 
@@ -81,15 +89,35 @@ def jupyterlab(tmp_path):
     (served / "notebooks").mkdir()
     for name in ("02_compare_two_runs.ipynb", "05_magics.ipynb"):
         shutil.copy(ROOT / "notebooks" / name, served / "notebooks")
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
     log = open(tmp_path / "jupyter.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--ServerApp.root_dir={served}", f"--IdentityProvider.token={token}",
-         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--ServerApp.open_browser=False", "--allow-root"],
-        cwd=served, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--ServerApp.root_dir={served}",
+            f"--IdentityProvider.token={token}",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--ServerApp.open_browser=False",
+            "--allow-root",
+        ],
+        cwd=served,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_for_server(f"{base}/api/status?token={token}", proc, tmp_path / "jupyter.log", "JupyterLab")
@@ -144,8 +172,9 @@ def _until(read, before, timeout=60.0):
 
 
 def _dropdown(page, description: str):
-    return page.locator(".widget-dropdown", has=page.locator("label", has_text=re.compile(
-        f"^{description}$"))).last.locator("select")
+    return page.locator(
+        ".widget-dropdown", has=page.locator("label", has_text=re.compile(f"^{description}$"))
+    ).last.locator("select")
 
 
 def _save_timings(new: dict) -> None:
@@ -168,8 +197,13 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
     with sync_playwright() as pw:
         browser = _browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        _open_and_run_all(page, base, token, "02_compare_two_runs.ipynb",
-                          page.locator(".widget-html-content", has_text="first divergence"))
+        _open_and_run_all(
+            page,
+            base,
+            token,
+            "02_compare_two_runs.ipynb",
+            page.locator(".widget-html-content", has_text="first divergence"),
+        )
         before = _label(page)
         plot = page.locator(".widget-image").nth(-2)  # the divergence plot; the last is the view
 
@@ -193,8 +227,7 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
         page.locator(".widget-html-content", has_text="first divergence").last.scroll_into_view_if_needed()
         page.screenshot(path=str(shots[-1]))
         # switch the metric: its own threshold ("auto"), direction and scale come with it
-        cosine, times["metric_s"] = redrawn(lambda: _dropdown(page, "metric").select_option("cosine"),
-                                            after)
+        cosine, times["metric_s"] = redrawn(lambda: _dropdown(page, "metric").select_option("cosine"), after)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
         readout_text = page.locator(".widget-readout").last.inner_text()
         time.sleep(1.0)
@@ -213,8 +246,10 @@ def test_explorer_in_jupyterlab_threshold_metric_and_pass(jupyterlab, tmp_path):
         page.screenshot(path=str(shots[-1]))
         browser.close()
     _save_timings({f"explorer_{k}": round(v, 3) for k, v in times.items()})
-    print(f"\nscreenshots: {[str(p) for p in shots]}\ntimes (s): {times}\nbefore: {before}\n"
-          f"after:  {after}\ncosine: {cosine}")
+    print(
+        f"\nscreenshots: {[str(p) for p in shots]}\ntimes (s): {times}\nbefore: {before}\n"
+        f"after:  {after}\ncosine: {cosine}"
+    )
     assert before.startswith("first divergence:")
     assert after != before and after.startswith("first divergence:")
     # the metric switch brings threshold "auto" back: bfloat16's 1 - u/4 for these entries
@@ -231,16 +266,20 @@ def test_rerunning_a_capture_cell_opens_exactly_the_new_run(jupyterlab):
     with sync_playwright() as pw:
         browser = _browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        _open_and_run_all(page, base, token, "05_magics.ipynb",
-                          page.locator(".widget-html-content", has_text="first divergence"))
+        _open_and_run_all(
+            page,
+            base,
+            token,
+            "05_magics.ipynb",
+            page.locator(".widget-html-content", has_text="first divergence"),
+        )
         cells = page.locator(".jp-Notebook .jp-CodeCell")
 
         def run(index):
             cells.nth(index).locator(".jp-InputArea-editor").click()
             page.keyboard.press("Control+Enter")
             time.sleep(1.0)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                   timeout=60_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
             return cells.nth(index).locator(".jp-OutputArea").inner_text()
 
         captured = run(1)  # %%tdi_capture $out/good --model good, a second time
@@ -261,14 +300,29 @@ def voila_dashboard(tmp_path):
     pytest.importorskip("playwright")
     pytest.importorskip("voila")
     port = _free_port()
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
     log = open(tmp_path / "voila.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tdinspect", "dashboard", str(ROOT / "sample_dumps" / "float32"),
-         str(ROOT / "sample_dumps" / "wrong_layer"), f"--port={port}", "--no-browser"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "tdinspect",
+            "dashboard",
+            str(ROOT / "sample_dumps" / "float32"),
+            str(ROOT / "sample_dumps" / "wrong_layer"),
+            f"--port={port}",
+            "--no-browser",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_for_server(f"{base}/api/status", proc, tmp_path / "voila.log", "Voila")
@@ -309,10 +363,17 @@ def test_dashboard_served_by_voila(voila_dashboard):
         again.locator(".widget-image").last.wait_for(timeout=60_000)
         warm_view = time.perf_counter() - t0
         browser.close()
-    _save_timings({"dashboard_first_view_s": round(first_view, 3), "dashboard_pick_s": round(pick, 3),
-                   "dashboard_preheated_view_s": round(warm_view, 3)})
-    print(f"\nscreenshots: {shot}, {shot2}\nfirst view {first_view:.2f} s (pre-heated: "
-          f"{warm_view:.2f} s), pick {pick:.2f} s\n{text}")
+    _save_timings(
+        {
+            "dashboard_first_view_s": round(first_view, 3),
+            "dashboard_pick_s": round(pick, 3),
+            "dashboard_preheated_view_s": round(warm_view, 3),
+        }
+    )
+    print(
+        f"\nscreenshots: {shot}, {shot2}\nfirst view {first_view:.2f} s (pre-heated: "
+        f"{warm_view:.2f} s), pick {pick:.2f} s\n{text}"
+    )
     assert "model.layers.2.mlp.down" in text and "(auto: float32)" in text  # threshold "auto"
     assert "None" not in body.split()  # no stray None outputs on the page
     assert pick < 60

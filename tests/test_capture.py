@@ -17,8 +17,8 @@ from torch import nn
 
 import tdinspect
 from tdinspect import ConfigError, DumpConfig, load_pass
-from tdinspect.examples import make_model, make_tokens
-from tdinspect.stats import STAT_NAMES, tensor_stats
+from tdinspect.examples.models import make_model, make_tokens
+from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
 
 from .conftest import only_folder
 
@@ -35,7 +35,12 @@ def test_outputs_bitwise_identical_and_layout(tmp_path, model, tokens):
     folder = only_folder(tmp_path / "d")
     assert re.fullmatch(rf"rank0_pid{os.getpid()}", folder.name)
     assert sorted(p.name for p in folder.iterdir()) == [
-        "pass00000.json", "pass00000.pt", "pass00001.json", "pass00001.pt", "run.json"]
+        "pass00000.json",
+        "pass00000.pt",
+        "pass00001.json",
+        "pass00001.pt",
+        "run.json",
+    ]
     tensors = load_pass(folder / "pass00000.pt")
     keys = list(tensors)
     # execution order, dotted names rooted at "model", leaves only, no weights
@@ -129,8 +134,13 @@ def test_structured_outputs_get_parseable_sub_names(tmp_path):
         model(x)
         dump.step()
     t = load_pass(only_folder(tmp_path) / "pass00000.pt")
-    assert list(t) == ["model.0[0]", "model.0[2][a]", "model.0[2][b][0]", "model.0[3][hidden]",
-                       "model.0[3][aux][0]"]
+    assert list(t) == [
+        "model.0[0]",
+        "model.0[2][a]",
+        "model.0[2][b][0]",
+        "model.0[3][hidden]",
+        "model.0[3][aux][0]",
+    ]
     assert torch.equal(t["model.0[3][aux][0]"], x * 5)
     parts = tdinspect.parse_key("model.0[2][b][0]")
     assert parts.module == "model.0" and parts.labels == ("2", "b", "0")
@@ -141,8 +151,7 @@ def test_hf_style_mapping_output(tmp_path):
     with tdinspect.capture(model, tmp_path) as dump:
         model(torch.ones(2))
         dump.step()
-    assert list(load_pass(only_folder(tmp_path) / "pass00000.pt")) == [
-        "model.0[logits]", "model.0[past][0]"]
+    assert list(load_pass(only_folder(tmp_path) / "pass00000.pt")) == ["model.0[logits]", "model.0[past][0]"]
 
 
 def test_views_are_saved_compactly(tmp_path):
@@ -184,12 +193,16 @@ def test_inplace_mutation_after_hook_does_not_change_dump(tmp_path):
 
 
 def test_root_and_modules_all(tmp_path, model, tokens):
-    with tdinspect.capture(model, tmp_path, root="net", modules="all",
-                           filter=r"^net(\.layers\.0(\.attn)?)?$") as dump:
+    with tdinspect.capture(
+        model, tmp_path, root="net", modules="all", filter=r"^net(\.layers\.0(\.attn)?)?$"
+    ) as dump:
         model(tokens)
         dump.step()
     assert list(load_pass(only_folder(tmp_path) / "pass00000.pt")) == [
-        "net.layers.0.attn", "net.layers.0", "net"]
+        "net.layers.0.attn",
+        "net.layers.0",
+        "net",
+    ]
 
 
 def test_off_by_default_registers_nothing(model, tokens, tmp_path, monkeypatch):
@@ -230,15 +243,18 @@ def test_filters_regex_list_callable_and_file(tmp_path, model, tokens):
         assert list(load_pass(only_folder(tmp_path / name) / "pass00000.pt")) == expected[name], name
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(filter="layers.(0"), "invalid filter regex"),
-    (dict(filter=r"no_such_module"), "selects no module"),
-    (dict(filter_fn="/no/such/file.py:keep"), "no such file"),
-    (dict(filter_fn="tests.predicates:missing"), "no callable 'missing'"),
-    (dict(filter_fn="no_such_pkg_xyz.mod:keep"), "importing"),
-    (dict(filter=r"x", filter_fn="tests.predicates:only_norms"), "exclusive"),
-    (dict(filter=[]), "empty list"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(filter="layers.(0"), "invalid filter regex"),
+        (dict(filter=r"no_such_module"), "selects no module"),
+        (dict(filter_fn="/no/such/file.py:keep"), "no such file"),
+        (dict(filter_fn="tests.predicates:missing"), "no callable 'missing'"),
+        (dict(filter_fn="no_such_pkg_xyz.mod:keep"), "importing"),
+        (dict(filter=r"x", filter_fn="tests.predicates:only_norms"), "exclusive"),
+        (dict(filter=[]), "empty list"),
+    ],
+)
 def test_bad_filters_fail_at_capture_time(tmp_path, model, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         tdinspect.capture(model, tmp_path, **kwargs)
@@ -254,7 +270,9 @@ def test_environment_switches_dump_on_and_overlays_config(tmp_path, model, token
         dump.step()
     assert not (tmp_path / "code").exists()
     assert list(load_pass(only_folder(tmp_path / "env") / "pass00000.pt")) == [
-        "model.layers.0.ln1", "model.lm_head"]
+        "model.layers.0.ln1",
+        "model.lm_head",
+    ]
 
 
 def test_environment_bare_pattern_and_own_family(tmp_path, model, tokens, monkeypatch):
@@ -270,14 +288,17 @@ def test_environment_filter_fn_and_conflicts(tmp_path, monkeypatch):
     env = {"TDINSPECT_DUMP_DIR": str(tmp_path), "TDINSPECT_DUMP_FILTER_FN": "tests.predicates:only_norms"}
     assert DumpConfig(filter=r"x").with_env(env).filter_fn == "tests.predicates:only_norms"
     with pytest.raises(ConfigError, match="exclusive"):
-        DumpConfig().with_env({"PHYAI_DEBUG_TENSOR_DUMP_FILTER": "a",
-                               "PHYAI_DEBUG_TENSOR_DUMP_FILTER_FN": "m:f"})
+        DumpConfig().with_env(
+            {"PHYAI_DEBUG_TENSOR_DUMP_FILTER": "a", "PHYAI_DEBUG_TENSOR_DUMP_FILTER_FN": "m:f"}
+        )
     with pytest.raises(ConfigError, match="exclusive"):
         DumpConfig().with_env({"TDINSPECT_DUMP_FILTER": "a", "PHYAI_DEBUG_TENSOR_DUMP_FILTER_FN": "m:f"})
     with pytest.raises(ConfigError, match="disagree"):
         DumpConfig().with_env({"TDINSPECT_DUMP_DIR": "/a", "PHYAI_DEBUG_TENSOR_DUMP_DIR": "/b"})
-    assert DumpConfig().with_env({"TDINSPECT_DUMP_DIR": "/a",
-                                  "PHYAI_DEBUG_TENSOR_DUMP_DIR": "/a"}).dump_dir == "/a"
+    assert (
+        DumpConfig().with_env({"TDINSPECT_DUMP_DIR": "/a", "PHYAI_DEBUG_TENSOR_DUMP_DIR": "/a"}).dump_dir
+        == "/a"
+    )
     with pytest.raises(ConfigError, match="JSON"):
         DumpConfig().with_env({"TDINSPECT_DUMP_FILTER": "[not json"})
 
@@ -349,9 +370,9 @@ def test_rank_from_environment(tmp_path, model, tokens, monkeypatch):
 def test_writer_backpressure_bounded_queue(tmp_path, model, tokens, monkeypatch, cap):
     """A slow disk: with a byte cap below one pass, step() waits until at most one pass is queued;
     without one (a huge cap), passes pile up. Either way every pass is written."""
-    from tdinspect.dumper.writer import PendingPass
-
     import threading
+
+    from tdinspect.dumper.writer import PendingPass
 
     slow_write = PendingPass.write
     disk_free = threading.Event()  # without a cap the disk stays busy until every step is in:
@@ -380,9 +401,11 @@ def test_import_is_light():
     import subprocess
     import sys
 
-    code = ("import sys, tdinspect; tdinspect.capture; tdinspect.capture_ops; "
-            "print([m for m in ('xarray','pandas','matplotlib','IPython','dask','numba','tdinspect.kernels') "
-            "if m in sys.modules])")
+    code = (
+        "import sys, tdinspect; tdinspect.capture; tdinspect.capture_ops; "
+        "print([m for m in ('xarray','pandas','matplotlib','IPython','dask','numba','tdinspect.numerics.kernels') "
+        "if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

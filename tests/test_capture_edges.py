@@ -25,14 +25,14 @@ def test_modules_all_does_not_report_containers_as_missing(model, tokens, tmp_pa
 def test_ls_shows_per_call_shapes_when_they_differ(model, tmp_path, capsys):
     """Issue 13: ls showed call 0's shape only (prefill [2, 16, .] and decode [2, 1, .] alike)."""
     from tdinspect.cli import main
-    from tdinspect.examples import make_tokens
+    from tdinspect.examples.models import make_tokens
 
     tokens = make_tokens()
     with torch.no_grad(), tdinspect.capture(model, tmp_path, environ={}) as dump:
         model(tokens)  # "prefill"
         dump.step()
         for step in range(3):  # "decode": one token at a time
-            model(tokens[:, step:step + 1])
+            model(tokens[:, step : step + 1])
             dump.step()
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out

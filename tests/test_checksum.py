@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import tdinspect
 from tdinspect import DumpSet
-from tdinspect.checksum import _SEED_K, _SEED_R, BLOCK, checksum_hex, tensor_checksum
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
+from tdinspect.numerics.checksum import _SEED_K, _SEED_R, BLOCK, checksum_hex, tensor_checksum
 
 from .conftest import only_folder
 
@@ -31,22 +31,25 @@ def reference_checksum(t: torch.Tensor) -> int:
     raw += [0] * (-len(raw) % 4)
     h = 0
     for j in range(0, len(raw), 4):
-        w = int.from_bytes(bytes(raw[j:j + 4]), "little", signed=True)
+        w = int.from_bytes(bytes(raw[j : j + 4]), "little", signed=True)
         c, k = divmod(j // 4, BLOCK)
         h += w * (splitmix64(k, _SEED_K) | 1) * (splitmix64(c, _SEED_R) | 1)
     return h & MASK
 
 
-@pytest.mark.parametrize("t", [
-    torch.randn(2 * BLOCK + 5),                                  # two full blocks and a tail
-    torch.randn(7, 3, dtype=torch.float64).t(),                  # non-contiguous: logical order
-    torch.randn(5, dtype=torch.bfloat16),                        # 10 bytes: zero-padded word
-    torch.tensor([True, False, True]),
-    torch.randint(-128, 127, (9,), dtype=torch.int8),
-    torch.tensor(3.5),                                           # 0-d
-    torch.randn(3, dtype=torch.complex64),
-    torch.empty(0),
-])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(2 * BLOCK + 5),  # two full blocks and a tail
+        torch.randn(7, 3, dtype=torch.float64).t(),  # non-contiguous: logical order
+        torch.randn(5, dtype=torch.bfloat16),  # 10 bytes: zero-padded word
+        torch.tensor([True, False, True]),
+        torch.randint(-128, 127, (9,), dtype=torch.int8),
+        torch.tensor(3.5),  # 0-d
+        torch.randn(3, dtype=torch.complex64),
+        torch.empty(0),
+    ],
+)
 def test_matches_the_documented_formula(t):
     assert checksum_hex(tensor_checksum(t)) == f"{reference_checksum(t):016x}"
 
@@ -80,16 +83,14 @@ class SplitK(torch.nn.Module):
 
     def forward(self, x):
         k = x.shape[-1] // 2
-        return (F.linear(x[..., :k], self.weight[:, :k]) + F.linear(x[..., k:], self.weight[:, k:])
-                + self.bias)
+        return F.linear(x[..., :k], self.weight[:, :k]) + F.linear(x[..., k:], self.weight[:, k:]) + self.bias
 
 
 def checksum_run(path, split=False):
     model = make_model(seed=0)
     if split:
         model.layers[1].mlp.down = SplitK(model.layers[1].mlp.down)
-    with torch.no_grad(), tdinspect.capture(model, path, stats_only=True, checksum=True,
-                                            environ={}) as dump:
+    with torch.no_grad(), tdinspect.capture(model, path, stats_only=True, checksum=True, environ={}) as dump:
         for step in range(2):
             model(make_tokens(seed=step))
             dump.step()
@@ -110,8 +111,10 @@ def test_reduction_order_is_found_by_checksum_alone(tmp_path):
     diff = DumpSet.open(a).diff(b)
     div = diff.first_divergence(metric="equal")
     assert (div.key, div.pass_) == ("model.layers.1.mlp.down", 0)
-    assert diff.table(progress=False).set_index(["pass", "key"]).loc[
-        (0, "model.layers.1.mlp.down"), "stats_rel"] < 1e-5
+    assert (
+        diff.table(progress=False).set_index(["pass", "key"]).loc[(0, "model.layers.1.mlp.down"), "stats_rel"]
+        < 1e-5
+    )
     # the live tensors confirm it: close, not equal
     x = torch.randn(2, 16, 256)
     lin = make_model(seed=0).layers[1].mlp.down
@@ -121,8 +124,7 @@ def test_reduction_order_is_found_by_checksum_alone(tmp_path):
 def test_equal_without_checksums_is_a_clear_error(tmp_path):
     a = checksum_run(tmp_path / "a")
     model = make_model(seed=0)
-    with torch.no_grad(), tdinspect.capture(model, tmp_path / "s", stats_only=True,
-                                            environ={}) as dump:
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "s", stats_only=True, environ={}) as dump:
         model(make_tokens())
         dump.step()
     with pytest.raises(ValueError, match=r"metric='equal'.*B \(.*s\) has none.*checksum=True"):
@@ -148,24 +150,28 @@ def test_op_level_checksums_tell_a_rounding_change(tmp_path):
     assert div is not None and "aten." in div.key
 
 
-@pytest.mark.parametrize("numel, dtype", [
-    (1 << 16, torch.float32),                 # the smallest tensor the compiled loop takes
-    (2 * BLOCK + 5, torch.float32),           # blocks and a tail
-    (17 * BLOCK + 3, torch.float32),          # more blocks than torch's conversion chunk
-    (3 * BLOCK + 1, torch.bfloat16),          # words of two elements, a zero-padded last one
-    (BLOCK + 3, torch.float64),               # two words an element
-])
+@pytest.mark.parametrize(
+    "numel, dtype",
+    [
+        (1 << 16, torch.float32),  # the smallest tensor the compiled loop takes
+        (2 * BLOCK + 5, torch.float32),  # blocks and a tail
+        (17 * BLOCK + 3, torch.float32),  # more blocks than torch's conversion chunk
+        (3 * BLOCK + 1, torch.bfloat16),  # words of two elements, a zero-padded last one
+        (BLOCK + 3, torch.float64),  # two words an element
+    ],
+)
 def test_compiled_loop_gives_the_torch_value(numel, dtype, monkeypatch):
-    """A big CPU tensor is read once by tdinspect.onepass: the same fingerprint as torch's
+    """A big CPU tensor is read once by tdinspect.numerics.onepass: the same fingerprint as torch's
     reductions, and with the statistics the same values as the separate calls."""
-    from tdinspect import onepass
-    from tdinspect.stats import stats_and_checksum, tensor_stats
+    from tdinspect.numerics import onepass
+    from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
     x[numel // 2] = -0.0
     calls = []
-    monkeypatch.setattr(onepass, "word_checksum",
-                        lambda w, f=onepass.word_checksum: calls.append(w.numel()) or f(w))
+    monkeypatch.setattr(
+        onepass, "word_checksum", lambda w, f=onepass.word_checksum: calls.append(w.numel()) or f(w)
+    )
     fast = tensor_checksum(x)
     assert calls  # the compiled loop ran
     monkeypatch.setenv("TDINSPECT_ONEPASS", "0")
@@ -185,15 +191,15 @@ def test_a_numba_that_fails_to_load_leaves_torch_serving(monkeypatch):
     (the same values) and says so once."""
     import sys
 
-    from tdinspect import onepass
-    from tdinspect.stats import stats_and_checksum, tensor_stats
+    from tdinspect.numerics import onepass
+    from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
 
     x = torch.randn(2 * BLOCK + 5, generator=torch.Generator().manual_seed(5))
     fast = int(tensor_checksum(x))
     monkeypatch.setattr(onepass, "_KERNELS", None)
     monkeypatch.setattr(onepass, "_UNAVAILABLE", False)
-    monkeypatch.delattr(tdinspect, "onepass_loops", raising=False)
-    monkeypatch.setitem(sys.modules, "tdinspect.onepass_loops", None)  # importing it fails
+    monkeypatch.delattr(tdinspect.numerics, "onepass_loops", raising=False)
+    monkeypatch.setitem(sys.modules, "tdinspect.numerics.onepass_loops", None)  # importing it fails
     with pytest.warns(RuntimeWarning, match="numba failed to load.*torch's reductions"):
         assert int(tensor_checksum(x)) == fast
     assert not onepass.enabled(x)

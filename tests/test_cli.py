@@ -18,14 +18,28 @@ def test_first_divergence_exit_codes_and_json(runs, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["first_divergence"]["key"] == "model.layers.2.mlp.down"
     assert out["first_divergence"]["pass"] == 0
-    assert main(["first-divergence", str(runs["ref"]), str(runs["wrong"]),
-                 "--threshold", r"layers\.2\.mlp\.down=1", "--threshold", "1e-5"]) == 1
+    assert (
+        main(
+            [
+                "first-divergence",
+                str(runs["ref"]),
+                str(runs["wrong"]),
+                "--threshold",
+                r"layers\.2\.mlp\.down=1",
+                "--threshold",
+                "1e-5",
+            ]
+        )
+        == 1
+    )
     assert "model.layers.3.ln1" in capsys.readouterr().out
 
 
 def test_diff_table_and_metric(runs, capsys):
-    assert main(["diff", str(runs["ref"]), str(runs["wrong"]), "--metric", "max_abs",
-                 "--threshold", "1e-4"]) == 1
+    assert (
+        main(["diff", str(runs["ref"]), str(runs["wrong"]), "--metric", "max_abs", "--threshold", "1e-4"])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "divergent entries (max_abs)" in out and "model.layers.2.mlp.down" in out
     assert main(["diff", str(runs["ref"]), str(runs["ref2"]), "--json"]) == 0
@@ -63,17 +77,21 @@ def test_every_failure_exits_2_with_one_line(runs, capsys, monkeypatch):
 
     def broken(self, other, **kw):
         raise RuntimeError("view of a storage that is too small\nsecond line")
+
     monkeypatch.setattr(dumpset.DumpSet, "diff", broken)
     assert main(["first-divergence", ref, wrong]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == ("tdinspect first-divergence: error: RuntimeError: view of a storage "
-                           "that is too small (--debug shows the traceback)")
+    assert err.strip() == (
+        "tdinspect first-divergence: error: RuntimeError: view of a storage "
+        "that is too small (--debug shows the traceback)"
+    )
     assert main(["first-divergence", ref, wrong, "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err
 
 
 def test_api_rejects_nan_threshold_and_bad_regex(runs):
     import pytest
+
     from tdinspect import DumpSet
 
     d = DumpSet.open(runs["ref"]).diff(DumpSet.open(runs["wrong"]))
@@ -92,12 +110,13 @@ def test_a_cli_diff_of_small_dumps_stays_light():
     from .conftest import ROOT
 
     a, b = ROOT / "sample_dumps" / "float32", ROOT / "sample_dumps" / "wrong_layer"
-    code = ("import sys; from tdinspect.cli import main; "
-            f"codes = [main(['diff', {str(a)!r}, {str(b)!r}]), "
-            f"main(['first-divergence', {str(a)!r}, {str(b)!r}])]; "
-            "print(codes, [m for m in ('distributed', 'numba', 'xarray') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ROOT)
+    code = (
+        "import sys; from tdinspect.cli import main; "
+        f"codes = [main(['diff', {str(a)!r}, {str(b)!r}]), "
+        f"main(['first-divergence', {str(a)!r}, {str(b)!r}])]; "
+        "print(codes, [m for m in ('distributed', 'numba', 'xarray') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "[1, 1] []"
 
 
@@ -119,13 +138,25 @@ def test_a_reader_that_leaves_ends_the_command_quietly(runs):
 
     read, write = os.pipe()
     os.close(read)  # the reader is gone before anything is written
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     for command in (["diff", "--json"], ["first-divergence"], ["ls"]):
-        args = [command[0], str(runs["ref"]), *([str(runs["wrong"])] if command[0] != "ls" else []),
-                *command[1:]]
-        proc = subprocess.run([sys.executable, "-m", "tdinspect", *args], stdout=write,
-                              stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+        args = [
+            command[0],
+            str(runs["ref"]),
+            *([str(runs["wrong"])] if command[0] != "ls" else []),
+            *command[1:],
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-m", "tdinspect", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert (proc.returncode, proc.stderr) == (141, ""), command
     os.close(write)
 

@@ -10,7 +10,7 @@ import torch
 
 import tdinspect
 from tdinspect import DumpSet
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 
 
 def test_compiling_after_capture_started_runs_and_records_the_eager_entries(tmp_path):
@@ -34,8 +34,9 @@ def test_compiling_after_capture_started_runs_and_records_the_eager_entries(tmp_
     torch._dynamo.reset()
     # dynamo never traced into the recorder (it did: its lock, tensor_stats, recompile limits);
     # the only graph breaks are the hooks it was told to skip
-    traced_into = [why.splitlines()[0] for why in counters["unimplemented"]
-                   if "torch.compiler.disable" not in why]
+    traced_into = [
+        why.splitlines()[0] for why in counters["unimplemented"] if "torch.compiler.disable" not in why
+    ]
     assert not traced_into, traced_into
     assert torch.equal(out, expected)
     a, b = DumpSet.open(tmp_path / "eager"), DumpSet.open(tmp_path / "compiled")
@@ -61,6 +62,7 @@ def _eager_and(tmp_path, prepare):
 
 def test_in_place_compile_is_detected_at_capture_and_runs_eagerly(tmp_path):
     """Issue 13: m.compile() in place captured nothing, with only a warning at the end."""
+
     def compile_in_place(m):
         m.compile(backend="eager")
         return m
@@ -74,6 +76,7 @@ def test_in_place_compile_is_detected_at_capture_and_runs_eagerly(tmp_path):
 
 def test_compiled_submodule_names_line_up_with_the_eager_run(tmp_path):
     """Issue 13: a compiled submodule gave names with _orig_mod and 18 modules missing."""
+
     def compile_a_layer(m):
         m.layers[1] = torch.compile(m.layers[1], backend="eager")
         return m
@@ -88,7 +91,7 @@ def test_compiled_submodule_names_line_up_with_the_eager_run(tmp_path):
 _FRESH = """
 import sys, tempfile, warnings
 import torch, tdinspect
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 model, tokens, out = make_model(seed=0), make_tokens(), tempfile.mkdtemp()
 with torch.no_grad(), tdinspect.capture(model, out + '/eager', environ={}) as dump:
     expected = model(tokens); dump.step()
@@ -112,7 +115,11 @@ def test_a_plain_capture_never_loads_dynamo_and_a_later_compile_still_runs_eager
     loaded. In a fresh process, a plain capture leaves it unloaded; compiling the model while
     a capture runs (dynamo loaded after the hooks were made) still keeps dynamo out of the
     recorder, and records the eager entries."""
-    out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True,
-                         check=True, timeout=300)
-    assert out.stdout.splitlines() == ["dynamo after a plain capture: False", "traced into: []",
-                                       "same output, entries, values: True True True"], out.stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.splitlines() == [
+        "dynamo after a plain capture: False",
+        "traced into: []",
+        "same output, entries, values: True True True",
+    ], out.stdout

@@ -71,8 +71,20 @@ def test_concat_errors_are_reasons(steps):
 def test_cli_concat(steps, capsys):
     from tdinspect.cli import main
 
-    assert main(["first-divergence", str(steps / "full"), str(steps / "calls"),
-                 "--concat", "call:1", "--threshold", "1e-10"]) == 0
+    assert (
+        main(
+            [
+                "first-divergence",
+                str(steps / "full"),
+                str(steps / "calls"),
+                "--concat",
+                "call:1",
+                "--threshold",
+                "1e-10",
+            ]
+        )
+        == 0
+    )
     assert main(["first-divergence", str(steps / "full"), str(steps / "calls")]) == 1
     assert main(["diff", str(steps / "full"), str(steps / "calls"), "--concat", "step:1"]) == 2
     assert "over must be 'pass' or 'call'" in capsys.readouterr().err
@@ -85,9 +97,15 @@ def test_op_dump_without_module_calls_warns_that_an_ops_runs_are_mixed(tmp_path)
     folder = tmp_path / "rank0_pid1"
     folder.mkdir()
     t = [torch.full((1, n, 4), float(i)) for i, n in enumerate((2, 2, 1, 1))]
-    torch.save({"m.norm/aten.mul.Tensor[out0]": t[0], "m.norm/aten.mul.Tensor[out0]::call1": t[1],
-                "m.norm/aten.mul.Tensor[out0]::call2": t[2],
-                "m.norm/aten.mul.Tensor[out0]::call3": t[3]}, folder / "pass00000.pt")
+    torch.save(
+        {
+            "m.norm/aten.mul.Tensor[out0]": t[0],
+            "m.norm/aten.mul.Tensor[out0]::call1": t[1],
+            "m.norm/aten.mul.Tensor[out0]::call2": t[2],
+            "m.norm/aten.mul.Tensor[out0]::call3": t[3],
+        },
+        folder / "pass00000.pt",
+    )
     with pytest.warns(RuntimeWarning, match="does not say which call of its module ran each op"):
         cat = tdinspect.DumpSet.open(tmp_path).concat("call", dim=1)
     assert cat.ops == ["m.norm/aten.mul.Tensor[out0]"]

@@ -17,7 +17,7 @@ def _runs(tmp_path):
     full = torch.randn(2, 10, 4, generator=g)
     ref = record_dump(tmp_path / "ref", [{"m.attn": full, "m.norm": torch.ones(3)}])
     # the engine: a prefill of 6 tokens, then one call per decoded token
-    calls = [full[:, :6]] + [full[:, i:i + 1] for i in range(6, 10)]
+    calls = [full[:, :6]] + [full[:, i : i + 1] for i in range(6, 10)]
     eng = {("m.attn" if i == 0 else f"m.attn::call{i}"): c.clone() for i, c in enumerate(calls)}
     eng["m.norm"] = torch.ones(2)  # a plain shape mismatch: no calls to put end to end
     return ref, record_dump(tmp_path / "eng", [eng])
@@ -40,6 +40,10 @@ def test_the_hint_works_the_other_way_round_and_in_the_cli(tmp_path):
     ref, eng = _runs(tmp_path)
     row = DumpSet.open(eng).diff(ref).table(progress=False).set_index("key").loc["m.attn"]
     assert "A calls this entry 5 times: end to end along dim 1 they match B" in row["reason"]
-    out = subprocess.run([sys.executable, "-m", "tdinspect", "diff", str(ref), str(eng)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tdinspect", "diff", str(ref), str(eng)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "--concat call:1" in out.stdout, out.stdout + out.stderr

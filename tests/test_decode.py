@@ -18,10 +18,18 @@ THRESHOLD = 1e-8  # rel_diff; float32 noise here is ~1e-14
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -48,7 +56,8 @@ def decode_runs(tmp_path_factory):
             model(tokens)
             dump.step()
         handle = model.model.rotary_emb.register_forward_pre_hook(
-            _positions_off_by_one_after_prefill, with_kwargs=True)
+            _positions_off_by_one_after_prefill, with_kwargs=True
+        )
         try:
             with tdinspect.capture(model, root / "buggy", filter=CAPTURED) as dump:
                 model.generate(prompt, max_new_tokens=NEW, do_sample=False)
@@ -82,10 +91,10 @@ def test_a_forward_over_every_generated_token_is_told_how_to_line_up(decode_runs
     """The forward a user runs over generate's output has one token more than generate fed:
     the concat hint (end to end = the other's length) never fired, the reason was a bare
     `shape [1, 21, 32] vs [1, 16, 32]`. Doing what the hint says leaves no divergence."""
-    div = tdinspect.DumpSet.open(decode_runs / "forward").diff(
-        decode_runs / "generate").first_divergence()
-    assert div.reason.startswith(f"shape [1, {PROMPT + NEW}, 32] vs [1, {PROMPT}, 32] (B calls "
-                                 f"this entry {NEW} times"), div.reason
+    div = tdinspect.DumpSet.open(decode_runs / "forward").diff(decode_runs / "generate").first_divergence()
+    assert div.reason.startswith(
+        f"shape [1, {PROMPT + NEW}, 32] vs [1, {PROMPT}, 32] (B calls this entry {NEW} times"
+    ), div.reason
     assert f"give the first {FED} of A's {PROMPT + NEW} positions" in div.reason
     assert f"A.narrow(1, 0, {FED}) with B.concat('call', dim=1)" in div.reason
     assert _diff(decode_runs, "generate").first_divergence(threshold=THRESHOLD) is None
@@ -106,7 +115,7 @@ def test_decode_bug_is_named_and_starts_at_the_first_decode_position(decode_runs
 
 
 def test_per_position_uses_the_one_metric_definition(decode_runs):
-    from tdinspect.metrics import compare_tensors
+    from tdinspect.numerics.metrics import compare_tensors
 
     diff = _diff(decode_runs, "buggy")
     key = "model.model.layers.0.self_attn.q_proj"
@@ -125,8 +134,7 @@ def test_per_position_plot_marks_the_first_divergent_position(decode_runs):
     ax = fig.axes[0]
     assert f"diverges from position {PROMPT} on" in ax.get_title()
     assert len(ax.get_yticklabels()) > 20
-    healthy = tdinspect.plot.per_position(_diff(decode_runs, "generate"), dim=1,
-                                          threshold=THRESHOLD)
+    healthy = tdinspect.plot.per_position(_diff(decode_runs, "generate"), dim=1, threshold=THRESHOLD)
     assert "no position past the threshold" in healthy.axes[0].get_title()
 
 
@@ -142,7 +150,7 @@ def test_concatenated_calls_are_compared_piece_by_piece_as_if_assembled(decode_r
     """The diff compares each decode call against the matching positions of the forward,
     never assembling the concatenation, and gets the numbers of the assembled pair."""
     from tdinspect.align.logical import LogicalPass
-    from tdinspect.metrics import TENSOR_METRICS, compare_tensors
+    from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors
 
     diff = _diff(decode_runs, "buggy")
     assembled = {k: diff.b.tensor(k) for k in diff.b.ops}
@@ -166,17 +174,19 @@ def test_concatenated_calls_are_compared_piece_by_piece_as_if_assembled(decode_r
 
 
 def test_per_position_vectorised_equals_the_per_position_loop(decode_runs):
-    from tdinspect.metrics import compare_tensors
+    from tdinspect.numerics.metrics import compare_tensors
 
     diff = _diff(decode_runs, "buggy")
-    for key in ("model.model.layers.0.self_attn.q_proj", "model.model.layers.1.mlp.up_proj",
-                "model.model.rotary_emb[0]"):
+    for key in (
+        "model.model.layers.0.self_attn.q_proj",
+        "model.model.layers.1.mlp.up_proj",
+        "model.model.rotary_emb[0]",
+    ):
         a, b = diff.a.tensor(key).movedim(1, 0), diff.b.tensor(key).movedim(1, 0)
         for name in ("rel_diff", "cosine", "sqnr_db", "mean_abs", "max_rel", "equal"):
             da = diff.per_position(key, dim=1, metric=name)
             loop = [compare_tensors(b[j], a[j])[name] for j in range(FED)]
-            assert da[0, 0].values.tolist() == pytest.approx(loop, rel=1e-12, abs=1e-300), \
-                (key, name)
+            assert da[0, 0].values.tolist() == pytest.approx(loop, rel=1e-12, abs=1e-300), (key, name)
 
 
 def test_per_position_title_names_a_dict_threshold_as_given(decode_runs):
@@ -189,12 +199,13 @@ def test_per_position_title_names_a_dict_threshold_as_given(decode_runs):
     keys = ["model.model.rotary_emb[0]", "model.model.layers.1.self_attn.o_proj"]
     rules = {r"rotary": 1e2, r"o_proj$": THRESHOLD}  # rotary never past 1e2; o_proj from PROMPT
     title = tdinspect.plot.per_position(diff, dim=1, keys=keys, threshold=rules).axes[0].get_title()
-    assert title == (rf"rel_diff per position (threshold rotary=100, o_proj\$={THRESHOLD:g}, "
-                     rf"else auto): diverges from position {PROMPT} on")
+    assert title == (
+        rf"rel_diff per position (threshold rotary=100, o_proj\$={THRESHOLD:g}, "
+        rf"else auto): diverges from position {PROMPT} on"
+    )
     rules = {r"rotary": 1e2, r"o_proj": 1e2}
     title = tdinspect.plot.per_position(diff, dim=1, keys=keys, threshold=rules).axes[0].get_title()
-    assert title.endswith("(threshold rotary=100, o_proj=100, else auto): no position past the "
-                          "threshold")
+    assert title.endswith("(threshold rotary=100, o_proj=100, else auto): no position past the threshold")
 
 
 def test_op_level_decode_calls_of_fewer_dims_are_a_reason_not_a_crash(tmp_path):
@@ -216,8 +227,11 @@ def test_op_level_decode_calls_of_fewer_dims_are_a_reason_not_a_crash(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # module calls recorded: nothing mixed
         gen = tdinspect.DumpSet.open(tmp_path / "generate").concat("call", dim=1)
-    with pytest.raises(AlignError, match=r"shapes do not concatenate along dim 1 "
-                                         r"\(call 0: \[1, 8\], call 1: \[1\]"):
+    with pytest.raises(
+        AlignError,
+        match=r"shapes do not concatenate along dim 1 "
+        r"\(call 0: \[1, 8\], call 1: \[1\]",
+    ):
         gen.tensor("model/aten.ones.default[out0]")
     table = tdinspect.DumpSet.open(tmp_path / "forward").diff(gen).table(progress=False)
     compared = table[~table["structural"]]

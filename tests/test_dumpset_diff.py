@@ -10,8 +10,8 @@ import torch
 
 import tdinspect
 from tdinspect import DumpFormatError, DumpSet
-from tdinspect.diff import threshold_fn
-from tdinspect.metrics import compare_tensors
+from tdinspect.compare.diff import threshold_fn
+from tdinspect.numerics.metrics import compare_tensors
 
 from .conftest import only_folder
 
@@ -54,9 +54,14 @@ def test_cube_dims_stats_order_and_coords(runs):
     orders = cube["order"].sel(op="model.expert").sel({"pass": 0}).values.tolist()
     assert orders == [37.0, 38.0, 39.0]
     row = cube.sel(op="model.layers.3.attn.o_proj")
-    assert (row["stack"].item(), row["layer"].item(), row["leaf"].item(),
-            row["module_type"].item(), row["level"].item(), row["dtype"].item()) == \
-        ("model.layers", 3, "attn.o_proj", "Linear", "module", "float32")
+    assert (
+        row["stack"].item(),
+        row["layer"].item(),
+        row["leaf"].item(),
+        row["module_type"].item(),
+        row["level"].item(),
+        row["dtype"].item(),
+    ) == ("model.layers", 3, "attn.o_proj", "Linear", "module", "float32")
 
 
 def test_tensor_lazy_call_and_errors(runs):
@@ -126,7 +131,12 @@ def test_wrong_layer_found_first(runs):
     diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
     div = diff.first_divergence()
     assert (div.op, div.call, div.pass_, div.key, div.metric) == (
-        "model.layers.2.mlp.down", 0, 0, "model.layers.2.mlp.down", "rel_diff")
+        "model.layers.2.mlp.down",
+        0,
+        0,
+        "model.layers.2.mlp.down",
+        "rel_diff",
+    )
     assert div.value > 1e-3 and "rel_diff" in div.reason
     assert diff.passes_read == [(0, 0)]  # pass 0 diverges: nothing else was read
     assert [k for k, _ in div.before][-1] == "model.layers.2.mlp.act"
@@ -141,8 +151,10 @@ def test_wrong_layer_found_first(runs):
     assert "First divergence" in div._repr_html_()
 
 
-@pytest.mark.parametrize("metric,threshold", [("cosine", 0.99999), ("sqnr_db", 40.0), ("equal", 1.0),
-                                              ("max_abs", 1e-3), ("mismatch", 0.0)])
+@pytest.mark.parametrize(
+    "metric,threshold",
+    [("cosine", 0.99999), ("sqnr_db", 40.0), ("equal", 1.0), ("max_abs", 1e-3), ("mismatch", 0.0)],
+)
 def test_other_metrics_point_at_the_same_layer(runs, metric, threshold):
     diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
     assert diff.first_divergence(threshold, metric).op == "model.layers.2.mlp.down"
@@ -184,8 +196,14 @@ def test_divergence_in_pass_3_of_5_reads_no_later_pass(tmp_path):
 def test_structural_divergences(tmp_path):
     x = torch.arange(6.0).reshape(2, 3)
     a = [{"model.a": x, "model.b": x, "model.c": x, "model.d": x}]
-    b = [{"model.a": x, "model.b": x.reshape(3, 2), "model.c": x.masked_fill(x > 4, float("nan")),
-          "model.e": x}]
+    b = [
+        {
+            "model.a": x,
+            "model.b": x.reshape(3, 2),
+            "model.c": x.masked_fill(x > 4, float("nan")),
+            "model.e": x,
+        }
+    ]
     diff = DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b))
     rows = diff.table(progress=False).set_index("key")
     assert rows.loc["model.b", "reason"] == "shape [2, 3] vs [3, 2]"
@@ -215,11 +233,19 @@ def test_vectorised_verdicts_agree_with_the_row_by_row_rule(runs, tmp_path, metr
 
     x = torch.arange(6.0).reshape(2, 3)
     a = [{"model.a": x, "model.b": x, "model.c": x, "model.d": x}]
-    b = [{"model.a": x + 1e-3, "model.b": x.reshape(3, 2), "model.c": x.masked_fill(x > 4, float("nan")),
-          "model.e": x}]
-    diffs = [DumpSet.open(runs["ref"]).diff(runs["wrong"]),
-             DumpSet.open(runs["ref"]).diff(runs["bf16"]),
-             DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b))]
+    b = [
+        {
+            "model.a": x + 1e-3,
+            "model.b": x.reshape(3, 2),
+            "model.c": x.masked_fill(x > 4, float("nan")),
+            "model.e": x,
+        }
+    ]
+    diffs = [
+        DumpSet.open(runs["ref"]).diff(runs["wrong"]),
+        DumpSet.open(runs["ref"]).diff(runs["bf16"]),
+        DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b)),
+    ]
     per_name = {r"mlp": 1e-9, r"attn": 10.0}
     half_auto = {r"mlp": "auto", r"attn": 10.0}
     seen = []
@@ -247,19 +273,31 @@ def test_stats_only_dumps_diff_by_statistics(runs):
 
 def test_sequence_alignment_of_fused_vs_unfused(tmp_path):
     x = torch.randn(4, 4)
-    a = [{"model/aten.mm.default[out0]": x, "model/aten.gelu.default[out0]": x.relu(),
-          "model/aten.add.Tensor[out0]": x + 1}]
-    b = [{"model/aten.mm.default[out0]": x, "model/aten.mul.Tensor[out0]": x * 0.5,
-          "model/aten.tanh.default[out0]": x.tanh(), "model/aten.add.Tensor[out0]": x + 1}]
-    diff = DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b),
-                                                            align="sequence")
+    a = [
+        {
+            "model/aten.mm.default[out0]": x,
+            "model/aten.gelu.default[out0]": x.relu(),
+            "model/aten.add.Tensor[out0]": x + 1,
+        }
+    ]
+    b = [
+        {
+            "model/aten.mm.default[out0]": x,
+            "model/aten.mul.Tensor[out0]": x * 0.5,
+            "model/aten.tanh.default[out0]": x.tanh(),
+            "model/aten.add.Tensor[out0]": x + 1,
+        }
+    ]
+    diff = DumpSet.open(write_dump(tmp_path / "a", a)).diff(write_dump(tmp_path / "b", b), align="sequence")
     rows = diff.table(progress=False)
     matched = rows[rows["reason"] == ""]
     assert list(matched["key"]) == ["model/aten.mm.default[out0]", "model/aten.add.Tensor[out0]"]
     assert (matched["rel_diff"] == 0).all()
     assert sorted(rows.loc[rows["reason"] == "unmatched in A", "key"]) == ["model/aten.gelu.default[out0]"]
     assert sorted(rows.loc[rows["reason"] == "unmatched in B", "key"]) == [
-        "model/aten.mul.Tensor[out0]", "model/aten.tanh.default[out0]"]
+        "model/aten.mul.Tensor[out0]",
+        "model/aten.tanh.default[out0]",
+    ]
 
 
 def test_ranks_and_rank_mismatch(tmp_path):
@@ -311,16 +349,19 @@ def test_compare_never_modifies_its_inputs():
 def _gpt2_stats_run(path, attn="sdpa", ln_scale=None):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     model.set_attn_implementation(attn)
     if ln_scale is not None:
         with torch.no_grad():
             model.transformer.h[1].ln_1.weight.mul_(ln_scale)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), tdinspect.capture(model, path, environ={}, stats_only=True,
-                                            warn_unfired=False) as dump:  # attn_dropout: eager only
+    with (
+        torch.no_grad(),
+        tdinspect.capture(model, path, environ={}, stats_only=True, warn_unfired=False) as dump,
+    ):  # attn_dropout: eager only
         model(ids)
         dump.step()
     return path

@@ -14,7 +14,7 @@ import torch
 
 import tdinspect
 from tdinspect import DumpFormatError, DumpSet, load_pass
-from tdinspect.format import atomic_write, discover
+from tdinspect.store.format import atomic_write, discover
 
 from .conftest import ROOT, only_folder
 
@@ -41,10 +41,13 @@ def test_malicious_pickle_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("content,match", [
-    (b"", "empty file"),
-    (b"\x00\x01garbage" * 10, "unreadable"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (b"", "empty file"),
+        (b"\x00\x01garbage" * 10, "unreadable"),
+    ],
+)
 def test_damaged_files_name_the_file(tmp_path, content, match):
     p = tmp_path / "pass00000.pt"
     p.write_bytes(content)
@@ -96,7 +99,7 @@ def test_atomic_write_failure_keeps_old_file(tmp_path):
 def test_sigkill_mid_write_leaves_complete_passes_only(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch, tdinspect
-        from tdinspect.examples import make_model, make_tokens
+        from tdinspect.examples.models import make_model, make_tokens
         model = make_model()
         real_save = torch.save
         calls = []
@@ -176,4 +179,5 @@ def test_a_pickle_protocol_4_file_names_the_protocol(tmp_path):
     with pytest.raises(DumpFormatError, match=r"pass00000\.pt: .*pickle_protocol=4"):
         DumpSet.open(tmp_path / "dump")
     from tdinspect.cli import main
+
     assert main(["ls", str(tmp_path / "dump")]) == 2

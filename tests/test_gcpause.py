@@ -7,7 +7,9 @@ import threading
 
 import torch
 
-from tdinspect import DumpSet, gcpause, smallpairs
+from tdinspect import DumpSet
+from tdinspect.compare import smallpairs
+from tdinspect.util import gcpause
 
 from .test_dumpset_diff import write_dump
 
@@ -63,8 +65,7 @@ def test_a_diff_compares_with_the_collector_paused_and_leaves_it_on(tmp_path, mo
         return real(*args)
 
     monkeypatch.setattr(smallpairs, "compare_segments", spy)
-    table = DumpSet.open(tmp_path / "a").diff(tmp_path / "b", passes_in_flight=3).table(
-        progress=False)
+    table = DumpSet.open(tmp_path / "a").diff(tmp_path / "b", passes_in_flight=3).table(progress=False)
     assert len(table) == 60 and (table["max_abs"] > 0).all()
     assert states == [False] * 3
     assert gc.isenabled()

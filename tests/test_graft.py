@@ -7,7 +7,7 @@ import torch
 
 import tdinspect
 from tdinspect import ConfigError, DumpSet, GraftError, load_pass
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 
 from .conftest import only_folder
 
@@ -17,8 +17,10 @@ OWNER = "model.layers.2.mlp.down"
 
 def reference_run(path, steps=2, **kwargs):
     model = make_model(seed=0)
-    with torch.no_grad(), tdinspect.capture(model, path, record=("inputs", "outputs"),
-                                            environ={}, **kwargs) as dump:
+    with (
+        torch.no_grad(),
+        tdinspect.capture(model, path, record=("inputs", "outputs"), environ={}, **kwargs) as dump,
+    ):
         for step in range(steps):
             model(make_tokens(seed=step))
             dump.step()
@@ -34,8 +36,7 @@ def broken_model(dtype=torch.float32):
 
 def grafted_run(path, reference, steps=2, graft=True, model=None, **kwargs):
     model = model if model is not None else broken_model()
-    with torch.no_grad(), tdinspect.capture(model, path, record=("inputs", "outputs"),
-                                            environ={}) as dump:
+    with torch.no_grad(), tdinspect.capture(model, path, record=("inputs", "outputs"), environ={}) as dump:
         g = tdinspect.graft(model, reference, capture=dump, **kwargs) if graft else None
         for step in range(steps):
             model(make_tokens(seed=step))
@@ -84,28 +85,32 @@ def test_without_graft_the_error_spreads_to_every_later_module(tmp_path, referen
 
 def test_grafted_outputs_replace_what_comes_out(tmp_path, reference):
     model = broken_model()
-    b = grafted_run(tmp_path / "b", reference, model=model, modules=[r"layers\.2\.mlp\.down$"],
-                    what="outputs")
+    b = grafted_run(
+        tmp_path / "b", reference, model=model, modules=[r"layers\.2\.mlp\.down$"], what="outputs"
+    )
     # the only wrong module's output came from the reference: everything after it is the reference's
     diff = DumpSet.open(reference).diff(b)
     assert diff.first_divergence(metric="equal") is None
     # and the live module did compute something else
-    assert not torch.equal(model.layers[2].mlp.down(torch.ones(256)),
-                           make_model(seed=0).layers[2].mlp.down(torch.ones(256)))
+    assert not torch.equal(
+        model.layers[2].mlp.down(torch.ones(256)), make_model(seed=0).layers[2].mlp.down(torch.ones(256))
+    )
 
 
 def test_step_without_capture_and_hooks_removed(tmp_path, reference):
     model = broken_model()
     ref = [load_pass(only_folder(reference) / f"pass0000{p}.pt") for p in range(2)]
-    with torch.no_grad(), tdinspect.graft(model, reference, modules=[r"down$"],
-                                          what="outputs") as g:
+    with torch.no_grad(), tdinspect.graft(model, reference, modules=[r"down$"], what="outputs") as g:
         for step in range(2):
             out = model(make_tokens(seed=step))
             assert torch.equal(out, ref[step]["model.lm_head"])
             g.step()
         assert g.names == [f"model.layers.{i}.mlp.down" for i in range(4)]
-        with pytest.raises(GraftError, match=r"live run is at pass 2, but the reference .* has "
-                                             r"passes \[0, 1\]"):
+        with pytest.raises(
+            GraftError,
+            match=r"live run is at pass 2, but the reference .* has "
+            r"passes \[0, 1\]",
+        ):
             model(make_tokens())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -122,18 +127,24 @@ def test_dtype_and_device_follow_the_live_tensor(tmp_path, reference):
 def test_mismatches_are_clear_errors_naming_both_sides(tmp_path, reference):
     model = broken_model()
     with torch.no_grad(), tdinspect.graft(model, reference, modules=[r"lm_head$"]):
-        with pytest.raises(GraftError, match=r"input 'model.lm_head\[in\]\[0\]' of the live run "
-                                             r"\(pass 0\) has shape \[2, 9, 64\], the reference's "
-                                             r"'model.lm_head\[in\]\[0\]' in .*pass00000.* has shape "
-                                             r"\[2, 16, 64\]"):
+        with pytest.raises(
+            GraftError,
+            match=r"input 'model.lm_head\[in\]\[0\]' of the live run "
+            r"\(pass 0\) has shape \[2, 9, 64\], the reference's "
+            r"'model.lm_head\[in\]\[0\]' in .*pass00000.* has shape "
+            r"\[2, 16, 64\]",
+        ):
             model(make_tokens(seq=9))
     outputs_only = tmp_path / "o"
     with torch.no_grad(), tdinspect.capture(model, outputs_only, environ={}) as dump:
         model(make_tokens())
         dump.step()
     with torch.no_grad(), tdinspect.graft(model, outputs_only, modules=[r"lm_head$"]):
-        with pytest.raises(GraftError, match=r"has no entry 'model.lm_head\[in\]\[0\]'.*it records "
-                                             r"\['model.lm_head'\]"):
+        with pytest.raises(
+            GraftError,
+            match=r"has no entry 'model.lm_head\[in\]\[0\]'.*it records "
+            r"\['model.lm_head'\]",
+        ):
             model(make_tokens())
     with pytest.raises(ConfigError, match="what='weights'"):
         tdinspect.graft(model, reference, what="weights")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 import tdinspect
 from tdinspect import DumpSet
 from tdinspect.cli import main
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 
 from .conftest import only_folder
 
@@ -53,8 +52,9 @@ def test_nan_in_pass_2_named_live_with_no_file_and_offline(tmp_path, monkeypatch
     assert (live.nan, live.inf, live.numel) == (3, 0, 2 * 16 * 256)
     assert live.inherited is None  # module level
     assert SICK in str(info.value) and "pass 2" in str(info.value) and "3 NaN" in str(info.value)
-    assert cap.recorder is None and all(not m._forward_hooks for n, m in model.named_modules()
-                                        if n != SICK.removeprefix("model."))
+    assert cap.recorder is None and all(
+        not m._forward_hooks for n, m in model.named_modules() if n != SICK.removeprefix("model.")
+    )
     assert list(tmp_path.iterdir()) == []  # checked without writing any file
 
     # the same run dumped in full: the offline answer is the same entry
@@ -64,7 +64,13 @@ def test_nan_in_pass_2_named_live_with_no_file_and_offline(tmp_path, monkeypatch
         _run(model2, cap)
     found = DumpSet.open(tmp_path / "full").first_nonfinite()
     assert (found.key, found.call, found.pass_, found.nan, found.inf, found.numel) == (
-        live.key, live.call, live.pass_, live.nan, live.inf, live.numel)
+        live.key,
+        live.call,
+        live.pass_,
+        live.nan,
+        live.inf,
+        live.numel,
+    )
     assert found.order == live.order
     # the layers after it inherit the NaN, but the first one is named
     assert DumpSet.open(tmp_path / "full").sel(pass_=[0, 1]).first_nonfinite() is None
@@ -102,7 +108,10 @@ def test_warn_goes_on_and_dump_keeps_complete_passes(tmp_path):
             _run(model, cap, passes=3)
     assert len([w for w in rec if "non-finite" in str(w.message)]) == 1  # once per pass
     assert [p.name for p in sorted(only_folder(tmp_path / "w").glob("*.pt"))] == [
-        "pass00000.pt", "pass00001.pt", "pass00002.pt"]
+        "pass00000.pt",
+        "pass00001.pt",
+        "pass00002.pt",
+    ]
 
     # raise with a dump: the passes before it are complete, the unfinished one is not written
     model = make_model()
@@ -111,7 +120,10 @@ def test_warn_goes_on_and_dump_keeps_complete_passes(tmp_path):
         with tdinspect.capture(model, tmp_path / "r", on_nonfinite="raise") as cap:
             _run(model, cap, passes=3)
     assert sorted(p.name for p in only_folder(tmp_path / "r").iterdir()) == [
-        "pass00000.json", "pass00000.pt", "run.json"]
+        "pass00000.json",
+        "pass00000.pt",
+        "run.json",
+    ]
     with pytest.raises(tdinspect.ConfigError, match="on_nonfinite"):
         tdinspect.capture(model, on_nonfinite="stop")
 
@@ -122,16 +134,14 @@ def test_with_a_dump_the_check_reads_the_statistics_not_the_tensor(tmp_path, mon
     from tdinspect.dumper import checks
 
     reads = []
-    monkeypatch.setattr(checks, "_finite_cpu",
-                        lambda v, f=checks._finite_cpu: reads.append(1) or f(v))
+    monkeypatch.setattr(checks, "_finite_cpu", lambda v, f=checks._finite_cpu: reads.append(1) or f(v))
     model = make_model()
     _inject_nan_at(model, SICK, at_pass=1)
     with pytest.raises(tdinspect.NonFiniteError) as info:
         with tdinspect.capture(model, tmp_path / "d", on_nonfinite="raise") as cap:
             _run(model, cap, passes=3)
     found = info.value.nonfinite
-    assert (found.key, found.pass_, found.nan, found.inf, found.numel) == (
-        SICK, 1, 3, 0, 2 * 16 * 256)
+    assert (found.key, found.pass_, found.nan, found.inf, found.numel) == (SICK, 1, 3, 0, 2 * 16 * 256)
     assert reads == []
     # the same run checked without a dump reads each output itself, and names the same entry
     model = make_model()
@@ -211,9 +221,11 @@ def test_huge_finite_values_odd_dtypes_and_layouts():
         model(torch.ones(3, dtype=torch.bfloat16))
         model(torch.arange(3))  # integers cannot hold NaN
         cap.step()
-    for bad, counts in ((torch.tensor([1.0, float("inf")]).t(), (0, 1)),
-                        (torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16), (1, 0)),
-                        (torch.full((3, 2), 3e38)[:, :1].clone().fill_(float("-inf")), (0, 3))):
+    for bad, counts in (
+        (torch.tensor([1.0, float("inf")]).t(), (0, 1)),
+        (torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16), (1, 0)),
+        (torch.full((3, 2), 3e38)[:, :1].clone().fill_(float("-inf")), (0, 3)),
+    ):
         with pytest.raises(tdinspect.NonFiniteError) as info:
             with tdinspect.capture(model, on_nonfinite="raise") as cap:
                 model(bad)

@@ -24,7 +24,6 @@ from tdinspect.cli import main
 
 from .conftest import only_folder, rewrite_sidecar
 
-
 VIEW, ADD_IN = "model/aten.view.default[out0]", "model/aten.add.Tensor[in0]"
 
 
@@ -47,9 +46,11 @@ def _edit(sidecar, change, bind=True):
 
 def _call(op, *args):
     leaves, spec = tree_flatten((args, {}))
-    return {"aten": op, "spec": treespec_dumps(spec),
-            "leaves": [{"t": a[1:]} if isinstance(a, str) and a.startswith("@") else a
-                       for a in leaves]}
+    return {
+        "aten": op,
+        "spec": treespec_dumps(spec),
+        "leaves": [{"t": a[1:]} if isinstance(a, str) and a.startswith("@") else a for a in leaves],
+    }
 
 
 @pytest.fixture
@@ -61,16 +62,19 @@ def canary(tmp_path):
 
 def _from_file_then_copy(canary):
     """The reported attack: a view 'rebuilt' by from_file(shared=True), then copy_ into it."""
+
     def change(doc, e):
         v = e["key"].index("model/aten.view.default[out0]")
         a = e["key"].index("model/aten.add.Tensor[in0]")
         e["ref"][v] = {"kind": "view", "of": "model/aten.mul.Tensor[out0]"}
         e["call_args"][v] = _call("aten.from_file.default", str(canary), True, 4)
         e["ref"][a] = {"kind": "view", "of": "model/aten.view.default[out0]"}
-        e["call_args"][a] = _call("aten.copy_.default", "@model/aten.view.default[out0]",
-                                  "@model/aten.mul.Tensor[out0]")
+        e["call_args"][a] = _call(
+            "aten.copy_.default", "@model/aten.view.default[out0]", "@model/aten.mul.Tensor[out0]"
+        )
         out = e["key"].index("model/aten.add.Tensor[out0]")
         e["call_args"][out] = _call("aten.from_file.default", str(canary), True, 4)
+
     return change
 
 
@@ -94,23 +98,26 @@ def test_views_are_never_rebuilt_by_running_a_named_operator(tmp_path, canary):
     assert (canary.read_bytes(), canary.stat().st_mtime_ns) == before
 
 
-@pytest.mark.parametrize("op, why", [
-    ("aten.from_file.default", "never runs"),
-    ("aten.stft.center", "string 'pad_mode'"),
-    ("aten.copy_.default", "never runs"),
-    ("aten.mul_.Tensor", "written or aliased"),
-    ("aten.add_.Tensor", "written or aliased"),
-    ("aten.add.out", "written or aliased"),
-    ("aten.save.default", "never runs"),
-    ("aten._copy_from.default", "never runs"),
-    ("aten.bernoulli.default", "random"),
-    ("aten.view.default", "aliased"),
-    ("prims.add.default", "not an aten operator"),
-    ("aten.__class__.default", "no such operator"),
-    ("aten.add.__init__", "no such operator"),
-    ("os.system.default", "not an aten operator"),
-    ("aten.add", "not an aten operator"),
-])
+@pytest.mark.parametrize(
+    "op, why",
+    [
+        ("aten.from_file.default", "never runs"),
+        ("aten.stft.center", "string 'pad_mode'"),
+        ("aten.copy_.default", "never runs"),
+        ("aten.mul_.Tensor", "written or aliased"),
+        ("aten.add_.Tensor", "written or aliased"),
+        ("aten.add.out", "written or aliased"),
+        ("aten.save.default", "never runs"),
+        ("aten._copy_from.default", "never runs"),
+        ("aten.bernoulli.default", "random"),
+        ("aten.view.default", "aliased"),
+        ("prims.add.default", "not an aten operator"),
+        ("aten.__class__.default", "no such operator"),
+        ("aten.add.__init__", "no such operator"),
+        ("os.system.default", "not an aten operator"),
+        ("aten.add", "not an aten operator"),
+    ],
+)
 def test_replay_runs_only_operators_without_side_effects(op, why):
     from tdinspect.replay import ReplayRefused, safe_op
 
@@ -120,10 +127,21 @@ def test_replay_runs_only_operators_without_side_effects(op, why):
     assert safe_op("aten.addmm.default") is torch.ops.aten.addmm.default
 
 
-@pytest.mark.parametrize("leaf", [{"dtype": "load"}, {"layout": "save"}, {"device": 3},
-                                  {"f": "__import__('os')"}, {"t": ["x"]}, {"a": 1, "b": 2},
-                                  [1, 2], {"memory_format": "__class__"}, {"complex": 5},
-                                  {"complex": ["a", "b"]}])
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        {"dtype": "load"},
+        {"layout": "save"},
+        {"device": 3},
+        {"f": "__import__('os')"},
+        {"t": ["x"]},
+        {"a": 1, "b": 2},
+        [1, 2],
+        {"memory_format": "__class__"},
+        {"complex": 5},
+        {"complex": ["a", "b"]},
+    ],
+)
 def test_replay_arguments_are_plain_data(tmp_path, leaf):
     sidecar = _capture(tmp_path / "a")
     _capture(tmp_path / "b")
@@ -131,6 +149,7 @@ def test_replay_arguments_are_plain_data(tmp_path, leaf):
     def change(doc, e):
         i = e["key"].index("model/aten.mul.Tensor[out0]")
         e["call_args"][i]["leaves"][1] = leaf
+
     _edit(sidecar, change)
     with pytest.raises(DumpFormatError, match="pass0000"):
         tdinspect.replay(tmp_path / "a", "model/aten.mul.Tensor")
@@ -147,6 +166,7 @@ def test_replay_argument_structure_names_no_other_type(tmp_path):
         spec = json.loads(e["call_args"][i]["spec"])
         spec[1]["type"] = "collections.namedtuple"
         e["call_args"][i]["spec"] = json.dumps(spec)
+
     _edit(sidecar, change)
     with pytest.raises(DumpFormatError, match="pass00000.*malformed argument structure"):
         tdinspect.replay(tmp_path, "model/aten.mul.Tensor")
@@ -176,8 +196,7 @@ def _max(path, key):
 def test_edited_statistics_are_ignored_with_a_warning(tmp_path):
     side = _module_dump(tmp_path)
     true = _true_max(tmp_path, "model.0")
-    _edit(side, lambda doc, e: e["stats"][e["key"].index("model.0")].__setitem__(1, 999.0),
-          bind=False)
+    _edit(side, lambda doc, e: e["stats"][e["key"].index("model.0")].__setitem__(1, 999.0), bind=False)
     with pytest.warns(RuntimeWarning, match=r"pass00000\.json: sidecar was edited.*recomputed"):
         assert _max(tmp_path, "model.0") == pytest.approx(true)
 
@@ -192,7 +211,8 @@ def test_stale_sidecar_of_another_run_is_ignored(tmp_path):
     # a pass file replaced after its sidecar was written: the same
     _module_dump(tmp_path / "c", scale=2.0)
     (only_folder(tmp_path / "c") / "pass00000.pt").write_bytes(
-        (only_folder(tmp_path / "a") / "pass00000.pt").read_bytes())
+        (only_folder(tmp_path / "a") / "pass00000.pt").read_bytes()
+    )
     with pytest.warns(RuntimeWarning, match="stale"):
         assert _max(tmp_path / "c", "model.0") == pytest.approx(true)
 
@@ -200,8 +220,7 @@ def test_stale_sidecar_of_another_run_is_ignored(tmp_path):
 def test_edited_shape_does_not_make_identical_runs_differ(tmp_path):
     side = _module_dump(tmp_path / "a")
     _module_dump(tmp_path / "b")
-    _edit(side, lambda doc, e: e["shape"].__setitem__(e["key"].index("model.0"), [8, 2]),
-          bind=False)
+    _edit(side, lambda doc, e: e["shape"].__setitem__(e["key"].index("model.0"), [8, 2]), bind=False)
     with pytest.warns(RuntimeWarning, match="edited"):
         ds = DumpSet.open(tmp_path / "a")
     assert ds.diff(tmp_path / "b").first_divergence() is None
@@ -230,26 +249,30 @@ def test_sidecar_without_binding_is_recomputed_and_named_once(tmp_path, recwarn)
 
 
 # -- sidecars: validated, every failure a DumpFormatError naming the file -------------------
-@pytest.mark.parametrize("change, match", [
-    (lambda doc, e: e["ref"].__setitem__(e["key"].index(VIEW), {"kind": "view", "of": VIEW}),
-     "refers to|lead"),
-    (lambda doc, e: e["ref"].__setitem__(e["key"].index(VIEW), {"kind": "same", "of": ADD_IN}),
-     "lead"),
-    (lambda doc, e: e["key"].__setitem__(0, 7), "column 'key'"),
-    (lambda doc, e: e["key"].__setitem__(0, ["a"]), "column 'key'"),
-    (lambda doc, e: e["key"].__setitem__(1, e["key"][0]), "key twice"),
-    (lambda doc, e: e["stats"].__setitem__(0, ["x"] * 9), "column 'stats'"),
-    (lambda doc, e: e["stats"].__setitem__(0, [1.0, 2.0]), "column 'stats'"),
-    (lambda doc, e: e["shape"].__setitem__(0, "2x3"), "column 'shape'"),
-    (lambda doc, e: e["shape"].__setitem__(0, [2, -1]), "column 'shape'"),
-    (lambda doc, e: e["stored"].__setitem__(0, "yes"), "column 'stored'"),
-    (lambda doc, e: e["ref"].__setitem__(0, "model.x"), "column 'ref'"),
-    (lambda doc, e: e["ref"].__setitem__(0, {"kind": "view", "of": 3}), "column 'ref'"),
-    (lambda doc, e: e["call_args"].__setitem__(0, [1]), "column 'call_args'"),
-    (lambda doc, e: e.__setitem__("dtype", {"a": 1}), "column 'dtype'"),
-    (lambda doc, e: doc.__setitem__("entries", []), "no entries.key"),
-    (lambda doc, e: doc.__setitem__("level", ["op"]), "'level'"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            lambda doc, e: e["ref"].__setitem__(e["key"].index(VIEW), {"kind": "view", "of": VIEW}),
+            "refers to|lead",
+        ),
+        (lambda doc, e: e["ref"].__setitem__(e["key"].index(VIEW), {"kind": "same", "of": ADD_IN}), "lead"),
+        (lambda doc, e: e["key"].__setitem__(0, 7), "column 'key'"),
+        (lambda doc, e: e["key"].__setitem__(0, ["a"]), "column 'key'"),
+        (lambda doc, e: e["key"].__setitem__(1, e["key"][0]), "key twice"),
+        (lambda doc, e: e["stats"].__setitem__(0, ["x"] * 9), "column 'stats'"),
+        (lambda doc, e: e["stats"].__setitem__(0, [1.0, 2.0]), "column 'stats'"),
+        (lambda doc, e: e["shape"].__setitem__(0, "2x3"), "column 'shape'"),
+        (lambda doc, e: e["shape"].__setitem__(0, [2, -1]), "column 'shape'"),
+        (lambda doc, e: e["stored"].__setitem__(0, "yes"), "column 'stored'"),
+        (lambda doc, e: e["ref"].__setitem__(0, "model.x"), "column 'ref'"),
+        (lambda doc, e: e["ref"].__setitem__(0, {"kind": "view", "of": 3}), "column 'ref'"),
+        (lambda doc, e: e["call_args"].__setitem__(0, [1]), "column 'call_args'"),
+        (lambda doc, e: e.__setitem__("dtype", {"a": 1}), "column 'dtype'"),
+        (lambda doc, e: doc.__setitem__("entries", []), "no entries.key"),
+        (lambda doc, e: doc.__setitem__("level", ["op"]), "'level'"),
+    ],
+)
 def test_malformed_sidecar_is_a_dump_format_error_naming_the_file(tmp_path, change, match):
     sidecar = _capture(tmp_path / "a")
     _capture(tmp_path / "b")
@@ -267,8 +290,9 @@ def test_malformed_sidecar_is_a_dump_format_error_naming_the_file(tmp_path, chan
 
 def test_deeply_nested_sidecar(tmp_path):
     sidecar = _capture(tmp_path)
-    sidecar.write_text('{"format": "tdinspect.pass", "version": 1, "entries": '
-                       + "[" * 100000 + "]" * 100000 + "}")
+    sidecar.write_text(
+        '{"format": "tdinspect.pass", "version": 1, "entries": ' + "[" * 100000 + "]" * 100000 + "}"
+    )
     with pytest.raises(DumpFormatError, match=r"pass00000\.json: unreadable sidecar"):
         DumpSet.open(tmp_path)
     with pytest.warns(RuntimeWarning, match=r"pass00000\.json"):
@@ -278,16 +302,58 @@ def test_deeply_nested_sidecar(tmp_path):
 
 # -- fuzz: hostile sidecars give a DumpFormatError naming the file, or a correct answer --------
 def _json_values(canary):
-    scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
-               | st.text(max_size=8) | st.sampled_from([str(canary), "/etc/passwd", VIEW, ADD_IN,
-                                                         "aten.from_file.default", "aten.copy_.default",
-                                                         "view", "same", "t", "dtype"]))
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                        | st.dictionaries(st.sampled_from(["kind", "of", "t", "aten", "spec",
-                                                            "leaves", "base", "view", "dtype", "x",
-                                                            "complex", "f", "repr", "device",
-                                                            "layout", "memory_format"]),
-                                          inner, max_size=4), max_leaves=12)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.sampled_from(
+            [
+                str(canary),
+                "/etc/passwd",
+                VIEW,
+                ADD_IN,
+                "aten.from_file.default",
+                "aten.copy_.default",
+                "view",
+                "same",
+                "t",
+                "dtype",
+            ]
+        )
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "kind",
+                        "of",
+                        "t",
+                        "aten",
+                        "spec",
+                        "leaves",
+                        "base",
+                        "view",
+                        "dtype",
+                        "x",
+                        "complex",
+                        "f",
+                        "repr",
+                        "device",
+                        "layout",
+                        "memory_format",
+                    ]
+                ),
+                inner,
+                max_size=4,
+            )
+        ),
+        max_leaves=12,
+    )
 
 
 class _FileAudit:
@@ -322,12 +388,20 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
     columns = sorted(original["entries"])
     n = len(original["entries"]["key"])
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck),
-              derandomize=True)
-    @given(edits=st.lists(st.tuples(st.sampled_from(columns + ["<header>", "<stats_only>"]),
-                                    st.integers(0, n - 1), _json_values(canary)),
-                          min_size=1, max_size=4),
-           bind=st.booleans(), stats_only=st.booleans())
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(
+        edits=st.lists(
+            st.tuples(
+                st.sampled_from(columns + ["<header>", "<stats_only>"]),
+                st.integers(0, n - 1),
+                _json_values(canary),
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+        bind=st.booleans(),
+        stats_only=st.booleans(),
+    )
     def run(edits, bind, stats_only):
         doc = json.loads(json.dumps(original))
         for col, row, value in edits:
@@ -338,8 +412,9 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
             elif isinstance(doc.get("entries"), dict):
                 old = doc["entries"].get(col)
                 old = old if isinstance(old, list) else []
-                doc["entries"][col] = (value if row == 0 and isinstance(value, list)
-                                       else [*old[:row], value, *old[row + 1:]])
+                doc["entries"][col] = (
+                    value if row == 0 and isinstance(value, list) else [*old[:row], value, *old[row + 1 :]]
+                )
         pt = sidecar.with_suffix(".pt")
         pt.write_bytes(pt_bytes)
         if stats_only:  # a statistics-only pass: the sidecar alone
@@ -369,14 +444,19 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
             assert "pass00000" in str(exc) or str(dump) in str(exc), exc
         finally:
             _AUDIT.active = False
-        outside = [(p, m) for p, m in _AUDIT.opened  # lazily imported modules aside
-                   if not p.startswith(str(root)) and not p.endswith((".py", ".pyc", ".so"))
-                   and not p.startswith((sys.prefix, sys.base_prefix, "/proc/", "/sys/",
-                                         "/usr/share/zoneinfo/"))]  # CPU count probes, time zones
+        outside = [
+            (p, m)
+            for p, m in _AUDIT.opened  # lazily imported modules aside
+            if not p.startswith(str(root))
+            and not p.endswith((".py", ".pyc", ".so"))
+            and not p.startswith((sys.prefix, sys.base_prefix, "/proc/", "/sys/", "/usr/share/zoneinfo/"))
+        ]  # CPU count probes, time zones
         assert not outside, outside
         assert not any(p.startswith(str(canary)) for p, _ in _AUDIT.opened)
-        assert not any(isinstance(m, str) and set(m) & set("wax+") and not p.startswith(str(dump))
-                       for p, m in _AUDIT.opened)
+        assert not any(
+            isinstance(m, str) and set(m) & set("wax+") and not p.startswith(str(dump))
+            for p, m in _AUDIT.opened
+        )
 
     run()
     assert canary.read_bytes() == b"SECRET-bytes-of-a-file-you-own!!"

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import tdinspect
-
 from tdinspect import DumpFormatError, DumpSet, load_pass
 from tdinspect.cli import main
 
@@ -43,7 +42,7 @@ def _directory(data: bytes) -> dict[str, int]:
     out, pos = {}, start
     for _ in range(count):
         fields = _CENTRAL.unpack_from(data, pos)
-        out[data[pos + 46:pos + 46 + fields[10]].decode()] = pos
+        out[data[pos + 46 : pos + 46 + fields[10]].decode()] = pos
         pos += 46 + fields[10] + fields[11] + fields[12]
     return out
 
@@ -76,16 +75,17 @@ def _list_twice(path: Path, first: bool) -> None:
     path.with_suffix(".new").replace(path)
 
 
-FORGERIES = {"listed twice, zeros first": lambda p: _list_twice(p, True),
-             "listed twice, zeros last": lambda p: _list_twice(p, False),
-             "entry led to another record": _misdirect}
+FORGERIES = {
+    "listed twice, zeros first": lambda p: _list_twice(p, True),
+    "listed twice, zeros last": lambda p: _list_twice(p, False),
+    "entry led to another record": _misdirect,
+}
 
 
 @pytest.mark.filterwarnings("ignore:.*sidecar does not describe:RuntimeWarning")
 @pytest.mark.parametrize("sidecars", [True, False], ids=["sidecar", "no sidecar"])
 @pytest.mark.parametrize("forge", FORGERIES.values(), ids=FORGERIES.keys())
-def test_an_archive_readers_would_read_differently_is_refused_naming_it(tmp_path, capsys, forge,
-                                                                         sidecars):
+def test_an_archive_readers_would_read_differently_is_refused_naming_it(tmp_path, capsys, forge, sidecars):
     path = _dump(tmp_path / "forged", sidecars)
     record_dump(tmp_path / "ref", PASS)
     forge(path)
@@ -110,8 +110,9 @@ def test_a_misdirected_entry_keeps_the_sidecar_bound(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "sidecar ... ignored"
         ds = DumpSet.open(tmp_path)
-    with pytest.raises(DumpFormatError, match="sends the record '[^']*data/1' to the local "
-                                              "header of '[^']*data/2'"):
+    with pytest.raises(
+        DumpFormatError, match="sends the record '[^']*data/1' to the local header of '[^']*data/2'"
+    ):
         ds.tensor("m.b")
 
 
@@ -128,8 +129,7 @@ def _flip(path: Path, record: str) -> None:
 
 @pytest.mark.parametrize("sidecars", [True, False], ids=["sidecar", "no sidecar"])
 @pytest.mark.parametrize("side", ["reference", "compared"])
-def test_a_divergence_read_from_a_damaged_record_is_a_dump_format_error(tmp_path, capsys, side,
-                                                                         sidecars):
+def test_a_divergence_read_from_a_damaged_record_is_a_dump_format_error(tmp_path, capsys, side, sidecars):
     """Neither torch.load nor the record reader checks CRCs: the bit flipped in m.b's record
     was answered as ``m.b pass 0: rel_diff 1``."""
     damaged = _dump(tmp_path / side, sidecars)
@@ -140,8 +140,11 @@ def test_a_divergence_read_from_a_damaged_record_is_a_dump_format_error(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the sidecar is still bound: nothing else says it
         d = DumpSet.open(tmp_path / "reference").diff(tmp_path / "compared")
-        with pytest.raises(DumpFormatError, match=rf"{damaged.name}: record '[^']*data/1' "
-                                                  r"\(holding 'm\.b'\) does not match its CRC-32"):
+        with pytest.raises(
+            DumpFormatError,
+            match=rf"{damaged.name}: record '[^']*data/1' "
+            r"\(holding 'm\.b'\) does not match its CRC-32",
+        ):
             d.first_divergence()
     assert main(["first-divergence", str(tmp_path / "reference"), str(tmp_path / "compared")]) == 2
     assert "does not match its CRC-32" in capsys.readouterr().err

@@ -15,8 +15,9 @@ FAR = 10**5
 
 
 def test_cubes_hold_the_calls_present_whatever_their_numbers(tmp_path):
-    passes = [{"m.l0": torch.ones(2, 3), "m.l1": torch.ones(2, 3),
-               f"m.l0::call{FAR}": torch.full((2, 3), 2.0)}]
+    passes = [
+        {"m.l0": torch.ones(2, 3), "m.l1": torch.ones(2, 3), f"m.l0::call{FAR}": torch.full((2, 3), 2.0)}
+    ]
     record_dump(tmp_path / "a", passes)
     record_dump(tmp_path / "b", [{**passes[0], f"m.l0::call{FAR}": torch.full((2, 3), 3.0)}])
     cube = DumpSet.open(tmp_path / "a").to_xarray()

@@ -21,7 +21,7 @@ import torch
 
 from tdinspect import DumpFormatError, DumpSet, list_runs
 from tdinspect.cli import main
-from tdinspect.samples import capture_model_run
+from tdinspect.examples.samples import capture_model_run
 
 from .conftest import ROOT, only_folder
 
@@ -73,8 +73,7 @@ KINDS = ["fifo", "folder", "device", "dangling link", "link loop"]
 
 @pytest.mark.parametrize("which", ["pass00001.pt", "pass00001.json"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_dump_file_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, capsys, kind,
-                                                                     which):
+def test_a_dump_file_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, capsys, kind, which):
     folder = _two_passes(tmp_path)
     _make(kind, folder / which)
     with pytest.raises(DumpFormatError, match=which.replace(".", r"\.")):
@@ -84,7 +83,7 @@ def test_a_dump_file_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, c
     assert ds.passes == [0] and torch.equal(ds.tensor("a"), torch.arange(3.0))
     capsys.readouterr()
     assert _within(30, lambda: main(["ls", str(tmp_path)])) == 2  # the CLI: its error,
-    assert which in capsys.readouterr().err                        # naming the file
+    assert which in capsys.readouterr().err  # naming the file
 
 
 @pytest.mark.parametrize("kind", ["fifo", "folder", "device", "dangling link"])
@@ -96,12 +95,14 @@ def test_a_manifest_that_is_not_a_regular_file_is_ignored(tmp_path, kind):
     assert "rank0_pid1 (started" in _within(30, lambda: list_runs(tmp_path))[0].describe()
 
 
-@pytest.mark.parametrize("started", ["NaN", "Infinity", "1e300", "-1e300", "9" * 5000,
-                                     "[" * 100_000 + "]" * 100_000])
+@pytest.mark.parametrize(
+    "started", ["NaN", "Infinity", "1e300", "-1e300", "9" * 5000, "[" * 100_000 + "]" * 100_000]
+)
 def test_a_manifest_with_an_impossible_start_time_is_ignored(tmp_path, started):
     folder = _two_passes(tmp_path)
     (folder / "run.json").write_text(
-        '{"format": "tdinspect.run", "version": 1, "run_id": "x", "started": %s}' % started)
+        f'{{"format": "tdinspect.run", "version": 1, "run_id": "x", "started": {started}}}'
+    )
     (run,) = list_runs(tmp_path)
     assert run.id == "legacy-rank0_pid1" and "rank0_pid1 (started" in run.describe()
     assert DumpSet.open(tmp_path).passes == [0, 1]
@@ -127,11 +128,14 @@ def _with_pickle(path: Path, tensors: dict, edit) -> None:
     writer.write_end_of_file()
 
 
-@pytest.mark.parametrize("size", [
-    _long1(2**62) + b"K\x04\x86",          # 2^64 elements: numel overflows int64
-    _long1(2**70) + b"K\x04\x86",          # a size that is not an int64
-    _long1(2**40) + _long1(2**40) + b"\x86",
-])
+@pytest.mark.parametrize(
+    "size",
+    [
+        _long1(2**62) + b"K\x04\x86",  # 2^64 elements: numel overflows int64
+        _long1(2**70) + b"K\x04\x86",  # a size that is not an int64
+        _long1(2**40) + _long1(2**40) + b"\x86",
+    ],
+)
 def test_a_pickle_claiming_more_elements_than_int64_counts_is_a_dump_format_error(tmp_path, size):
     folder = tmp_path / "rank0_pid1"
     folder.mkdir()
@@ -173,10 +177,14 @@ def test_a_pass_file_rewritten_in_place_after_open_is_an_error_not_a_crash(tmp_p
         for i in range(2):
             torch.manual_seed(i)
             torch.save({f"m{j}": torch.randn(256, 64) for j in range(4)}, folder / f"pass{i:05d}.pt")
-    done = subprocess.run([sys.executable, "-c", _CHANGE_AFTER_OPEN, str(tmp_path / "run"),
-                           str(tmp_path / "ref"), how],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", _CHANGE_AFTER_OPEN, str(tmp_path / "run"), str(tmp_path / "ref"), how],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "DumpFormatError:" in done.stdout and "pass00001.pt" in done.stdout
 
@@ -187,8 +195,11 @@ def test_a_pass_file_replaced_after_open_is_not_read_as_the_old_one(tmp_path):
     fresh = folder / "fresh.pt"
     torch.save({"b": torch.ones(2)}, fresh)
     os.replace(fresh, folder / "pass00001.pt")  # atomically, another inode
-    with pytest.raises(DumpFormatError, match=r"pass00001\.pt: file when opened and pass file "
-                                              r"disagree.*rewritten since it was opened"):
+    with pytest.raises(
+        DumpFormatError,
+        match=r"pass00001\.pt: file when opened and pass file "
+        r"disagree.*rewritten since it was opened",
+    ):
         ds.tensor("a", pass_=1)
 
 
@@ -224,8 +235,11 @@ def test_a_zip_bomb_is_refused_before_it_is_decompressed(tmp_path):
     _deflated(folder / "pass00000.pt", {"a": torch.ones(3)}, 0)  # compressed, honestly
     _deflated(folder / "pass00001.pt", {"a": torch.ones(3)}, 200 << 20)  # 200 MB in 200 KB
     assert (folder / "pass00001.pt").stat().st_size < 1 << 20
-    with pytest.raises(DumpFormatError, match=r"pass00001\.pt: compressed records would expand "
-                                              r"to 209715\d+ bytes from a \d+-byte file"):
+    with pytest.raises(
+        DumpFormatError,
+        match=r"pass00001\.pt: compressed records would expand "
+        r"to 209715\d+ bytes from a \d+-byte file",
+    ):
         DumpSet.open(tmp_path)
     with pytest.warns(RuntimeWarning, match="skipping unreadable pass"):
         ds = DumpSet.open(tmp_path, on_error="warn")
@@ -251,26 +265,32 @@ def test_a_bound_sidecar_shape_beyond_int64_is_a_dump_format_error(tmp_path, cap
 
 
 HOSTILE_KEYS = {
-    "model.title\x1b]0;pwned\x07": torch.ones(3),    # sets the terminal's title
-    "model.clear\x1b[2J": torch.ones(2),             # clears the screen
-    "model.x\nno divergence": torch.zeros(2),        # forges a line of output
-    "model.\u202eevil": torch.ones(1),               # shows the rest of the line reversed
-    "model.\udcff": torch.ones(1),                   # an undecodable byte of a name
+    "model.title\x1b]0;pwned\x07": torch.ones(3),  # sets the terminal's title
+    "model.clear\x1b[2J": torch.ones(2),  # clears the screen
+    "model.x\nno divergence": torch.zeros(2),  # forges a line of output
+    "model.\u202eevil": torch.ones(1),  # shows the rest of the line reversed
+    "model.\udcff": torch.ones(1),  # an undecodable byte of a name
 }
 
 
 def _hostile_runs(root: Path) -> tuple[str, str]:
     for run, scale in (("a", 1.0), ("b", 2.0)):
         (root / run / "rank0_pid1").mkdir(parents=True)
-        torch.save({k: t * scale for k, t in HOSTILE_KEYS.items()},
-                   root / run / "rank0_pid1" / "pass00000.pt")
+        torch.save(
+            {k: t * scale for k, t in HOSTILE_KEYS.items()}, root / run / "rank0_pid1" / "pass00000.pt"
+        )
     return str(root / "a"), str(root / "b")
 
 
 def test_names_from_a_dump_reach_the_terminal_escaped(tmp_path, capsys):
     a, b = _hostile_runs(tmp_path)
-    for argv in (["ls", a], ["stats", a], ["diff", a, b], ["first-divergence", a, b],
-                 ["ls", str(tmp_path / "a" / "rank0_pid1" / "pass00000.pt\x1b[2J")]):
+    for argv in (
+        ["ls", a],
+        ["stats", a],
+        ["diff", a, b],
+        ["first-divergence", a, b],
+        ["ls", str(tmp_path / "a" / "rank0_pid1" / "pass00000.pt\x1b[2J")],
+    ):
         main(argv)
         shown = capsys.readouterr()
         for text in (shown.out, shown.err):
@@ -322,8 +342,7 @@ _TRUNCATE_IN_USE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("sidecars", [True, False])
-def test_with_tdinspect_mmap_0_a_file_truncated_while_in_use_does_not_reach_its_tensors(
-        tmp_path, sidecars):
+def test_with_tdinspect_mmap_0_a_file_truncated_while_in_use_does_not_reach_its_tensors(tmp_path, sidecars):
     """Mapped (the default), these tensors read after the truncation are a SIGBUS or show the
     new bytes (the same script fails); read into memory (TDINSPECT_MMAP=0), they are intact."""
     if sidecars:
@@ -331,11 +350,15 @@ def test_with_tdinspect_mmap_0_a_file_truncated_while_in_use_does_not_reach_its_
     else:
         root = tmp_path / "run"
         (root / "rank0_pid1").mkdir(parents=True)
-        torch.save({f"m{j}": torch.randn(64, 64) for j in range(4)},
-                   root / "rank0_pid1" / "pass00000.pt")
-    done = subprocess.run([sys.executable, "-c", _TRUNCATE_IN_USE, str(root)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "TDINSPECT_MMAP": "0"})
+        torch.save({f"m{j}": torch.randn(64, 64) for j in range(4)}, root / "rank0_pid1" / "pass00000.pt")
+    done = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_IN_USE, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TDINSPECT_MMAP": "0"},
+    )
     assert done.returncode == 0 and "intact" in done.stdout, done.stderr[-2000:]
 
 
@@ -343,8 +366,10 @@ def test_with_tdinspect_mmap_0_dumps_read_the_same(tmp_path, monkeypatch):
     run = capture_model_run(tmp_path / "run", steps=2)
     plain = tmp_path / "plain"
     (plain / "rank0_pid1").mkdir(parents=True)
-    torch.save({"a": torch.arange(6.0).reshape(2, 3).t(), "b": torch.ones(2, dtype=torch.bfloat16)},
-               plain / "rank0_pid1" / "pass00000.pt")
+    torch.save(
+        {"a": torch.arange(6.0).reshape(2, 3).t(), "b": torch.ones(2, dtype=torch.bfloat16)},
+        plain / "rank0_pid1" / "pass00000.pt",
+    )
     mapped = {r: DumpSet.open(r) for r in (run, plain)}
     monkeypatch.setenv("TDINSPECT_MMAP", "0")
     for root, ds in mapped.items():
@@ -361,14 +386,14 @@ def test_names_cannot_write_rules_into_a_suggested_mapping_file(tmp_path):
     its comment, and the next line of the name became a rule of the file."""
     import yaml
 
-    from tdinspect.align.suggest import suggest_mapping
+    from tdinspect.suggest import suggest_mapping
 
     t = torch.randn(4, 4)
     injected = "model.zzz\nmodel\\.layers\\.0\\.mlp: model.other"
-    for run, tensors in (("a", {"model.layers.0.mlp": t, "model.layers.1.mlp": t + 1,
-                                  injected: torch.ones(3)}),
-                         ("b", {"model.blocks.0.mlp": t, "model.blocks.1.mlp": t + 1,
-                                "model.other": t * 0})):
+    for run, tensors in (
+        ("a", {"model.layers.0.mlp": t, "model.layers.1.mlp": t + 1, injected: torch.ones(3)}),
+        ("b", {"model.blocks.0.mlp": t, "model.blocks.1.mlp": t + 1, "model.other": t * 0}),
+    ):
         (tmp_path / run / "rank0_pid1").mkdir(parents=True)
         torch.save(tensors, tmp_path / run / "rank0_pid1" / "pass00000.pt")
     suggested = suggest_mapping(tmp_path / "a", tmp_path / "b")
@@ -380,7 +405,7 @@ def test_names_cannot_write_rules_into_a_suggested_mapping_file(tmp_path):
 
 _SAVE_TOO_BIG = textwrap.dedent("""
     import resource, signal, sys, torch
-    from tdinspect.align.suggest import suggest_mapping
+    from tdinspect.suggest import suggest_mapping
     a, b, out = sys.argv[1:4]
     suggested = suggest_mapping(a, b)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a kill
@@ -396,13 +421,20 @@ def test_a_failed_save_of_a_suggested_mapping_keeps_the_earlier_file(tmp_path):
     t = torch.randn(4, 4)
     for run, prefix in (("a", "layers"), ("b", "blocks")):
         (tmp_path / run / "rank0_pid1").mkdir(parents=True)
-        torch.save({f"model.{prefix}.{i}.mlp": t + i for i in range(3)},
-                   tmp_path / run / "rank0_pid1" / "pass00000.pt")
+        torch.save(
+            {f"model.{prefix}.{i}.mlp": t + i for i in range(3)},
+            tmp_path / run / "rank0_pid1" / "pass00000.pt",
+        )
     out = tmp_path / "mapping.yaml"
     out.write_text("# my hand-written mapping\nmodel\\.a: model.b\n")
-    done = subprocess.run([sys.executable, "-c", _SAVE_TOO_BIG, str(tmp_path / "a"),
-                           str(tmp_path / "b"), str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", _SAVE_TOO_BIG, str(tmp_path / "a"), str(tmp_path / "b"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert "refused: 27" in done.stdout, done.stderr[-2000:]  # EFBIG
     assert out.read_text() == "# my hand-written mapping\nmodel\\.a: model.b\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
@@ -432,8 +464,9 @@ def test_wide_unsigned_integers_capture_open_and_diff(tmp_path, dtype):
     big = tmp_path / "big" / "rank0_pid1"  # beyond int64, for uint64: statistics in float64
     big.mkdir(parents=True)
     torch.save({"u": torch.tensor([0, 2**62, 5]).to(dtype)}, big / "pass00000.pt")
-    assert float(DumpSet.open(big).to_xarray(progress=False)["absmax"].max()) == \
-        float(torch.tensor([0, 2**62, 5]).to(dtype).double().max())
+    assert float(DumpSet.open(big).to_xarray(progress=False)["absmax"].max()) == float(
+        torch.tensor([0, 2**62, 5]).to(dtype).double().max()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128, torch.float32, torch.bfloat16])
@@ -441,7 +474,7 @@ def test_records_at_any_byte_offset_read_as_torch_load_reads_them(tmp_path, dtyp
     """torch.save aligns each record to 64 bytes; another zip writer need not, and the record
     reader then views tensors at any address (x86 loads them unaligned: no crash, the same
     values and the same diff as torch.load's copy)."""
-    from tdinspect.rawpass import read_plain
+    from tdinspect.store.rawpass import read_plain
 
     torch.manual_seed(0)
     t = torch.randn(300, 67).to(dtype)
@@ -463,8 +496,11 @@ def test_records_at_any_byte_offset_read_as_torch_load_reads_them(tmp_path, dtyp
         ds = DumpSet.open(folder.parent)
         assert torch.equal(ds.tensor("model.b"), tensors["model.b"])
         assert ds.diff(folder.parent).first_divergence() is None
-    assert {read_plain(tmp_path / f"pad{p}" / "rank0_pid1" / "pass00000.pt")[2]["model.a"]
-            .data_ptr() % dtype.itemsize for p in (1, 2, 3, 5)} != {0}  # some are misaligned
+    assert {
+        read_plain(tmp_path / f"pad{p}" / "rank0_pid1" / "pass00000.pt")[2]["model.a"].data_ptr()
+        % dtype.itemsize
+        for p in (1, 2, 3, 5)
+    } != {0}  # some are misaligned
 
 
 def test_warnings_show_names_from_the_dump_as_escapes(tmp_path):
@@ -498,7 +534,7 @@ def test_a_rebound_sidecar_never_reads_past_its_record(tmp_path, shift):
     """A forged layout bound anew (the binding is no signature) that runs an entry past the
     end of its zip record: the diff refuses it or reads as ``torch.load`` does, never the
     bytes after the record (docs/reliability.md, below its table of hostile inputs)."""
-    from tdinspect.metrics import TENSOR_METRICS, compare_tensors
+    from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors
 
     from .conftest import rewrite_sidecar
     from .recorded import record_dump

@@ -23,9 +23,9 @@ from .test_hostile_files import _within
 
 def _aliases(levels: int) -> str:
     """One rule whose value nests ``levels`` lists, each 9 aliases of the one before."""
-    parts = ['&l0 [' + ",".join(['"lol"'] * 9) + ']']
-    parts += [f'&l{n} [' + ",".join([f"*l{n - 1}"] * 9) + "]" for n in range(1, levels)]
-    return '"a.*": [b, null, [' + ", ".join(parts) + ']]\n'
+    parts = ["&l0 [" + ",".join(['"lol"'] * 9) + "]"]
+    parts += [f"&l{n} [" + ",".join([f"*l{n - 1}"] * 9) + "]" for n in range(1, levels)]
+    return '"a.*": [b, null, [' + ", ".join(parts) + "]]\n"
 
 
 def _make(kind: str, path: Path) -> str:
@@ -65,8 +65,9 @@ def test_a_hostile_mapping_file_is_a_mapping_error_naming_it(tmp_path, capsys, k
     with pytest.raises(MappingError, match=says):
         _within(30, lambda: DumpSet.open(tmp_path / "a").diff(tmp_path / "b", mapping=str(path)))
     capsys.readouterr()
-    code = _within(30, lambda: main(["diff", str(tmp_path / "a"), str(tmp_path / "b"),
-                                     "--mapping", str(path)]))
+    code = _within(
+        30, lambda: main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--mapping", str(path)])
+    )
     err = capsys.readouterr().err
     assert code == 2 and str(path) in err and says in err and "Traceback" not in err
 

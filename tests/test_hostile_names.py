@@ -83,8 +83,11 @@ def test_dumpset_explorer_and_repr_escape_names(tmp_path):
 @pytest.mark.parametrize("plot", ["divergence", "heatmap", "rank_pass"])
 def test_plots_draw_hostile_names_as_text(tmp_path, plot):
     a, b = _runs(tmp_path)
-    fig = getattr(tdinspect.plot, plot)(a.diff(b), threshold=1e-6) if plot != "heatmap" else \
-        tdinspect.plot.heatmap(a.diff(b))
+    fig = (
+        getattr(tdinspect.plot, plot)(a.diff(b), threshold=1e-6)
+        if plot != "heatmap"
+        else tdinspect.plot.heatmap(a.diff(b))
+    )
     _drawn(fig)
 
 

@@ -18,7 +18,7 @@ import torch
 import tdinspect
 from tdinspect import DumpSet
 from tdinspect.report import DiffSummary, diff_html
-from tdinspect.terminal import html_text
+from tdinspect.util.terminal import html_text
 
 matplotlib.use("Agg")
 
@@ -27,8 +27,8 @@ NAMES = {
     f"model.{SCRIPT}": torch.arange(4.0),
     "model.a&b": torch.ones(3),
     "model.esc\x1b[2J\x07": torch.ones(2),
-    "model.\udcff\ud800": torch.ones(2),     # undecodable bytes (pickle keys read "surrogatepass")
-    "model.shape": torch.ones(2),             # differs in shape in B: a structural row
+    "model.\udcff\ud800": torch.ones(2),  # undecodable bytes (pickle keys read "surrogatepass")
+    "model.shape": torch.ones(2),  # differs in shape in B: a structural row
 }
 
 
@@ -73,10 +73,14 @@ def test_html_reprs_of_hostile_names_encode_and_show_them_as_text(tmp_path):
     diff = a.diff(b_path)
     div = diff.first_divergence(1e-6)
     assert div is not None and div.key in NAMES
-    views = {"dumpset": a._repr_html_(), "diff": diff._repr_html_(), "divergence": div._repr_html_(),
-             "summary": DiffSummary(diff, threshold=1e-6, metric="max_abs")._repr_html_(),
-             "diff_html": diff_html(diff, 0.5, "cosine"),
-             "suggestion": tdinspect.suggest_mapping(a, DumpSet.open(b_path))._repr_html_()}
+    views = {
+        "dumpset": a._repr_html_(),
+        "diff": diff._repr_html_(),
+        "divergence": div._repr_html_(),
+        "summary": DiffSummary(diff, threshold=1e-6, metric="max_abs")._repr_html_(),
+        "diff_html": diff_html(diff, 0.5, "cosine"),
+        "suggestion": tdinspect.suggest_mapping(a, DumpSet.open(b_path))._repr_html_(),
+    }
     for what, page in views.items():
         _sendable(page, what)
     # the names are there, as escaped text (a table cell, a heading)
@@ -97,7 +101,7 @@ def test_widgets_of_hostile_names_send_only_utf8(tmp_path):
     for key in NAMES:
         ex.select(key, 0, 0)
         assert ex.entry.value == key  # picked by its real name, shown escaped
-        for w, state in _widget_states(ex.widget):
+        for _, state in _widget_states(ex.widget):
             state.encode("utf-8")
         _sendable(ex.label.value + ex.message.value, key)
     for view in (board, ds_ex):
@@ -150,9 +154,9 @@ def test_magics_show_hostile_names_as_utf8_text(tmp_path):
 
 @pytest.mark.parametrize("name", ["model.\udcff", "model.<b>&", "model.\x1b]0;x\x07"])
 def test_html_text_is_what_every_view_writes(name):
-    from tdinspect.report import styled
-
     import pandas as pd
+
+    from tdinspect.report import styled
 
     page = styled(pd.DataFrame({name: [name, 1.5e-9]}))
     _sendable(page, name)
@@ -162,8 +166,12 @@ def test_html_text_is_what_every_view_writes(name):
 def test_replay_repr_shows_names_from_the_dump_as_escapes():
     from tdinspect.replay import ReplayResult
 
-    r = ReplayResult(op="aten.add.Tensor", key="model.esc\x1b[2J\udcff/aten.add.Tensor",
-                     dtype=torch.float64, args=[("alpha", "\x1b]0;x\x07")])
+    r = ReplayResult(
+        op="aten.add.Tensor",
+        key="model.esc\x1b[2J\udcff/aten.add.Tensor",
+        dtype=torch.float64,
+        args=[("alpha", "\x1b]0;x\x07")],
+    )
     text = repr(r)
     _sendable(text, text)
     assert "model.esc\\x1b[2J\\udcff" in text and "\\x1b]0;x\\x07" in text

@@ -12,7 +12,7 @@ import torch
 
 import tdinspect
 from tdinspect import DumpSet, load_pass
-from tdinspect.format import atomic_write
+from tdinspect.store.format import atomic_write
 
 from .conftest import only_folder
 
@@ -22,8 +22,7 @@ def tiny_disk(tmp_path):
     """A real 20 MB tmpfs (needs root; skipped elsewhere)."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)],
-                          capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True)
     if done.returncode != 0:
         pytest.skip("mounting a tmpfs needs root")
     try:
@@ -60,7 +59,7 @@ def test_real_full_disk_says_no_space_left(tiny_disk, background):
 def test_full_disk_inside_torch_save_names_the_cause(tmp_path, monkeypatch):
     """Without root: torch's zip writer hits ENOSPC and reports 'unexpected pos'; the message
     still says No space left on device."""
-    from tdinspect import format as fmt
+    from tdinspect.store import format as fmt
 
     real_fdopen = os.fdopen
 
@@ -104,8 +103,7 @@ def test_full_disk_inside_torch_save_names_the_cause(tmp_path, monkeypatch):
                 model(x)
                 dump.step()
     folder = only_folder(tmp_path)
-    assert sorted(p.name for p in folder.iterdir()) == ["pass00000.json", "pass00000.pt",
-                                                          "run.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["pass00000.json", "pass00000.pt", "run.json"]
 
 
 def test_ctrl_c_during_inline_write_is_a_keyboard_interrupt(tmp_path, monkeypatch):
@@ -117,9 +115,11 @@ def test_ctrl_c_during_inline_write_is_a_keyboard_interrupt(tmp_path, monkeypatc
     def interrupted(path, tensors, fsync=False, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
+
             def write(f):
                 f.write(b"PK\x03\x04 half a pass")
                 raise KeyboardInterrupt
+
             atomic_write(path, write)
         return real(path, tensors, fsync=fsync, **kw)
 
@@ -133,7 +133,9 @@ def test_ctrl_c_during_inline_write_is_a_keyboard_interrupt(tmp_path, monkeypatc
     assert all(not m._forward_hooks for m in model.modules())
     folder = only_folder(tmp_path)
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(("pass", "."))) == [
-        "pass00000.json", "pass00000.pt"]
+        "pass00000.json",
+        "pass00000.pt",
+    ]
     assert len(load_pass(folder / "pass00000.pt")) == 2
 
 
@@ -163,12 +165,21 @@ def test_load_pass_result_can_be_modified_and_saved_over_its_file(tmp_path):
     before = load_pass(p)
     k = "model.0"
     # the exact sequence of the report, in a child: on failure it dies of SIGBUS
-    code = ("import sys, torch; from tdinspect import load_pass; p = sys.argv[1]; "
-            "t = load_pass(p); t['model.0'] *= 2; torch.save(t, p)")
-    done = subprocess.run([os.sys.executable, "-c", code, str(p)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(tdinspect.__path__[0].rsplit(os.sep, 1)[0]),
-                               os.environ.get("PYTHONPATH", "")])})
+    code = (
+        "import sys, torch; from tdinspect import load_pass; p = sys.argv[1]; "
+        "t = load_pass(p); t['model.0'] *= 2; torch.save(t, p)"
+    )
+    done = subprocess.run(
+        [os.sys.executable, "-c", code, str(p)],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(tdinspect.__path__[0].rsplit(os.sep, 1)[0]), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
+    )
     assert done.returncode == 0, done.stderr[-500:]
     after = load_pass(p)
     assert torch.equal(after[k], before[k] * 2)
@@ -178,6 +189,7 @@ def test_load_pass_result_can_be_modified_and_saved_over_its_file(tmp_path):
 
 
 # -- names: the mapping from outputs and modules to keys is injective ---------------------------
+
 
 class _DictOut(torch.nn.Module):
     def forward(self, x):
@@ -265,6 +277,7 @@ def test_two_identical_runs_never_diverge(tmp_path):
 
 # -- threads and fork ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("background", [False, True])
 def test_threads_lose_nothing(tmp_path, background):
     """Four threads calling the model under one capture, switching threads as often as
@@ -286,10 +299,12 @@ def test_threads_lose_nothing(tmp_path, background):
     try:
         with pytest.warns(RuntimeWarning, match="second thread"):
             with tdinspect.capture(model, tmp_path, background_write=background) as dump:
+
                 def work(t):
                     with torch.no_grad():
                         for _ in range(25):
                             model(inputs[t])
+
                 threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
                 for th in threads:
                     th.start()

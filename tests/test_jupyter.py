@@ -48,7 +48,7 @@ def test_diff_explorer_threshold_moves_the_marker(runs):
 
 
 def test_switching_metric_brings_its_own_threshold_direction_and_scale(runs):
-    f32 = 2.0 ** -24 / 4  # float32's unit roundoff / 4: rel_diff's "auto" for these entries
+    f32 = 2.0**-24 / 4  # float32's unit roundoff / 4: rel_diff's "auto" for these entries
     ex = tdinspect.explore(DumpSet.open(runs["ref"]).diff(runs["wrong"]), threshold=1e-6)
     assert ex.ax.get_yscale() == "log" and type(ex.threshold).__name__ == "FloatLogSlider"
     assert not ex.auto.value and ex.artists.thr.get_visible()  # a number: one line across
@@ -108,8 +108,9 @@ def test_clicking_a_point_selects_its_entry(runs):
     row = ex.table.index[(ex.table["key"] == "model.lm_head") & (ex.table["pass"] == 2)][0]
     ex.fig.canvas.draw()
     x, y = ex.ax.transData.transform((row, 1))[0], ex.ax.transAxes.transform((0, 0.5))[1]
-    ex.fig.canvas.callbacks.process("button_press_event",
-                                    MouseEvent("button_press_event", ex.fig.canvas, x, y, button=1))
+    ex.fig.canvas.callbacks.process(
+        "button_press_event", MouseEvent("button_press_event", ex.fig.canvas, x, y, button=1)
+    )
     assert ex.shown_at == ("model.lm_head", 2, 0) and ex.pass_.value == 2
     assert ex.artists.selected.get_xdata()[0] == row
 
@@ -185,15 +186,24 @@ def test_plots_return_figures(runs):
 def _run(cells, allow_errors=True):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=allow_errors,
-                   resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        allow_errors=allow_errors,
+        resources={"metadata": {"path": str(ROOT)}},
+    ).execute()
     return nb
 
 
 def _text(cell) -> str:
-    return "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
-                   + str(o.get("data", {}).get("text/html", ""))
-                   + (f"{o['ename']}: {o['evalue']}" if "ename" in o else "") for o in cell.outputs)
+    return "".join(
+        o.get("text", "")
+        + str(o.get("data", {}).get("text/plain", ""))
+        + str(o.get("data", {}).get("text/html", ""))
+        + (f"{o['ename']}: {o['evalue']}" if "ename" in o else "")
+        for o in cell.outputs
+    )
 
 
 def test_magics_in_a_real_kernel(runs, tmp_path):
@@ -202,7 +212,7 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
         f"%tdi_open ref {runs['ref']}\nprint(type(ref).__name__, ref.passes)",
         f"%tdi_diff ref {runs['wrong']} --as d\nprint(type(d).__name__)",
         "%tdi_open broken /no/such/dump",
-        "import torch\nfrom tdinspect.examples import make_model, make_tokens\n"
+        "import torch\nfrom tdinspect.examples.models import make_model, make_tokens\n"
         "m = make_model(); x = make_tokens()",
         f"%%tdi_capture {tmp_path / 'cap'} --model m --filter lm_head\nm(x)",
         f"%%tdi_capture {tmp_path / 'cap'} --model m --filter lm_head\nm(x)",
@@ -238,8 +248,10 @@ def test_magics_in_a_real_kernel(runs, tmp_path):
     assert "Canvas True" in text(11) and "Error" not in text(11)
     assert "True True" in text(11) and "clicked ('model.lm_head', 0, 0)" in text(11)
     assert DumpSet.open(tmp_path / "cap", run=-1).passes == [0]
-    assert DumpSet.open(tmp_path / "ops").ops == ["model/aten.ones.default[out0]",
-                                                  "model/aten.mul.Tensor[out0]"]
+    assert DumpSet.open(tmp_path / "ops").ops == [
+        "model/aten.ones.default[out0]",
+        "model/aten.mul.Tensor[out0]",
+    ]
 
 
 def test_magic_errors_stop_run_all_and_say_what_was_looked_up(runs, tmp_path):
@@ -256,14 +268,15 @@ def test_magic_errors_stop_run_all_and_say_what_was_looked_up(runs, tmp_path):
     ]
     nb = _run(cells)
     # IPython prints a UsageError as one stderr line (no traceback); other errors as error outputs
-    errors = ["".join(o.get("text", "") for o in c.outputs if o.get("name") == "stderr")
-              + "".join(f"{o['ename']}: {o['evalue']}" for o in c.outputs
-                        if o.get("output_type") == "error") for c in nb.cells]
+    errors = [
+        "".join(o.get("text", "") for o in c.outputs if o.get("name") == "stderr")
+        + "".join(f"{o['ename']}: {o['evalue']}" for o in c.outputs if o.get("output_type") == "error")
+        for c in nb.cells
+    ]
     assert errors[0] == "" and errors[3] == ""
     assert errors[1].startswith("UsageError: no variable `nosuch` in the notebook")
     assert not (tmp_path / "cap").exists()  # nothing was captured for a failed lookup
-    assert errors[2].startswith("UsageError: `nosuchvar` is neither a variable in the notebook "
-                                "nor a folder")
+    assert errors[2].startswith("UsageError: `nosuchvar` is neither a variable in the notebook nor a folder")
     assert errors[4].startswith("UsageError: `number` is a int, not a DumpSet")
     assert errors[5].startswith("UsageError") and "nosuchmetric" in errors[5]
     assert "rel_diff" in errors[5]  # the known metrics are listed
@@ -274,8 +287,9 @@ def test_magic_errors_stop_run_all_and_say_what_was_looked_up(runs, tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in stop]
     with pytest.raises(CellExecutionError, match="no such file or folder"):
-        NotebookClient(nb, timeout=120, kernel_name="python3",
-                       resources={"metadata": {"path": str(ROOT)}}).execute()
+        NotebookClient(
+            nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+        ).execute()
     assert nb.cells[1].outputs == [] and nb.cells[1].get("execution_count") is None
 
 
@@ -307,7 +321,7 @@ def test_entry_names_complete_inside_tensor_call(runs):
     cells = [
         f"%load_ext tdinspect\n%tdi_open ds {runs['ref']}",
         "from IPython.core.completer import provisionalcompleter\n"
-        "code = \"ds.tensor('model.layers.2.ml\"\n"
+        'code = "ds.tensor(\'model.layers.2.ml"\n'
         "with provisionalcompleter():\n"
         "    found = list(get_ipython().Completer.completions(code, len(code)))\n"
         "print(sorted({code[:c.start] + c.text for c in found}))",
@@ -335,18 +349,22 @@ def test_html_reprs_are_themed_collapsible_and_say_what_differs(runs, tmp_path):
     small = DiffSummary(ref.diff(runs["bf16"]), threshold=1e-5)._repr_html_()
     assert re.search(r">\d\.\d\de-0\d<", small) and ">0.000" not in small  # scientific notation
     ops = DumpSet.open(ROOT / "sample_dumps" / "ops_layernorm_f32").diff(
-        ROOT / "sample_dumps" / "ops_layernorm")
+        ROOT / "sample_dumps" / "ops_layernorm"
+    )
     html = ops._repr_html_()
     assert "entry names only in B" in html
-    found = re.search(r"structural problems in the (\d+) of (\d+) \(rank, pass\) pairs compared so far"
-                      r" <span class='n'>\((\d+)\)</span>", html)
+    found = re.search(
+        r"structural problems in the (\d+) of (\d+) \(rank, pass\) pairs compared so far"
+        r" <span class='n'>\((\d+)\)</span>",
+        html,
+    )
     n_structural = int(ops.table(progress=False)["structural"].sum())
     assert found and int(found.group(3)) == n_structural > 0
     assert "0.000001" not in html
 
 
 def test_growth_and_the_demo_list_only_entries_that_add_error(runs, tmp_path, capsys):
-    from tdinspect.demo import run_demo
+    from tdinspect.examples.demo import run_demo
 
     diff = DumpSet.open(runs["ref"]).diff(runs["bf16"])
     grow = diff.growth(progress=False)
@@ -355,13 +373,16 @@ def test_growth_and_the_demo_list_only_entries_that_add_error(runs, tmp_path, ca
     assert run_demo(str(tmp_path)) == 0
     out = capsys.readouterr().out
     # the demo names the wrong layer and why, at the default threshold ("auto": float32's u/4)
-    assert "first divergence: model.layers.2.mlp.down (pass 0, call 0)\n  rel_diff 0.0158 > " \
-           "1.49e-08 (auto: float32)" in out
+    assert (
+        "first divergence: model.layers.2.mlp.down (pass 0, call 0)\n  rel_diff 0.0158 > "
+        "1.49e-08 (auto: float32)" in out
+    )
     assert "threshold: auto (rel_diff u/4" in out
     listed = out.split("entries that add the most error")[1].splitlines()[1:]
     listed = [line for line in listed if line.startswith("  ")]
-    assert listed and all("first error" in line or float(line.rsplit("(x", 1)[1].rstrip(")")) > 1
-                          for line in listed)
+    assert listed and all(
+        "first error" in line or float(line.rsplit("(x", 1)[1].rstrip(")")) > 1 for line in listed
+    )
 
 
 def test_committed_notebooks_carry_widget_state_and_no_frozen_progress():
@@ -388,7 +409,7 @@ def test_committed_notebooks_carry_widget_state_and_no_frozen_progress():
 
 
 def test_progress_is_off_in_jupyter_unless_asked(runs, capsys):
-    from tdinspect.progress import wanted
+    from tdinspect.util.progress import wanted
 
     assert wanted(True) and not wanted(False)
     diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
@@ -493,8 +514,8 @@ class _Float(__import__("torch").nn.Module):
 def test_auto_slider_readout_is_the_threshold_diff_uses_upstream_included(tmp_path):
     """The slider under "auto" shows the threshold Diff applies to most entries, upstream dtype
     included (it showed float32's 1.49e-08 for float32 entries Diff judges at bfloat16's)."""
-    from tdinspect.diff import threshold_fn
-    from tdinspect.metrics import auto_threshold
+    from tdinspect.compare.diff import threshold_fn
+    from tdinspect.numerics.metrics import auto_threshold
 
     diff = _bf16_then_float32_runs(tmp_path)
     table = diff.table(progress=False)
@@ -515,8 +536,9 @@ def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
 
     calls = []
     real = dash.Dashboard._refresh_rows
-    monkeypatch.setattr(dash.Dashboard, "_refresh_rows",
-                        lambda self, *args: calls.append(1) or real(self, *args))
+    monkeypatch.setattr(
+        dash.Dashboard, "_refresh_rows", lambda self, *args: calls.append(1) or real(self, *args)
+    )
     board = tdinspect.dashboard(runs["ref"], runs["wrong"])
     ex = board.explorer
 
@@ -524,14 +546,19 @@ def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
         return [v for label, v in board.entries.options if label.startswith("⚠")]
 
     at_auto = marked()
-    for name, value, marks in (("metric", "cosine", True), ("threshold", 0.99, False),
-                               ("threshold", 0.98, False), ("auto", True, True),
-                               ("metric", "rel_diff", True)):
+    for name, value, marks in (
+        ("metric", "cosine", True),
+        ("threshold", 0.99, False),
+        ("threshold", 0.98, False),
+        ("auto", True, True),
+        ("metric", "rel_diff", True),
+    ):
         calls.clear()
         getattr(ex, name).value = value  # the slider of the metric on show
         assert calls == [1], (name, value)
         assert bool(marked()) == marks and ("model.layers.2.mlp.down", 0, 0) in (
-            marked() if marks else [("model.layers.2.mlp.down", 0, 0)])
+            marked() if marks else [("model.layers.2.mlp.down", 0, 0)]
+        )
     assert marked() == at_auto  # back where it started: the same marks
 
 

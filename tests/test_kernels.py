@@ -13,29 +13,39 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdinspect import DumpSet, kernels
-from tdinspect.metrics import compare_tensors
+from tdinspect import DumpSet
+from tdinspect.numerics import kernels
+from tdinspect.numerics.metrics import compare_tensors
 
 from .test_dumpset_diff import write_dump
 
 pytest.importorskip("numba")
 
 
-def oracle(x: np.ndarray, y: np.ndarray, rtol: float, atol: float,
-           eps: float = kernels.EPS) -> dict:
+def oracle(x: np.ndarray, y: np.ndarray, rtol: float, atol: float, eps: float = kernels.EPS) -> dict:
     """The definitions, straight, in float64."""
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     d, ay = np.abs(x64 - y64), np.abs(y64)
-    return {"sxx": float(x64 @ x64), "syy": float(y64 @ y64), "sdd": float(d @ d), "sabs": float(d.sum()),
-            "max_abs": float(d.max(initial=0.0)),
-            "max_rel": float((d / np.maximum(ay, eps)).max(initial=0.0)),
-            "mismatch": int((d > atol + rtol * ay).sum())}
+    return {
+        "sxx": float(x64 @ x64),
+        "syy": float(y64 @ y64),
+        "sdd": float(d @ d),
+        "sabs": float(d.sum()),
+        "max_abs": float(d.max(initial=0.0)),
+        "max_rel": float((d / np.maximum(ay, eps)).max(initial=0.0)),
+        "mismatch": int((d > atol + rtol * ay).sum()),
+    }
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 3000), dtype=st.sampled_from([np.float32, np.float64]),
-       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]), noise=st.sampled_from([0.0, 1e-6, 1e-2, 1.0]),
-       zeros=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(0, 3000),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]),
+    noise=st.sampled_from([0.0, 1e-6, 1e-2, 1.0]),
+    zeros=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_backends_agree_with_each_other_and_the_definitions(n, dtype, scale, noise, zeros, seed):
     rng = np.random.default_rng(seed)
     y = (rng.standard_normal(n) * scale).astype(dtype)
@@ -72,8 +82,10 @@ def test_kernel_choice_from_the_environment(monkeypatch):
         kernels.default_backend()
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                    (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16)],
+)
 def test_compare_tensors_same_metrics_on_either_backend(monkeypatch, dtypes):
     big = kernels.NUMBA_MIN_BYTES * 3 + 5  # past the numba threshold, with a tail
     g = torch.Generator().manual_seed(0)
@@ -96,8 +108,13 @@ def test_diff_of_big_tensors_on_dask_threads_matches_the_numpy_backend(tmp_path,
     n = kernels.NUMBA_MIN_BYTES * 2
     passes = [{f"model.layers.{i}.out": torch.randn(n, generator=g) for i in range(3)} for _ in range(4)]
     write_dump(tmp_path / "a", passes)
-    other = [{k: v + (1e-3 * torch.randn(n, generator=g) if p == 2 and k.endswith("1.out") else 0)
-              for k, v in entries.items()} for p, entries in enumerate(passes)]
+    other = [
+        {
+            k: v + (1e-3 * torch.randn(n, generator=g) if p == 2 and k.endswith("1.out") else 0)
+            for k, v in entries.items()
+        }
+        for p, entries in enumerate(passes)
+    ]
     write_dump(tmp_path / "b", other)
     tables = {}
     for backend in ("numba", "numpy"):
@@ -116,8 +133,9 @@ def test_pair_sums_add_up_over_chunks():
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal(1000), rng.standard_normal(1000)
     whole = kernels.pair_sums(x, y, rtol=1e-3, atol=1e-3, backend="numpy")
-    parts = kernels.pair_sums(x[:300], y[:300], rtol=1e-3, atol=1e-3) + \
-        kernels.pair_sums(x[300:], y[300:], rtol=1e-3, atol=1e-3)
+    parts = kernels.pair_sums(x[:300], y[:300], rtol=1e-3, atol=1e-3) + kernels.pair_sums(
+        x[300:], y[300:], rtol=1e-3, atol=1e-3
+    )
     for f in dataclasses.fields(whole):
         assert getattr(parts, f.name) == pytest.approx(getattr(whole, f.name), rel=1e-12), f.name
 
@@ -150,9 +168,9 @@ def test_nan_and_inf_are_found_and_masked_in_big_tensors(monkeypatch, backend):
     y = torch.randn(n, generator=g)
     x = y + 1e-3 * torch.randn(n, generator=g)
     y[10], x[10] = float("nan"), float("nan")  # NaN on both sides: agreed, not a mismatch
-    x[20] = float("inf")                        # Inf against a number
-    y[30] = -float("inf")                       # the other way round
-    x[40], y[40] = float("inf"), float("inf")   # the same Inf on both: agreed
+    x[20] = float("inf")  # Inf against a number
+    y[30] = -float("inf")  # the other way round
+    x[40], y[40] = float("inf"), float("inf")  # the same Inf on both: agreed
     got = compare_tensors(x, y)
     assert got["nonfinite_mismatch"] == 2
     keep = torch.isfinite(x) & torch.isfinite(y)
@@ -165,8 +183,7 @@ NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 # decoded by the table in the compiled loop (the others by bit arithmetic)
 TABLED = [getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)]
 BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.int64}
-MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float8_e5m2: 2, torch.float32: 23,
-            torch.float64: 52}
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float8_e5m2: 2, torch.float32: 23, torch.float64: 52}
 
 
 def _nan_with_payload(dtype: torch.dtype, rng: np.random.Generator) -> int:
@@ -189,11 +206,18 @@ def _put_bits(t: torch.Tensor, i: int, bits: int) -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(n=st.integers(0, 2000), dtype=st.sampled_from([torch.float32, torch.float64, *NARROW, *TABLED]),
-       scale=st.sampled_from([1e-3, 1.0, 1e2]), noise=st.sampled_from([0.0, 1e-2, 1.0]),
-       specials=st.booleans(), nonfinite=st.sampled_from(["", "x", "y", "xy"]), seed=st.integers(0, 2**16))
-def test_every_dtype_decoded_in_the_loop_agrees_with_the_definitions(n, dtype, scale, noise, specials,
-                                                                     nonfinite, seed):
+@given(
+    n=st.integers(0, 2000),
+    dtype=st.sampled_from([torch.float32, torch.float64, *NARROW, *TABLED]),
+    scale=st.sampled_from([1e-3, 1.0, 1e2]),
+    noise=st.sampled_from([0.0, 1e-2, 1.0]),
+    specials=st.booleans(),
+    nonfinite=st.sampled_from(["", "x", "y", "xy"]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_dtype_decoded_in_the_loop_agrees_with_the_definitions(
+    n, dtype, scale, noise, specials, nonfinite, seed
+):
     """float32/float64 as values, narrow floats as raw bits decoded inside both backends: the
     same sums as the float64 definitions of torch's own decoding, subnormals and signed zeros
     included; a NaN (any payload) or Inf on a side makes that side's sum of squares non-finite."""
@@ -202,7 +226,7 @@ def test_every_dtype_decoded_in_the_loop_agrees_with_the_definitions(n, dtype, s
     fi = torch.finfo(dtype)
     big = min(fi.max / 2, 1e30)  # no overflow to NaN (the fnuz formats)
     y = (torch.randn(n, generator=g, dtype=torch.float64) * scale).clamp(-big, big).to(dtype)
-    x = (y.double() + noise * scale * torch.randn(n, generator=g, dtype=torch.float64))
+    x = y.double() + noise * scale * torch.randn(n, generator=g, dtype=torch.float64)
     x = x.clamp(-big, big).to(dtype)
     if specials and n:  # subnormals, zeros of both signs and the format's extremes
         tiny = fi.smallest_normal * fi.eps * 2  # a subnormal (e4m3fnuz/e5m2fnuz too)
@@ -264,7 +288,7 @@ def test_every_bit_pattern_decodes_as_torch_reads_it(dtype):
     """Exhaustive: every code of every narrow float, through the compiled bit arithmetic (float16
     and e5m2 both ways: by the CPU's conversion where it has one, and portably) and through the
     numpy fallback's chunk decoder, against torch's own conversion to float64."""
-    from tdinspect import fused_loop
+    from tdinspect.numerics import fused_loop
 
     bits = BITS[dtype.itemsize]
     codes = torch.arange(1 << (8 * dtype.itemsize), dtype=torch.int32).to(bits)
@@ -294,7 +318,7 @@ def test_float16_by_the_cpu_only_for_the_host_cpu(monkeypatch):
     half conversion for a 'generic' CPU into a helper call that crashed the process."""
     from numba.core import config
 
-    from tdinspect import fused_loop
+    from tdinspect.numerics import fused_loop
 
     monkeypatch.setattr(config, "CPU_NAME", "generic")
     assert not fused_loop.has_f16c()
@@ -321,10 +345,10 @@ def test_compare_tensors_decodes_narrow_floats_without_a_float32_copy(monkeypatc
         seen.append((a.dtype, kw.get("codes") == str(dtype).removeprefix("torch.")))
         return real(a, b, **kw)
 
-    monkeypatch.setattr("tdinspect.metrics.pair_sums", spy)
+    monkeypatch.setattr("tdinspect.numerics.metrics.pair_sums", spy)
     got = compare_tensors(x, y)
     assert seen and all(dt.kind == "u" and coded for dt, coded in seen)
-    monkeypatch.setattr("tdinspect.metrics._CODED", {})  # the float32 conversion it replaced
+    monkeypatch.setattr("tdinspect.numerics.metrics._CODED", {})  # the float32 conversion it replaced
     want = compare_tensors(x, y)
     assert got["nonfinite_mismatch"] == want["nonfinite_mismatch"] == 1
     for k in ("rel_diff", "max_abs", "mean_abs", "max_rel", "cosine", "sqnr_db", "mismatch"):
@@ -333,18 +357,16 @@ def test_compare_tensors_decodes_narrow_floats_without_a_float32_copy(monkeypatc
 
 def test_codes_must_fit_the_arrays():
     with pytest.raises(ValueError, match="codes='float8_e5m2' needs uint8 arrays"):
-        kernels.pair_sums(np.zeros(4, np.uint16), np.zeros(4, np.uint16), rtol=0, atol=0,
-                          codes="float8_e5m2")
+        kernels.pair_sums(np.zeros(4, np.uint16), np.zeros(4, np.uint16), rtol=0, atol=0, codes="float8_e5m2")
     with pytest.raises(ValueError, match="codes='float32': expected a 1- or 2-byte torch float"):
-        kernels.pair_sums(np.zeros(4, np.uint32), np.zeros(4, np.uint32), rtol=0, atol=0,
-                          codes="float32")
+        kernels.pair_sums(np.zeros(4, np.uint32), np.zeros(4, np.uint32), rtol=0, atol=0, codes="float32")
     with pytest.raises(ValueError, match="codes='bogus'"):
         kernels.pair_sums(np.zeros(4, np.uint8), np.zeros(4, np.uint8), rtol=0, atol=0, codes="bogus")
 
 
 def _max_rel_cases() -> dict:
     """Pairs that a looser max_rel filter (see ``fused_loop._loop``) would get wrong."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     n = 3 * BLOCK + 5
     edge_x, edge_y = np.zeros(n), np.zeros(n)
@@ -357,11 +379,16 @@ def _max_rel_cases() -> dict:
     rising_y = np.ones(n)  # every element raises its lane's maximum: every block divided
     rising_x = 1 + np.linspace(1e-6, 1.0, n)
     ties_y = rng.choice([1.0, 3.0, 0.1, 1e-13, 0.0], n)  # quotients one ulp apart, and eps
-    ties_x = ties_y * (1 + 1e-3 * (1 + rng.integers(0, 4, n) * 2.0 ** -50)) + (ties_y == 0) * 1e-9
+    ties_x = ties_y * (1 + 1e-3 * (1 + rng.integers(0, 4, n) * 2.0**-50)) + (ties_y == 0) * 1e-9
     tiny_y = rng.standard_normal(n) * 1e-300  # ratios below 2^-1020/eps: filter threshold 0
     tiny_x = tiny_y + rng.standard_normal(n) * 1e-302
-    return {"edge": (edge_x, edge_y), "rising": (rising_x, rising_y), "ties": (ties_x, ties_y),
-            "tiny": (tiny_x, tiny_y), "ties_f32": (ties_x.astype(np.float32), ties_y.astype(np.float32))}
+    return {
+        "edge": (edge_x, edge_y),
+        "rising": (rising_x, rising_y),
+        "ties": (ties_x, ties_y),
+        "tiny": (tiny_x, tiny_y),
+        "ties_f32": (ties_x.astype(np.float32), ties_y.astype(np.float32)),
+    }
 
 
 def test_max_rel_divides_only_where_a_quotient_may_win_and_stays_exact():
@@ -381,7 +408,7 @@ def _word_halves_case() -> tuple[np.ndarray, np.ndarray, list[int]]:
     bfloat16 word to the other and back, block after block (one lane passes the filter each
     time: both elements of its words divided one at a time); and the ends of prefixes each
     of whose largest quotient is a later one of these."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     n = 12 * BLOCK + 37
     x, y = np.ones(n, np.float32), np.ones(n, np.float32)  # quotient 0: no lane passes
@@ -392,12 +419,12 @@ def _word_halves_case() -> tuple[np.ndarray, np.ndarray, list[int]]:
         ends.append((block + 1) * BLOCK + 5)
 
     # each quotient at most 1.34 times the one before: a filter off by a factor 1.34 misses
-    put(0, 3, 1 + 2.0 ** -6)  # 0.0156, a word's second element
-    put(2, 11, 1.5 + 2.0 ** -5, 1.5)  # 0.0208, second
-    put(3, 18, 1 + 3 * 2.0 ** -7)  # 0.0234, first
-    put(6, 40, 1.5 + 5 * 2.0 ** -7, 1.5)  # 0.0260, first
-    put(10, 77, 1 + 4 * 2.0 ** -7)  # 0.0312, second
-    put(11, 100, 1.5 + 8 * 2.0 ** -7, 1.5)  # 0.0417, first
+    put(0, 3, 1 + 2.0**-6)  # 0.0156, a word's second element
+    put(2, 11, 1.5 + 2.0**-5, 1.5)  # 0.0208, second
+    put(3, 18, 1 + 3 * 2.0**-7)  # 0.0234, first
+    put(6, 40, 1.5 + 5 * 2.0**-7, 1.5)  # 0.0260, first
+    put(10, 77, 1 + 4 * 2.0**-7)  # 0.0312, second
+    put(11, 100, 1.5 + 8 * 2.0**-7, 1.5)  # 0.0417, first
     return x, y, ends
 
 
@@ -414,15 +441,17 @@ def test_bfloat16_read_a_word_at_a_time_keeps_max_rel_exact():
         ref = oracle(x[:end], y[:end], 1e-3, 1e-12)
         found.append(ref["max_rel"])
         for codes, a, b in ((None, x, y), ("bfloat16", xb, yb)):
-            s = kernels.pair_sums(a[:end], b[:end], rtol=1e-3, atol=1e-12, backend="numba",
-                                  min_numba=0, codes=codes)
+            s = kernels.pair_sums(
+                a[:end], b[:end], rtol=1e-3, atol=1e-12, backend="numba", min_numba=0, codes=codes
+            )
             want = (ref["max_abs"], ref["max_rel"], ref["mismatch"])
             assert (s.max_abs, s.max_rel, s.mismatch) == want, (codes, end)
-    assert found[:-1] == sorted(set(found[:-1])) and found[-1] == found[-2] == 8 * 2.0 ** -7 / 1.5
+    assert found[:-1] == sorted(set(found[:-1])) and found[-1] == found[-2] == 8 * 2.0**-7 / 1.5
     for first in (0, 1):  # every other element: the words' first halves, then their second
         ref = oracle(x[first::2], y[first::2], 1e-3, 1e-12)
-        s = kernels.pair_sums(xb[first::2], yb[first::2], rtol=1e-3, atol=1e-12, backend="numba",
-                              min_numba=0, codes="bfloat16")
+        s = kernels.pair_sums(
+            xb[first::2], yb[first::2], rtol=1e-3, atol=1e-12, backend="numba", min_numba=0, codes="bfloat16"
+        )
         assert (s.max_abs, s.max_rel, s.mismatch) == (ref["max_abs"], ref["max_rel"], ref["mismatch"])
         assert ref["mismatch"] == 3
 
@@ -436,23 +465,32 @@ def test_max_rel_filter_exact_without_fused_multiply_add(tmp_path):
     import subprocess
     import sys
 
-    code = ("import json, numpy as np, torch; from tdinspect import fused_loop, kernels; "
-            "from tests.test_kernels import _word_halves_case, _max_rel_cases; "
-            "ks = fused_loop.compile_kernels(cache=False); k = ks['value']; "
-            "got = {n: [float(v) for v in k(x, y, 1e-3, 1e-12, kernels.EPS, None)[4:]] "
-            "for n, (x, y) in _max_rel_cases().items() if x.dtype == np.float64}; "
-            "b = [torch.from_numpy(t).to(torch.bfloat16).view(torch.uint16).numpy() "
-            "for t in _word_halves_case()[:2]]; "
-            "got['bfloat16'] = [float(v) for v in ks['bfloat16'](*b, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
-            "from tests.test_kernels import _float16_rounding_case; "
-            "h = [torch.from_numpy(t).half().view(torch.uint16).numpy() for t in _float16_rounding_case()]; "
-            "got['float16'] = [float(v) for v in ks['float16'](*h, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
-            "print(json.dumps(got))")
+    code = (
+        "import json, numpy as np, torch; from tdinspect.numerics import fused_loop, kernels; "
+        "from tests.test_kernels import _word_halves_case, _max_rel_cases; "
+        "ks = fused_loop.compile_kernels(cache=False); k = ks['value']; "
+        "got = {n: [float(v) for v in k(x, y, 1e-3, 1e-12, kernels.EPS, None)[4:]] "
+        "for n, (x, y) in _max_rel_cases().items() if x.dtype == np.float64}; "
+        "b = [torch.from_numpy(t).to(torch.bfloat16).view(torch.uint16).numpy() "
+        "for t in _word_halves_case()[:2]]; "
+        "got['bfloat16'] = [float(v) for v in ks['bfloat16'](*b, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
+        "from tests.test_kernels import _float16_rounding_case; "
+        "h = [torch.from_numpy(t).half().view(torch.uint16).numpy() for t in _float16_rounding_case()]; "
+        "got['float16'] = [float(v) for v in ks['float16'](*h, 1e-3, 1e-12, kernels.EPS, None)[4:]]; "
+        "print(json.dumps(got))"
+    )
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     got = json.loads(out.strip().splitlines()[-1])
     for name, (x, y) in _max_rel_cases().items():
         if x.dtype == np.float64:
@@ -473,20 +511,21 @@ def _half_codes(values: np.ndarray, codes: str) -> np.ndarray:
     return t.view(BITS[t.element_size()]).numpy()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels_decoding(f16c: bool) -> dict:
     """The kernels, float16 decoded by the CPU (``f16c``) or by bit arithmetic; each compiled
     on its first call, once per test session."""
-    from tdinspect import fused_loop
+    from tdinspect.numerics import fused_loop
 
     return fused_loop.compile_kernels(cache=False, f16c=f16c)
 
 
-def _check_half(xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: float,
-                eps: float = kernels.EPS) -> None:
+def _check_half(
+    xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: float, eps: float = kernels.EPS
+) -> None:
     """The compiled loop (each way this CPU decodes float16) against the float64 definitions,
     exact."""
-    from tdinspect import fused_loop
+    from tdinspect.numerics import fused_loop
 
     x, y = _half_codes(xv, codes), _half_codes(yv, codes)
     ref = oracle(xv, yv, rtol, atol, eps)
@@ -498,21 +537,30 @@ def _check_half(xv: np.ndarray, yv: np.ndarray, codes: str, rtol: float, atol: f
 
 
 @pytest.mark.parametrize("codes", HALF_LANES)
-@pytest.mark.parametrize("rtol, atol", [  # (rtol·|y|, atol) in units of the planted |x - y|
-    (0.0, 1 - 2.0 ** -27),  # |x-y| a hair above the threshold: a mismatch
-    (0.0, 1 + 2.0 ** -27),  # a hair below: none
-    (0.0, 1.0),  # a tie: none
-    (1 - 2.0 ** -40, 0.0), (1 + 2.0 ** -40, 0.0), (1.0, 0.0),
-    (1e-3, 1e-5), (0.0, 0.0),
-    (1e-120, 0.0), (0.0, 1e-300), (-1e-3, 0.2), (2.0 ** 105, 0.0),  # past the guards (scaled)
-])
+@pytest.mark.parametrize(
+    "rtol, atol",
+    [  # (rtol·|y|, atol) in units of the planted |x - y|
+        (0.0, 1 - 2.0**-27),  # |x-y| a hair above the threshold: a mismatch
+        (0.0, 1 + 2.0**-27),  # a hair below: none
+        (0.0, 1.0),  # a tie: none
+        (1 - 2.0**-40, 0.0),
+        (1 + 2.0**-40, 0.0),
+        (1.0, 0.0),
+        (1e-3, 1e-5),
+        (0.0, 0.0),
+        (1e-120, 0.0),
+        (0.0, 1e-300),
+        (-1e-3, 0.2),
+        (2.0**105, 0.0),  # past the guards (scaled)
+    ],
+)
 def test_float32_lanes_count_mismatches_exactly_at_the_threshold(codes, rtol, atol):
     """float16 and e5m2 compare in float32 lanes against thresholds just above and below
     float64's; an element between them (a threshold within 2^-21 of |x - y|) has its block
     counted again in float64. Built so that trusting either float32 threshold alone, or one
     float32 threshold, miscounts: |x - y| = u (0.125 in float16, 0.5 in e5m2) for many of 5
     blocks' elements, |y| = 2."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     n = 5 * BLOCK + 17
     u = 0.125 if codes == "float16" else 0.5
@@ -525,11 +573,11 @@ def test_float32_lanes_count_mismatches_exactly_at_the_threshold(codes, rtol, at
 def _float16_rounding_case() -> tuple[np.ndarray, np.ndarray]:
     """float16 values whose quotients 2^29 - 1 (block 0) and 2^29 + 1 (block 1) have the same
     |x - y| in float32 (32768 - 2^-14 and 32768 + 2^-14 both round to 32768)."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     xv, yv = np.zeros(3 * BLOCK + 5), np.zeros(3 * BLOCK + 5)
-    xv[0], yv[0] = 32768.0, 2.0 ** -14
-    xv[BLOCK + 9], yv[BLOCK + 9] = 32768.0, -(2.0 ** -14)
+    xv[0], yv[0] = 32768.0, 2.0**-14
+    xv[BLOCK + 9], yv[BLOCK + 9] = 32768.0, -(2.0**-14)
     return xv, yv
 
 
@@ -539,11 +587,11 @@ def test_float32_lanes_keep_max_rel_exact_where_float32_rounds_the_difference(co
     both round to 32768, so quotients 2^29 - 1 (block 0) and 2^29 + 1 (block 1) look equal to
     a filter without its margin, which then skips the second. Random pairs over the format's
     whole range (subnormals, its largest values) must give the definitions' maxima too."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     if codes == "float16":
         xv, yv = _float16_rounding_case()
-        assert oracle(xv, yv, 0, 0)["max_rel"] == 2.0 ** 29 + 1
+        assert oracle(xv, yv, 0, 0)["max_rel"] == 2.0**29 + 1
         _check_half(xv, yv, codes, 1e-3, 1e-5)
     g = torch.Generator().manual_seed(11)
     dtype = getattr(torch, codes)
@@ -554,7 +602,7 @@ def test_float32_lanes_keep_max_rel_exact_where_float32_rounds_the_difference(co
     keep = np.isfinite(xv) & np.isfinite(yv)
     near = yv.copy()  # half the pairs close: quotients near the running maximum
     near[::2] = xv[::2]
-    for rtol, atol in ((1e-3, 1e-5), (2.0 ** -3, 0.0)):
+    for rtol, atol in ((1e-3, 1e-5), (2.0**-3, 0.0)):
         _check_half(xv[keep], yv[keep], codes, rtol, atol)
         _check_half(xv[keep], near[keep], codes, rtol, atol)
 
@@ -563,12 +611,12 @@ def test_float32_lanes_keep_max_rel_exact_for_an_eps_below_float32s_normal_range
     """The kernels take ``eps``: one below 2^-126 rounds to float32 in subnormal steps, up to
     twice its value (2^-150·1.01 to 2^-149). A filter dividing by that (where y = 0) skipped
     block 1's quotient 3·2^-24/eps, 1.5 times block 0's 2^-23/eps."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     xv, yv = np.zeros(2 * BLOCK), np.zeros(2 * BLOCK)
-    xv[0], xv[BLOCK + 3] = 2.0 ** -23, 3 * 2.0 ** -24
-    eps = 2.0 ** -150 * 1.01
-    assert oracle(xv, yv, 0, 0, eps)["max_rel"] == 3 * 2.0 ** -24 / eps
+    xv[0], xv[BLOCK + 3] = 2.0**-23, 3 * 2.0**-24
+    eps = 2.0**-150 * 1.01
+    assert oracle(xv, yv, 0, 0, eps)["max_rel"] == 3 * 2.0**-24 / eps
     _check_half(xv, yv, "float16", 0.0, 0.0, eps)
 
 
@@ -576,7 +624,7 @@ def test_float32_lanes_keep_max_rel_exact_for_an_eps_below_float32s_normal_range
 def test_float32_lanes_count_in_float64_for_a_tolerance_beyond_float32(codes):
     """rtol = 1e39 is inf in float32 and inf·0 is NaN: a float32 threshold would miss every
     mismatch at y = 0 (|x - y| = 1 > atol + rtol·0 = 0.5); the block is counted in float64."""
-    from tdinspect.fused_loop import BLOCK
+    from tdinspect.numerics.fused_loop import BLOCK
 
     xv, yv = np.zeros(2 * BLOCK + 3), np.zeros(2 * BLOCK + 3)
     xv[5], xv[BLOCK + 7] = 1.0, -1.0

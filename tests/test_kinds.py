@@ -36,7 +36,7 @@ def _kinds():
         "quant": lambda x: torch.quantize_per_tensor(dense * x, 0.05, 3, torch.quint8),
         "nested": lambda x: torch.nested.nested_tensor([dense[0] * x, dense[1, :2] * x]),
         "expand": lambda x: (x * 2).reshape(1, 1).expand(4096, 4096),
-        "huge": lambda x: x.reshape(1, 1).expand(10 ** 6, 10 ** 6),
+        "huge": lambda x: x.reshape(1, 1).expand(10**6, 10**6),
         "meta": lambda x: torch.empty(5, 2, device="meta"),
         "sub": lambda x: (dense * x).as_subclass(_Sub),
     }
@@ -58,17 +58,18 @@ def test_every_kind_is_captured_or_listed_and_the_forward_goes_on(tmp_path):
     row = {k: i for i, k in enumerate(side["key"])}
     assert side["storage"][row["model.quant"]]["quantized"]["scale"] == 0.05
     assert side["storage"][row["model.sub"]]["subclass"].endswith("_Sub")
-    assert side["shape"][row["model.huge"]] == [10 ** 6, 10 ** 6]
+    assert side["shape"][row["model.huge"]] == [10**6, 10**6]
     ds = DumpSet.open(tmp_path)
-    read = {k: ds.tensor(f"model.{k}") for k in ("coo", "csr", "quant", "nested", "expand",
-                                                 "huge", "sub")}
+    read = {k: ds.tensor(f"model.{k}") for k in ("coo", "csr", "quant", "nested", "expand", "huge", "sub")}
     assert torch.equal(read["coo"], outs["coo"].to_dense())
     assert torch.equal(read["csr"], outs["csr"].to_dense())
     assert torch.equal(read["quant"], outs["quant"].dequantize())
     assert torch.equal(read["nested"], torch.cat([t.reshape(-1) for t in outs["nested"].unbind()]))
     assert read["expand"].shape == (4096, 4096) and torch.equal(read["expand"], outs["expand"])
-    assert read["huge"].shape == (10 ** 6, 10 ** 6) and read["huge"].stride() == (0, 0)
-    assert type(read["sub"]) is torch.Tensor and torch.equal(read["sub"], outs["sub"].as_subclass(torch.Tensor))
+    assert read["huge"].shape == (10**6, 10**6) and read["huge"].stride() == (0, 0)
+    assert type(read["sub"]) is torch.Tensor and torch.equal(
+        read["sub"], outs["sub"].as_subclass(torch.Tensor)
+    )
     stats = ds.entries(progress=False).set_index("key")
     for k in ("coo", "csr"):
         dense = outs[k].to_dense()
@@ -124,8 +125,7 @@ class _NoData(torch.Tensor):
         args = torch.utils._pytree.tree_map(unwrap, args)
         kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
         out = func(*args, **kwargs)
-        return torch.utils._pytree.tree_map(
-            lambda t: _NoData(t) if isinstance(t, torch.Tensor) else t, out)
+        return torch.utils._pytree.tree_map(lambda t: _NoData(t) if isinstance(t, torch.Tensor) else t, out)
 
 
 def test_wrapper_subclass_keeps_the_pass_readable(tmp_path):
@@ -147,11 +147,11 @@ def test_dtensor_output_stores_its_local_shard_and_placements(tmp_path):
     """A DTensor output made the whole pass unreadable: now its local shard is stored, with
     the placements, mesh and global shape in the sidecar (a real one-process gloo group)."""
     import json
+
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         model = _Emit(lambda x: distribute_tensor(x * 2, mesh, [Shard(0)]))
@@ -190,11 +190,14 @@ def _op_kinds():
     return {
         "mul_.": coo,
         "_to_sparse_csr.": lambda x: (t := (dense * x).to_sparse_csr(), t.to_dense()),
-        "quantize_per_tensor.": lambda x: (t := torch.quantize_per_tensor(dense * x, 0.05, 3,
-                                                                         torch.quint8),
-                                           t.dequantize()),
-        "nested_tensor": lambda x: (t := torch.nested.nested_tensor([dense[0] * x, dense[1, :2] * x]),
-                                    t.to_padded_tensor(0.0)),
+        "quantize_per_tensor.": lambda x: (
+            t := torch.quantize_per_tensor(dense * x, 0.05, 3, torch.quint8),
+            t.dequantize(),
+        ),
+        "nested_tensor": lambda x: (
+            t := torch.nested.nested_tensor([dense[0] * x, dense[1, :2] * x]),
+            t.to_padded_tensor(0.0),
+        ),
         "empty.": lambda x: (torch.empty(5, 2, device="meta"), None),
         "ones.": fake,
         "add.": lambda x: (t := _NoData(dense * x) + 1, t * 2),
@@ -225,12 +228,15 @@ def test_every_kind_under_capture_ops_is_stored_or_listed_and_the_forward_goes_o
         elif name == "empty.":
             assert ds.get_pass(p).uninitialized[ds.get_pass(p).position[key]]
         else:
-            expected = (out.to_dense() if out.layout != torch.strided else
-                        out.dequantize() if out.is_quantized else
-                        torch.cat([t.reshape(-1) for t in out.unbind()]))
+            expected = (
+                out.to_dense()
+                if out.layout != torch.strided
+                else out.dequantize()
+                if out.is_quantized
+                else torch.cat([t.reshape(-1) for t in out.unbind()])
+            )
             assert torch.equal(ds.tensor(key, pass_=p), expected), name
     assert ds.diff(DumpSet.open(tmp_path)).first_divergence(metric="equal") is None
-
 
 
 def test_statistics_without_a_sidecar_are_those_of_the_tensors_as_read(tmp_path):
@@ -250,7 +256,8 @@ def test_statistics_without_a_sidecar_are_those_of_the_tensors_as_read(tmp_path)
     for k in kinds:
         for stat in ("min", "max", "mean", "std", "numel"):
             assert without.loc[f"model.{k}", stat] == pytest.approx(
-                with_sidecar.loc[f"model.{k}", stat], rel=1e-6), (k, stat)
+                with_sidecar.loc[f"model.{k}", stat], rel=1e-6
+            ), (k, stat)
 
 
 def test_live_comparison_reads_every_kind_as_the_offline_diff_does(tmp_path):
@@ -275,6 +282,5 @@ def test_live_comparison_reads_every_kind_as_the_offline_diff_does(tmp_path):
     assert live["key"].tolist() == offline["key"].tolist()
     assert live["reason"].tolist() == offline["reason"].tolist()
     assert live["structural"].tolist() == offline["structural"].tolist()
-    assert live["rel_diff"].tolist() == pytest.approx(offline["rel_diff"].tolist(), rel=1e-12,
-                                                      nan_ok=True)
+    assert live["rel_diff"].tolist() == pytest.approx(offline["rel_diff"].tolist(), rel=1e-12, nan_ok=True)
     assert (offline["rel_diff"] > 1e-3).sum() == 7  # every kind with data differs

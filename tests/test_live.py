@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
 
 import pandas as pd
 import pytest
@@ -13,8 +12,8 @@ import torch
 import tdinspect
 from tdinspect import DumpSet, load_pass
 from tdinspect.cli import main
-from tdinspect.examples import make_model, make_tokens
-from tdinspect.samples import PERTURB_SCALE, capture_model_run
+from tdinspect.examples.models import make_model, make_tokens
+from tdinspect.examples.samples import PERTURB_SCALE, capture_model_run
 
 from .conftest import only_folder
 
@@ -23,7 +22,12 @@ LEAF = "layers.2.mlp.down.weight"
 
 def _same(live, offline):
     assert (live.op, live.call, live.pass_, live.key, live.value) == (
-        offline.op, offline.call, offline.pass_, offline.key, offline.value)
+        offline.op,
+        offline.call,
+        offline.pass_,
+        offline.key,
+        offline.value,
+    )
 
 
 def _perturbed(dtype=torch.float32, leaf=LEAF):
@@ -78,8 +82,7 @@ def test_same_run_passes_and_record_mode_writes_metrics(runs, tmp_path):
         assert _steps(model, cap) == [0, 1, 2]  # goes on
     offline = DumpSet.open(runs["ref"]).diff(runs["wrong"]).table(progress=False)
     for p in range(3):
-        rows = pd.read_csv(tmp_path / "live" / f"pass{p:05d}.csv", keep_default_na=False,
-                           na_values=[""])
+        rows = pd.read_csv(tmp_path / "live" / f"pass{p:05d}.csv", keep_default_na=False, na_values=[""])
         expected = offline[offline["pass"] == p].reset_index(drop=True)
         assert rows["key"].tolist() == expected["key"].tolist()
         assert rows["rel_diff"].tolist() == pytest.approx(expected["rel_diff"].tolist(), rel=1e-15)
@@ -97,8 +100,9 @@ def test_evidence_only_with_dump_dir(runs, tmp_path, capsys):
     with pytest.raises(tdinspect.DivergenceError) as info:
         with tdinspect.capture(model, tmp_path / "ev", compare_to=runs["ref"]) as cap:
             _steps(model, cap)
-    files = sorted(p.relative_to(tmp_path / "ev").as_posix() for p in (tmp_path / "ev").rglob("*")
-                   if p.is_file())
+    files = sorted(
+        p.relative_to(tmp_path / "ev").as_posix() for p in (tmp_path / "ev").rglob("*") if p.is_file()
+    )
     assert [f.split("/")[:2] for f in files] == [["evidence", "ref"]] * 2 + [["evidence", "run"]] * 2
     assert [f.rsplit("/", 1)[1] for f in files] == ["pass00000.json", "pass00000.pt"] * 2
     ref_ev, run_ev = tmp_path / "ev/evidence/ref", tmp_path / "ev/evidence/run"
@@ -108,8 +112,7 @@ def test_evidence_only_with_dump_dir(runs, tmp_path, capsys):
     assert list(run_t) == list(ref_t) == [k for k, _ in div.before] + [div.key]
     full_ref = load_pass(only_folder(runs["ref"]) / "pass00000.pt")
     full_wrong = load_pass(only_folder(runs["wrong"]) / "pass00000.pt")
-    assert all(torch.equal(ref_t[k], full_ref[k]) and torch.equal(run_t[k], full_wrong[k])
-               for k in ref_t)
+    assert all(torch.equal(ref_t[k], full_ref[k]) and torch.equal(run_t[k], full_wrong[k]) for k in ref_t)
     _same(DumpSet.open(ref_ev).diff(run_ev).first_divergence(), div)
     assert main(["diff", str(ref_ev), str(run_ev)]) == 1
     assert "model.layers.2.mlp.down" in capsys.readouterr().out
@@ -158,8 +161,11 @@ def test_stats_only_reference_and_structural(runs, tmp_path):
         with tdinspect.capture(model, compare_to=tmp_path / "narrow") as cap:
             _steps(model, cap, n=1)
     live = info.value.divergence
-    assert (live.key, live.pass_, live.reason, live.structural) == (
-        offline.key, offline.pass_, offline.reason, True) == ("model.embed", 0, "only in B", True)
+    assert (
+        (live.key, live.pass_, live.reason, live.structural)
+        == (offline.key, offline.pass_, offline.reason, True)
+        == ("model.embed", 0, "only in B", True)
+    )
     # entries this run never produces: found when the pass ends
     offline = DumpSet.open(runs["ref"]).diff(tmp_path / "narrow").first_divergence()
     with pytest.raises(tdinspect.DivergenceError) as info:
@@ -168,8 +174,11 @@ def test_stats_only_reference_and_structural(runs, tmp_path):
                 model(make_tokens(seed=0))
             cap.step()
     live = info.value.divergence
-    assert (live.key, live.pass_, live.reason) == (offline.key, 0, offline.reason) == (
-        "model.embed", 0, "only in A")
+    assert (
+        (live.key, live.pass_, live.reason)
+        == (offline.key, 0, offline.reason)
+        == ("model.embed", 0, "only in A")
+    )
 
 
 def test_mapping_pairs_differently_named_runs(runs, tmp_path):
@@ -218,22 +227,26 @@ def test_op_level_forward_and_backward_live_equals_offline(tmp_path, monkeypatch
     assert torch.sqrt(torch.tensor(4.0)) == 2.0  # the dispatch mode is gone
     # record: every op, forward and backward, gets Diff's numbers
     wrong.zero_grad()
-    with tdinspect.capture_ops(model=wrong, compare_to=tmp_path / "ref",
-                               on_divergence="record") as cap:
+    with tdinspect.capture_ops(model=wrong, compare_to=tmp_path / "ref", on_divergence="record") as cap:
         _train_step(wrong, cap)
     live = cap.live.table()
     table = DumpSet.open(tmp_path / "ref").diff(tmp_path / "wrong").table(progress=False)
     assert live["key"].tolist() == table["key"].tolist()
     assert any("gelu_backward" in k for k in live["key"])
-    assert live["rel_diff"].tolist() == pytest.approx(table["rel_diff"].tolist(), rel=1e-15,
-                                                      nan_ok=True)
+    assert live["rel_diff"].tolist() == pytest.approx(table["rel_diff"].tolist(), rel=1e-15, nan_ok=True)
 
 
 def _tiny_llama(seed=0):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return transformers.LlamaForCausalLM(config).eval()
@@ -274,13 +287,15 @@ def test_tiny_hf_llama_live_equals_offline(tmp_path, monkeypatch):
 
 
 def test_capture_stays_light_without_compare_to(tmp_path):
-    code = ("import sys, torch, tdinspect\n"
-            "m = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
-            f"with tdinspect.capture(m, {str(tmp_path)!r}, on_nonfinite='raise') as c:\n"
-            "    m(torch.ones(2, 4)); c.step()\n"
-            "with tdinspect.capture_ops(on_nonfinite='raise') as c:\n"
-            "    m(torch.ones(2, 4)); c.step()\n"
-            "print([k for k in ('xarray', 'pandas', 'numba', 'tdinspect.live') if k in sys.modules])")
+    code = (
+        "import sys, torch, tdinspect\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        f"with tdinspect.capture(m, {str(tmp_path)!r}, on_nonfinite='raise') as c:\n"
+        "    m(torch.ones(2, 4)); c.step()\n"
+        "with tdinspect.capture_ops(on_nonfinite='raise') as c:\n"
+        "    m(torch.ones(2, 4)); c.step()\n"
+        "print([k for k in ('xarray', 'pandas', 'numba', 'tdinspect.dumper.live') if k in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -310,7 +325,7 @@ def test_capture_magic_compare_to(runs, tmp_path):
     ref = runs["ref"]
     cells = [
         "%load_ext tdinspect",
-        "import torch\nfrom tdinspect.examples import make_model, make_tokens\n"
+        "import torch\nfrom tdinspect.examples.models import make_model, make_tokens\n"
         "m = make_model(); w = make_model()\n"
         "with torch.no_grad(): w.get_parameter('layers.2.mlp.down.weight').mul_(1.2)",
         f"%%tdi_capture --model m --compare-to {ref}\nwith torch.no_grad(): m(make_tokens(seed=0))",
@@ -322,8 +337,9 @@ def test_capture_magic_compare_to(runs, tmp_path):
     ]
     nb = _run(cells)
     assert f"no divergence from {ref}" in _text(nb.cells[2])
-    assert "first divergence" in _text(nb.cells[3]) and "model.layers.2.mlp.down (call 0, pass 0)" \
-        in _text(nb.cells[3])
+    assert "first divergence" in _text(nb.cells[3]) and "model.layers.2.mlp.down (call 0, pass 0)" in _text(
+        nb.cells[3]
+    )
     assert "DivergenceError" in _text(nb.cells[4]) and "True" in _text(nb.cells[5])
     assert "give a dump directory" in "".join(o.get("text", "") for o in nb.cells[6].outputs)
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["evidence", "live"]
@@ -364,25 +380,27 @@ def test_evidence_holds_values_as_recorded_when_the_model_changes_them_later(tmp
     run_ev = load_pass(only_folder(tmp_path / "ev/evidence/run") / "pass00000.pt")
     ref = load_pass(only_folder(tmp_path / "ref") / "pass00000.pt")
     assert torch.equal(run_ev[first], ref[first])
-    assert DumpSet.open(tmp_path / "ev/evidence/ref").diff(tmp_path / "ev/evidence/run") \
-        .first_divergence().key == div.key
+    assert (
+        DumpSet.open(tmp_path / "ev/evidence/ref").diff(tmp_path / "ev/evidence/run").first_divergence().key
+        == div.key
+    )
 
 
 def test_statistics_of_an_entry_computed_once_whatever_its_partners(runs, monkeypatch):
     """Statistics mode: an entry met by two reference entries (a mapping) is measured once,
     and an entry's values are never copied when only statistics are compared."""
-    import tdinspect.live as live_mod
+    import tdinspect.dumper.live as live_mod
 
     measured, copied = [], []
     real_stats = live_mod.tensor_stats
     monkeypatch.setattr(live_mod, "tensor_stats", lambda t: measured.append(1) or real_stats(t))
     real_contiguous = torch.Tensor.contiguous
-    monkeypatch.setattr(torch.Tensor, "contiguous",
-                        lambda t, *a, **k: copied.append(1) or real_contiguous(t, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "contiguous", lambda t, *a, **k: copied.append(1) or real_contiguous(t, *a, **k)
+    )
     rules = {r"model\.layers\.1\.(.*)": r"model.layers.0.\1"}  # layers 0 and 1 meet layer 0
     model = make_model()
-    with tdinspect.capture(model, compare_to=runs["stats"], mapping=rules,
-                           on_divergence="record") as cap:
+    with tdinspect.capture(model, compare_to=runs["stats"], mapping=rules, on_divergence="record") as cap:
         _steps(model, cap, n=1)
         table = cap.live.table()
     monkeypatch.undo()
@@ -395,6 +413,7 @@ def test_statistics_of_an_entry_computed_once_whatever_its_partners(runs, monkey
     rows = offline.table()
     rows = rows[rows["pass"] == 0]
     rows = rows[~rows["structural"].astype(bool)]
+
     def by_pair(t):
         return dict(zip(zip(t["key"], t["key_b"]), t["stats_rel"]))
 
@@ -419,14 +438,14 @@ def test_a_rerun_never_replaces_or_mixes_into_earlier_evidence(runs, tmp_path):
             first = {p: p.read_bytes() for p in ev.rglob("*") if p.is_file()}
     for side in ("run", "ref"):
         assert len([p for p in (ev / "evidence" / side).iterdir() if p.is_dir()]) == 4, side
-    assert sorted(p.name for p in ev.iterdir() if p.name.startswith("live")) == [
-        "live", "live_run2"]
+    assert sorted(p.name for p in ev.iterdir() if p.name.startswith("live")) == ["live", "live_run2"]
     assert {p: p.read_bytes() for p in first} == first  # the first runs' files, intact
 
 
 def test_warning_shows_names_from_the_reference_as_escapes(tmp_path):
     """on_divergence="warn" and "raise" print the entry's name on the terminal: a control
     character in a module name (the reference's files) is written as its escape."""
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -447,8 +466,7 @@ def test_warning_shows_names_from_the_reference_as_escapes(tmp_path):
                     cap.step()
                 continue
             with pytest.warns(RuntimeWarning, match="first divergence") as caught:
-                with tdinspect.capture(model, compare_to=tmp_path / "ref",
-                                       on_divergence="warn") as cap:
+                with tdinspect.capture(model, compare_to=tmp_path / "ref", on_divergence="warn") as cap:
                     model(x)
                     cap.step()
         with pytest.raises(tdinspect.DivergenceError) as raised:

@@ -20,7 +20,7 @@ from .conftest import ROOT
 _SWAP = textwrap.dedent("""
     import os, sys
     from tdinspect import DumpFormatError
-    from tdinspect.format import load_pass
+    from tdinspect.store.format import load_pass
     path, when, mmap = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     real, swapped = getattr(os, when), []
 
@@ -50,8 +50,13 @@ def test_a_fifo_swapped_in_for_a_pass_file_neither_hangs_nor_is_read(tmp_path, w
     path = tmp_path / "pass00000.pt"
     torch.save({"a": torch.arange(4.0)}, path)
     try:
-        done = subprocess.run([sys.executable, "-c", _SWAP, str(path), when, str(int(mmap))],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-c", _SWAP, str(path), when, str(int(mmap))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"load_pass blocked on the FIFO swapped in after os.{when}")
     assert done.returncode == 0, done.stderr
@@ -59,5 +64,12 @@ def test_a_fifo_swapped_in_for_a_pass_file_neither_hangs_nor_is_read(tmp_path, w
         assert done.stdout.startswith("refused:"), done.stdout
         assert str(path) in done.stdout and "not a regular file (a FIFO)" in done.stdout
     else:  # swapped once the file is open: the file checked is the file read (and mapped)
-        assert done.stdout.split() == ["read:", "['a']", "[0.0,", "1.0,", "2.0,", "3.0]",
-                                       "mapped" if mmap else "read-in"], done.stdout
+        assert done.stdout.split() == [
+            "read:",
+            "['a']",
+            "[0.0,",
+            "1.0,",
+            "2.0,",
+            "3.0]",
+            "mapped" if mmap else "read-in",
+        ], done.stdout

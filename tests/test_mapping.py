@@ -42,7 +42,7 @@ class Fused(nn.Module):
             self.qkv.bias.copy_(torch.cat([ref.q_proj.bias, ref.k_proj.bias, ref.v_proj.bias]))
             self.out.load_state_dict(ref.o_proj.state_dict())
             if fault:
-                self.qkv.weight[D:2 * D] *= -1
+                self.qkv.weight[D : 2 * D] *= -1
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, -1)
@@ -50,10 +50,12 @@ class Fused(nn.Module):
 
 
 RULES = {r"model\.(q|k|v)_proj": None, r"model\.o_proj": "model.out"}
-QKV = {r"model\.q_proj": ["model.qkv", "chunk(3, -1)[0]"],
-       r"model\.k_proj": ["model.qkv", "chunk(3, -1)[1]"],
-       r"model\.v_proj": ["model.qkv", "narrow(-1, 32, 16)"],
-       r"model\.o_proj": "model.out"}
+QKV = {
+    r"model\.q_proj": ["model.qkv", "chunk(3, -1)[0]"],
+    r"model\.k_proj": ["model.qkv", "chunk(3, -1)[1]"],
+    r"model\.v_proj": ["model.qkv", "narrow(-1, 32, 16)"],
+    r"model\.o_proj": "model.out",
+}
 
 
 def _capture(model, path, steps=2):
@@ -70,8 +72,11 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("mapping")
     torch.manual_seed(0)
     ref = Separate()
-    return {"a": _capture(ref, root / "a"), "b": _capture(Fused(ref), root / "b"),
-            "bad": _capture(Fused(ref, fault=True), root / "bad")}
+    return {
+        "a": _capture(ref, root / "a"),
+        "b": _capture(Fused(ref), root / "b"),
+        "bad": _capture(Fused(ref, fault=True), root / "bad"),
+    }
 
 
 def test_without_a_mapping_nothing_pairs(pair):
@@ -106,7 +111,7 @@ def test_mapped_identical_weights_do_not_diverge_and_a_fault_is_named(pair):
 
 
 def test_callable_transform_and_json_file(pair, tmp_path):
-    rules = dict(QKV, **{r"model\.k_proj": ["model.qkv", lambda t: t[..., D:2 * D]]})
+    rules = dict(QKV, **{r"model\.k_proj": ["model.qkv", lambda t: t[..., D : 2 * D]]})
     assert DumpSet.open(pair["a"]).diff(pair["b"], mapping=rules).first_divergence(1e-6) is None
     f = tmp_path / "map.json"
     f.write_text(json.dumps(QKV))
@@ -131,8 +136,8 @@ def test_structural_reasons_name_the_rule_and_shapes(pair):
 
     def boom(t):
         raise RuntimeError("no")
-    div = a.diff(pair["b"], mapping=dict(QKV, **{r"model\.q_proj": ["model.qkv", boom]}))\
-        .first_divergence()
+
+    div = a.diff(pair["b"], mapping=dict(QKV, **{r"model\.q_proj": ["model.qkv", boom]})).first_divergence()
     assert div.key == "model.q_proj" and "failed: RuntimeError: no" in div.reason
 
 
@@ -145,13 +150,16 @@ def test_first_rule_wins_and_uncovered_entries_pair_by_name():
     assert Mapping({r"a": "b"}).partner("ab")[0] == "ab"
 
 
-@pytest.mark.parametrize("rules, words", [
-    ({"(": "x"}, "invalid regex"),
-    ({r"a(\d)": r"b\2"}, "bad template"),
-    ({"a": ["b", "os.system(1)"]}, "rule 'a'"),
-    ({"a": ["b"]}, "expected b_template or [b_template, transform]"),
-    ({"a": 3}, "B template must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "rules, words",
+    [
+        ({"(": "x"}, "invalid regex"),
+        ({r"a(\d)": r"b\2"}, "bad template"),
+        ({"a": ["b", "os.system(1)"]}, "rule 'a'"),
+        ({"a": ["b"]}, "expected b_template or [b_template, transform]"),
+        ({"a": 3}, "B template must be a non-empty string"),
+    ],
+)
 def test_bad_rules_are_clear_errors_naming_the_rule(rules, words):
     with pytest.raises(MappingError, match=None) as exc:
         Mapping(rules)
@@ -160,14 +168,20 @@ def test_bad_rules_are_clear_errors_naming_the_rule(rules, words):
 
 def test_cli_mapping_yaml(pair, tmp_path, capsys):
     f = tmp_path / "map.yaml"
-    f.write_text("model\\.q_proj: [model.qkv, 'chunk(3, -1)[0]']\n"
-                 "model\\.k_proj: [model.qkv, 'chunk(3, -1)[1]']\n"
-                 "model\\.v_proj: [model.qkv, 'chunk(3, -1)[2]']\n"
-                 "model\\.o_proj: model.out\n")
+    f.write_text(
+        "model\\.q_proj: [model.qkv, 'chunk(3, -1)[0]']\n"
+        "model\\.k_proj: [model.qkv, 'chunk(3, -1)[1]']\n"
+        "model\\.v_proj: [model.qkv, 'chunk(3, -1)[2]']\n"
+        "model\\.o_proj: model.out\n"
+    )
     args = [str(pair["a"]), str(pair["b"]), "--mapping", str(f), "--threshold", "1e-6"]
     assert main(["first-divergence", *args]) == 0
-    assert main(["first-divergence", str(pair["a"]), str(pair["bad"]), "--mapping", str(f),
-                 "--threshold", "1e-6"]) == 1
+    assert (
+        main(
+            ["first-divergence", str(pair["a"]), str(pair["bad"]), "--mapping", str(f), "--threshold", "1e-6"]
+        )
+        == 1
+    )
     assert "model.k_proj" in capsys.readouterr().out
     f.write_text("model\\.q_proj: [model.qkv, '__import__(\"os\")']\n")
     assert main(["diff", *args]) == 2
@@ -179,16 +193,19 @@ def test_cli_mapping_yaml(pair, tmp_path, capsys):
 
 
 # -- the transform language ---------------------------------------------------------------
-@pytest.mark.parametrize("spec, expected", [
-    ("chunk(3, -1)[0]", lambda t: t.chunk(3, -1)[0]),
-    ("reshape(2, 6, 4, 1).transpose(1, 2)", lambda t: t.reshape(2, 6, 4, 1).transpose(1, 2)),
-    ("permute(2, 0, 1)", lambda t: t.permute(2, 0, 1)),
-    ("permute((2, 0, 1))", lambda t: t.permute(2, 0, 1)),
-    ("flatten(0, 1).unflatten(0, (2, 2, 2))", lambda t: t.flatten(0, 1).unflatten(0, (2, 2, 2))),
-    ("unsqueeze(0).squeeze(0).select(1, 2)", lambda t: t.select(1, 2)),
-    ("narrow(-1, 2, 3).float()", lambda t: t.narrow(-1, 2, 3).float()),
-    ("flatten()", lambda t: t.flatten()),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("chunk(3, -1)[0]", lambda t: t.chunk(3, -1)[0]),
+        ("reshape(2, 6, 4, 1).transpose(1, 2)", lambda t: t.reshape(2, 6, 4, 1).transpose(1, 2)),
+        ("permute(2, 0, 1)", lambda t: t.permute(2, 0, 1)),
+        ("permute((2, 0, 1))", lambda t: t.permute(2, 0, 1)),
+        ("flatten(0, 1).unflatten(0, (2, 2, 2))", lambda t: t.flatten(0, 1).unflatten(0, (2, 2, 2))),
+        ("unsqueeze(0).squeeze(0).select(1, 2)", lambda t: t.select(1, 2)),
+        ("narrow(-1, 2, 3).float()", lambda t: t.narrow(-1, 2, 3).float()),
+        ("flatten()", lambda t: t.flatten()),
+    ],
+)
 def test_transforms_do_what_torch_does(spec, expected):
     t = torch.arange(48, dtype=torch.float64).reshape(2, 4, 6)
     out = parse_transform(spec)(t)
@@ -197,15 +214,44 @@ def test_transforms_do_what_torch_does(spec, expected):
 
 
 HOSTILE = [
-    "__import__('os')", "__import__('os').system('true')", "x.__class__", "t.__class__.__bases__",
-    "os.system('true')", "open('/etc/passwd')", "exec('1')", "eval('1')", "lambda: 0",
-    "reshape(x)", "reshape(1 + 1)", "reshape(10 ** 12)", "reshape(99999999999999)",
-    "reshape(2, True)", "reshape(2.0)", "reshape('a')", "chunk(3, -1)", "chunk(3, -1)[5]",
-    "chunk(0, 1)[0]", "narrow(1, 2)", "float(1)", "transpose(dim0=1, dim1=2)",
-    "select(0, 1)[0]", "chunk(3, -1)[0:1]", "chunk(3, -1)[x]", "permute(*[1, 0])",
-    "reshape((1, 2), 3)", "transpose((1, 2), 0)", "to('cuda')", "numpy()", "[1, 2]",
-    "(lambda: 0)()", "getattr(t, 'x')", "float().__class__", "float();float()", "",
-    "transpose(0, 1)." * 20 + "float()", "a" * 600,
+    "__import__('os')",
+    "__import__('os').system('true')",
+    "x.__class__",
+    "t.__class__.__bases__",
+    "os.system('true')",
+    "open('/etc/passwd')",
+    "exec('1')",
+    "eval('1')",
+    "lambda: 0",
+    "reshape(x)",
+    "reshape(1 + 1)",
+    "reshape(10 ** 12)",
+    "reshape(99999999999999)",
+    "reshape(2, True)",
+    "reshape(2.0)",
+    "reshape('a')",
+    "chunk(3, -1)",
+    "chunk(3, -1)[5]",
+    "chunk(0, 1)[0]",
+    "narrow(1, 2)",
+    "float(1)",
+    "transpose(dim0=1, dim1=2)",
+    "select(0, 1)[0]",
+    "chunk(3, -1)[0:1]",
+    "chunk(3, -1)[x]",
+    "permute(*[1, 0])",
+    "reshape((1, 2), 3)",
+    "transpose((1, 2), 0)",
+    "to('cuda')",
+    "numpy()",
+    "[1, 2]",
+    "(lambda: 0)()",
+    "getattr(t, 'x')",
+    "float().__class__",
+    "float();float()",
+    "",
+    "transpose(0, 1)." * 20 + "float()",
+    "a" * 600,
 ]
 
 
@@ -223,13 +269,27 @@ def test_spec_that_does_not_fit_is_a_clear_error():
         t(torch.zeros(4, 4))  # a view of the same bytes: never allocates
 
 
-_SAFE = {"permute", "transpose", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
-         "narrow", "select", "chunk", "float"}
+_SAFE = {
+    "permute",
+    "transpose",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "narrow",
+    "select",
+    "chunk",
+    "float",
+}
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("()[].,-_ 0123456789abcdefghijklmnopqrstuvwxyz'\"*=:")),
-               max_size=60))
+@given(
+    st.text(
+        alphabet=st.sampled_from(list("()[].,-_ 0123456789abcdefghijklmnopqrstuvwxyz'\"*=:")), max_size=60
+    )
+)
 def test_random_text_is_parsed_into_allowed_steps_or_refused(spec):
     try:
         t = parse_transform(spec)
@@ -291,11 +351,11 @@ def test_side_differences_and_html_follow_the_mapping(pair):
 def test_per_position_reports_a_failing_transform_as_the_diff_does(pair):
     """A user's transform that raises: per_position gives the diff's reason (it raised the
     transform's own exception), and the entries the transform serves are still computed."""
+
     def boom(t):
         raise RuntimeError("no")
 
-    d = DumpSet.open(pair["a"]).diff(pair["b"], mapping=dict(QKV, **{r"model\.q_proj": [
-        "model.qkv", boom]}))
+    d = DumpSet.open(pair["a"]).diff(pair["b"], mapping=dict(QKV, **{r"model\.q_proj": ["model.qkv", boom]}))
     reason = d.first_divergence().reason
     assert "failed: RuntimeError: no" in reason
     with pytest.raises(KeyError) as info:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tdinspect.align.logical import matching_slices
-from tdinspect.metrics import TENSOR_METRICS, compare_tensors, same_bits
-from tdinspect.metrics_split import compare_pieces, compare_positions
+from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors, same_bits
+from tdinspect.numerics.metrics_split import compare_pieces, compare_positions
 
 EXACT = ("max_abs", "max_rel", "mismatch", "equal", "max_abs_cast")  # maxima and counts: bit for bit
 
@@ -47,20 +47,20 @@ def test_pieces_agree_with_the_whole(dtype, dim):
 
 def test_pieces_of_identical_tensors_are_equal_and_a_whole_side_is_one_piece():
     y = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))
-    got = compare_pieces([(q, p) for p, q in matching_slices(_cut(y, [16] * 4, 0),
-                                                             (0, [(0, y.clone())]))])
+    got = compare_pieces([(q, p) for p, q in matching_slices(_cut(y, [16] * 4, 0), (0, [(0, y.clone())]))])
     assert got == compare_tensors(y.clone(), y)
     assert got["equal"] == 1.0 and got["sqnr_db"] == math.inf
     # one bit anywhere (here in the last piece, past the first block) is a difference
     x = y.clone()
     x.view(torch.int32)[-1, -1] ^= 1
-    got = compare_pieces([(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)])
+    got = compare_pieces([(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)])
     assert got["equal"] == 0.0
     _agree(got, compare_tensors(x, y))
 
 
-@pytest.mark.parametrize("case", ["nan", "inf", "huge64", "tiny64", "far_norms", "int",
-                                  "complex", "two_dtypes"])
+@pytest.mark.parametrize(
+    "case", ["nan", "inf", "huge64", "tiny64", "far_norms", "int", "complex", "two_dtypes"]
+)
 def test_pieces_fall_back_where_only_the_whole_is_exact(case):
     y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     x = y + 1e-6
@@ -78,7 +78,7 @@ def test_pieces_fall_back_where_only_the_whole_is_exact(case):
         x = torch.zeros(8, 16, dtype=torch.float64)
         x[0, 0], x[7, 15] = 1e-3, 1.0
     elif case == "int":
-        x, y = (torch.arange(128).reshape(8, 16) + 2 ** 60), torch.arange(128).reshape(8, 16)
+        x, y = (torch.arange(128).reshape(8, 16) + 2**60), torch.arange(128).reshape(8, 16)
     elif case == "complex":
         x, y = torch.complex(x, y), torch.complex(y, x)
     elif case == "two_dtypes":
@@ -123,18 +123,18 @@ def _edge_rows(dtype):
     gen = torch.Generator().manual_seed(5)
     y = torch.randn(12, 40, generator=gen, dtype=torch.float64)
     x = y + 1e-4 * torch.randn(12, 40, generator=gen, dtype=torch.float64)
-    x[1] = y[1]                       # identical row
-    x[2, 7] = math.nan                # NaN on one side
-    x[3, 0] = y[3, 0] = math.nan      # NaN at the same place (masked, the rest compared)
-    y[4, 9] = math.inf                # Inf on the reference only
-    x[5], y[5] = 0.0, 0.0             # zeros: cosine 1
-    x[6], y[6] = -0.0, 0.0            # equal numbers, different bits
-    x[7] = 0.0                        # one side zero: cosine 0
+    x[1] = y[1]  # identical row
+    x[2, 7] = math.nan  # NaN on one side
+    x[3, 0] = y[3, 0] = math.nan  # NaN at the same place (masked, the rest compared)
+    y[4, 9] = math.inf  # Inf on the reference only
+    x[5], y[5] = 0.0, 0.0  # zeros: cosine 1
+    x[6], y[6] = -0.0, 0.0  # equal numbers, different bits
+    x[7] = 0.0  # one side zero: cosine 0
     y[8] = torch.zeros(40, dtype=torch.float64)  # far norms: Σxy summed directly
     y[8, 0], x[8] = 1e10, 0.0
     x[8, 0], x[8, 39] = 1e-3, 1.0
     if dtype == torch.float64:
-        x[9], y[9] = x[9] * 1e200, y[9] * 1e200    # sums overflow: rescaled
+        x[9], y[9] = x[9] * 1e200, y[9] * 1e200  # sums overflow: rescaled
         x[10], y[10] = x[10] * 1e-200, y[10] * 1e-200  # sums underflow: rescaled
     return x.to(dtype), y.to(dtype)
 
@@ -158,7 +158,7 @@ def test_positions_other_pairs(pair):
     y = torch.randn(9, 3, 7, generator=gen)
     x = y + 1e-3
     if pair == "int":
-        x, y = torch.arange(63).reshape(9, 7) + 2 ** 60, torch.arange(63).reshape(9, 7) + 2 ** 60
+        x, y = torch.arange(63).reshape(9, 7) + 2**60, torch.arange(63).reshape(9, 7) + 2**60
         x[4, 2] += 1  # 2**60 + 1 vs 2**60: max_abs exactly 1
     elif pair == "two_dtypes":
         x = x.double()
@@ -182,10 +182,9 @@ def test_positions_refuse_bad_input():
         compare_positions(torch.zeros(2, 2), torch.zeros(3, 2), "max_abs")
 
 
-@pytest.mark.parametrize("dtype, slow", [(torch.float64, {2, 3, 4, 8, 9, 10}),
-                                         (torch.float32, {2, 3, 4, 8})])
+@pytest.mark.parametrize("dtype, slow", [(torch.float64, {2, 3, 4, 8, 9, 10}), (torch.float32, {2, 3, 4, 8})])
 def test_positions_fall_back_exactly_where_the_loop_takes_a_special_road(dtype, slow, monkeypatch):
-    import tdinspect.metrics_split as split
+    import tdinspect.numerics.metrics_split as split
 
     asked = []
 
@@ -213,6 +212,7 @@ def test_sides_cut_alike_are_compared_part_by_part_as_they_are():
     x = y + 1e-3 * torch.randn(10, 33, generator=gen)
     a, b = _cut(y, [4, 1, 5], 0), _cut(x, [4, 1, 5], 0)
     slices = matching_slices(a, b)
-    assert [(p.data_ptr(), q.data_ptr()) for p, q in slices] == \
-        [(p.data_ptr(), q.data_ptr()) for (_, p), (_, q) in zip(a[1], b[1])]
+    assert [(p.data_ptr(), q.data_ptr()) for p, q in slices] == [
+        (p.data_ptr(), q.data_ptr()) for (_, p), (_, q) in zip(a[1], b[1])
+    ]
     _agree(compare_pieces([(q, p) for p, q in slices]), compare_tensors(x, y))

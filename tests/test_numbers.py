@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tdinspect import onepass
-from tdinspect.stats import STAT_NAMES, stats_to_dict, tensor_stats
+from tdinspect.numerics import onepass
+from tdinspect.numerics.stats import STAT_NAMES, stats_to_dict, tensor_stats
 
-EPS = 2.0 ** -52
+EPS = 2.0**-52
 BOUND = 64 * EPS  # statistics: see reference_stats
 
 
@@ -38,8 +38,11 @@ def reference_stats(t: torch.Tensor) -> dict[str, float]:
     """Statistics computed exactly (rationals), then rounded once."""
     values = _values(t)
     finite = [v for v in values if not isinstance(v, float) or math.isfinite(v)]
-    out = {"numel": float(len(values)), "nan": float(sum(1 for v in values if v != v)),
-           "inf": float(sum(1 for v in values if isinstance(v, float) and math.isinf(v)))}
+    out = {
+        "numel": float(len(values)),
+        "nan": float(sum(1 for v in values if v != v)),
+        "inf": float(sum(1 for v in values if isinstance(v, float) and math.isinf(v))),
+    }
     if not finite:
         return {**out, **{k: math.nan for k in ("min", "max", "mean", "std", "absmax", "l2")}}
     exact = [Fraction(v) for v in finite]
@@ -47,10 +50,17 @@ def reference_stats(t: torch.Tensor) -> dict[str, float]:
     mean = sum(exact) / n
     var = sum((v - mean) ** 2 for v in exact) / n
     sq = sum(v * v for v in exact)
-    return {**out, "min": float(min(exact)), "max": float(max(exact)), "mean": _float(mean),
-            "std": _sqrt(var), "absmax": float(max(abs(v) for v in exact)), "l2": _sqrt(sq),
-            "mean_abs": _float(sum(abs(v) for v in exact) / n),
-            "rounded": t.is_complex()}  # magnitudes: hypot is within an ulp, not exact
+    return {
+        **out,
+        "min": float(min(exact)),
+        "max": float(max(exact)),
+        "mean": _float(mean),
+        "std": _sqrt(var),
+        "absmax": float(max(abs(v) for v in exact)),
+        "l2": _sqrt(sq),
+        "mean_abs": _float(sum(abs(v) for v in exact) / n),
+        "rounded": t.is_complex(),
+    }  # magnitudes: hypot is within an ulp, not exact
 
 
 def _float(q: Fraction) -> float:
@@ -93,7 +103,7 @@ def assert_stats_close(got: dict, ref: dict, what=""):
 
 
 def all_paths(t):
-    """The CPU paths (torch's reductions; the compiled one-read loop of tdinspect.onepass,
+    """The CPU paths (torch's reductions; the compiled one-read loop of tdinspect.numerics.onepass,
     forced whatever the size) and the sync-free (accelerator) path, as dicts."""
     with mock.patch.object(onepass, "MIN_ELEMENTS", 0):
         compiled = stats_to_dict(tensor_stats(t, sync_free=False))
@@ -103,6 +113,7 @@ def all_paths(t):
 
 
 # -- statistics -------------------------------------------------------------------------------
+
 
 def test_large_float32_tensor_with_large_mean_and_tiny_std():
     """Issue 13: 1e7 float32 elements, mean 1e4, std 1e-3 gave std 738.5 (true 0.00104)."""
@@ -122,14 +133,20 @@ def _fsum_stats(a: np.ndarray) -> dict[str, float]:
     """Reference statistics of finite float64 values by math.fsum (for tensors too big for
     rationals: each centred square is rounded once, far below the bounds)."""
     mean = math.fsum(a) / a.size
-    return {"mean": mean, "std": math.sqrt(math.fsum(np.square(a - mean)) / a.size),
-            "l2": math.sqrt(math.fsum(np.square(a))), "mean_abs": math.fsum(np.abs(a)) / a.size,
-            "min": float(a.min()), "max": float(a.max()), "absmax": float(np.abs(a).max())}
+    return {
+        "mean": mean,
+        "std": math.sqrt(math.fsum(np.square(a - mean)) / a.size),
+        "l2": math.sqrt(math.fsum(np.square(a))),
+        "mean_abs": math.fsum(np.abs(a)) / a.size,
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "absmax": float(np.abs(a).max()),
+    }
 
 
 @pytest.mark.parametrize("offset", [0.0, 3e-4, -50.0])  # Σx² - n·mean² and the centred pass
 def test_compiled_loop_on_several_blocks_with_nonfinite_elements(offset):
-    """The one-read loop (tdinspect.onepass) over several of its blocks and a tail: the
+    """The one-read loop (tdinspect.numerics.onepass) over several of its blocks and a tail: the
     bounds hold in both of its ways to get M2, and NaN/Inf elements are counted and left
     out as on the other paths."""
     gen = torch.Generator().manual_seed(3)
@@ -139,20 +156,27 @@ def test_compiled_loop_on_several_blocks_with_nonfinite_elements(offset):
     y[[7, 70_000, 150_001]] = torch.tensor([math.nan, math.inf, -math.inf])
     for t, bad in ((x, (0, 0)), (y, (1, 2))):
         a = t.double().numpy()
-        ref = {**_fsum_stats(a[np.isfinite(a)]), "numel": float(t.numel()),
-               "nan": float(bad[0]), "inf": float(bad[1])}
+        ref = {
+            **_fsum_stats(a[np.isfinite(a)]),
+            "numel": float(t.numel()),
+            "nan": float(bad[0]),
+            "inf": float(bad[1]),
+        }
         for got in all_paths(t):
             assert_stats_close(got, ref, (offset, bad))
 
 
-@pytest.mark.parametrize("values, dtype", [
-    ([3.0e38, 3.1e38, -2.0e38, 3.3e38], torch.float32),      # squares overflow float32
-    ([1e300, 1.5e300, -1e-300, 1.7e308], torch.float64),      # squares overflow float64
-    ([1e-300, 1.5e-300, -1e-310, 4e-320], torch.float64),     # squares underflow float64
-    ([2 ** 62, 2 ** 62 + 1, -(2 ** 62), 5], torch.int64),
-    ([65504.0, -65504.0, 6e-8, 1.0], torch.float16),
-    ([3e38, 1e-38, -3e38], torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "values, dtype",
+    [
+        ([3.0e38, 3.1e38, -2.0e38, 3.3e38], torch.float32),  # squares overflow float32
+        ([1e300, 1.5e300, -1e-300, 1.7e308], torch.float64),  # squares overflow float64
+        ([1e-300, 1.5e-300, -1e-310, 4e-320], torch.float64),  # squares underflow float64
+        ([2**62, 2**62 + 1, -(2**62), 5], torch.int64),
+        ([65504.0, -65504.0, 6e-8, 1.0], torch.float16),
+        ([3e38, 1e-38, -3e38], torch.bfloat16),
+    ],
+)
 def test_extreme_magnitudes(values, dtype):
     t = torch.tensor(values, dtype=dtype)
     for got in all_paths(t):
@@ -166,7 +190,7 @@ def test_complex_statistics_are_of_magnitudes_in_float64():
 
 
 def test_strided_and_multi_chunk_tensors(monkeypatch):
-    from tdinspect import stats
+    from tdinspect.numerics import stats
 
     monkeypatch.setattr(stats, "CHUNK", 7)  # many pieces, rows split, every path of _pieces
     gen = torch.Generator().manual_seed(1)
@@ -176,8 +200,18 @@ def test_strided_and_multi_chunk_tensors(monkeypatch):
         assert_stats_close(got, reference_stats(t), t.shape)
 
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 @st.composite
@@ -186,14 +220,14 @@ def tensors(draw, allow_nonfinite=True):
     dtype = draw(st.sampled_from(_DTYPES))
     shape = draw(st.lists(st.integers(0, 6), min_size=0, max_size=3))
     n = math.prod(shape)
-    seed = draw(st.integers(0, 2 ** 31))
+    seed = draw(st.integers(0, 2**31))
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
     if not dtype.is_floating_point and not dtype.is_complex:
         info = torch.iinfo(dtype)
         centre = draw(st.sampled_from([0, info.max // 2, info.max, info.min]))
-        spread = draw(st.sampled_from([1, 100, 2 ** 20]))
+        spread = draw(st.sampled_from([1, 100, 2**20]))
         lo, hi = max(info.min, centre - spread), min(info.max, centre + spread)
         return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
     real = torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
@@ -222,17 +256,19 @@ def test_statistics_property_against_exact_reference(t):
 
 
 # -- metrics ----------------------------------------------------------------------------------
-from tdinspect.metrics import TENSOR_METRICS, compare_tensors, tolerances  # noqa: E402
+from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors, tolerances  # noqa: E402
 
 
 def _pairs(x: torch.Tensor, y: torch.Tensor) -> list[tuple[Fraction, Fraction]]:
     """Exact element pairs; complex as (real, imag) components, a real side as imag 0."""
+
     def parts(t):
         flat = t.detach().reshape(-1)
         if t.is_complex():
             return [c for z in flat.tolist() for c in (z.real, z.imag)]
         vals = [v for v in (flat.tolist() if not t.is_floating_point() else flat.double().tolist())]
         return [c for v in vals for c in (v, 0.0)] if (x.is_complex() or y.is_complex()) else vals
+
     return [(Fraction(a), Fraction(b)) for a, b in zip(parts(x), parts(y))]
 
 
@@ -245,20 +281,35 @@ def reference_metrics(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     sxy = sum(a * b for a, b in pairs)
     d = [abs(a - b) for a, b in pairs]
     sdd = sum(v * v for v in d)
-    out = {"rel_diff": _float(sdd / (sxx + syy)) if sxx + syy else 0.0,
-           "max_abs": _float(max(d, default=Fraction(0))),
-           "mean_abs": _float(sum(d) / n) if n else 0.0,
-           "max_rel": _float(max((v / max(abs(b), Fraction(1e-12)) for v, (_, b) in zip(d, pairs)),
-                                default=Fraction(0)))}
+    out = {
+        "rel_diff": _float(sdd / (sxx + syy)) if sxx + syy else 0.0,
+        "max_abs": _float(max(d, default=Fraction(0))),
+        "mean_abs": _float(sum(d) / n) if n else 0.0,
+        "max_rel": _float(
+            max((v / max(abs(b), Fraction(1e-12)) for v, (_, b) in zip(d, pairs)), default=Fraction(0))
+        ),
+    }
     if sxx == 0 and syy == 0:
         out["cosine"] = 1.0
     elif sxx == 0 or syy == 0:
         out["cosine"] = 0.0
     else:
         out["cosine"] = _sqrt(sxy * sxy / (sxx * syy)) * (1 if sxy >= 0 else -1)
-    out["sqnr_db"] = math.inf if sdd == 0 else (
-        10 * (math.log10(syy.numerator) - math.log10(syy.denominator) - math.log10(sdd.numerator)
-              + math.log10(sdd.denominator)) if syy else -math.inf)
+    out["sqnr_db"] = (
+        math.inf
+        if sdd == 0
+        else (
+            10
+            * (
+                math.log10(syy.numerator)
+                - math.log10(syy.denominator)
+                - math.log10(sdd.numerator)
+                + math.log10(sdd.denominator)
+            )
+            if syy
+            else -math.inf
+        )
+    )
     rtol, atol = tolerances(x.dtype, y.dtype)
     tol = [Fraction(atol) + Fraction(rtol) * abs(b) for _, b in pairs]
     out["mismatch"] = sum(1 for v, t in zip(d, tol) if v > t) / n if n else 0.0
@@ -293,18 +344,24 @@ def assert_metrics_close(got: dict, ref: dict, what=""):
     assert got["equal"] == ref["equal"], (what, "equal")
 
 
-@pytest.mark.parametrize("x, y", [
-    (torch.tensor([1e200], dtype=torch.float64), torch.tensor([2e200], dtype=torch.float64)),
-    (torch.tensor([1e-200], dtype=torch.float64), torch.tensor([2e-200], dtype=torch.float64)),
-    (torch.tensor([1.7e308, -1e308], dtype=torch.float64), torch.tensor([1e308, 1e300], dtype=torch.float64)),
-    (torch.tensor([5e-324, 0.0], dtype=torch.float64), torch.tensor([1e-323, 0.0], dtype=torch.float64)),
-    (torch.tensor([1e-14]), torch.tensor([-1e-14])),
-    (torch.tensor([2 ** 60]), torch.tensor([2 ** 60 + 1])),
-    (torch.tensor([2 ** 62, -(2 ** 62)]), torch.tensor([-(2 ** 62), 2 ** 62])),
-    (torch.tensor([1e10, 0.0]), torch.tensor([1e-3, 1.0])),
-    (torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), torch.tensor([1.0, 3.0])),
-    (torch.tensor([1.0, 3.0]), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)),
-])
+@pytest.mark.parametrize(
+    "x, y",
+    [
+        (torch.tensor([1e200], dtype=torch.float64), torch.tensor([2e200], dtype=torch.float64)),
+        (torch.tensor([1e-200], dtype=torch.float64), torch.tensor([2e-200], dtype=torch.float64)),
+        (
+            torch.tensor([1.7e308, -1e308], dtype=torch.float64),
+            torch.tensor([1e308, 1e300], dtype=torch.float64),
+        ),
+        (torch.tensor([5e-324, 0.0], dtype=torch.float64), torch.tensor([1e-323, 0.0], dtype=torch.float64)),
+        (torch.tensor([1e-14]), torch.tensor([-1e-14])),
+        (torch.tensor([2**60]), torch.tensor([2**60 + 1])),
+        (torch.tensor([2**62, -(2**62)]), torch.tensor([-(2**62), 2**62])),
+        (torch.tensor([1e10, 0.0]), torch.tensor([1e-3, 1.0])),
+        (torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), torch.tensor([1.0, 3.0])),
+        (torch.tensor([1.0, 3.0]), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)),
+    ],
+)
 def test_metrics_exact_in_meaning_at_every_magnitude(x, y):
     """Issue 13's cases: 1e200 vs 2e200 gave NaN, 1e-200 vs 2e-200 gave 0, 1e-14 vs -1e-14 cosine 1,
     2**60 vs 2**60+1 max_abs 0, complex vs real raised, [1e10, 0] vs [1e-3, 1] cosine off by 6e-4."""
@@ -316,12 +373,14 @@ def test_metrics_exact_in_meaning_at_every_magnitude(x, y):
 
 def test_named_cases_have_the_right_values():
     f64 = torch.float64
-    assert compare_tensors(torch.tensor([1e200], dtype=f64),
-                           torch.tensor([2e200], dtype=f64))["rel_diff"] == pytest.approx(0.2)
-    assert compare_tensors(torch.tensor([1e-200], dtype=f64),
-                           torch.tensor([2e-200], dtype=f64))["rel_diff"] == pytest.approx(0.2)
+    assert compare_tensors(torch.tensor([1e200], dtype=f64), torch.tensor([2e200], dtype=f64))[
+        "rel_diff"
+    ] == pytest.approx(0.2)
+    assert compare_tensors(torch.tensor([1e-200], dtype=f64), torch.tensor([2e-200], dtype=f64))[
+        "rel_diff"
+    ] == pytest.approx(0.2)
     assert compare_tensors(torch.tensor([1e-14]), torch.tensor([-1e-14]))["cosine"] == -1.0
-    ints = compare_tensors(torch.tensor([2 ** 60]), torch.tensor([2 ** 60 + 1]))
+    ints = compare_tensors(torch.tensor([2**60]), torch.tensor([2**60 + 1]))
     assert ints["max_abs"] == 1.0 and ints["equal"] == 0.0 and ints["mismatch"] == 1.0
 
 
@@ -337,8 +396,9 @@ def test_equal_means_the_same_bits():
 
 def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch):
     """Never a silent pass: a NaN metric value diverges, with its reason."""
-    from tdinspect import DumpSet, diff as diff_module
-    from tdinspect.metrics import metric
+    from tdinspect import DumpSet
+    from tdinspect.compare import diff as diff_module
+    from tdinspect.numerics.metrics import metric
 
     from .test_dumpset_diff import write_dump
 
@@ -352,6 +412,7 @@ def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch)
         if x.shape and float(x.reshape(-1)[-1]) > 9:  # the "y" entry
             out["rel_diff"] = math.nan
         return out
+
     monkeypatch.setattr(diff_module, "compare_tensors", nan_for_y)
     # pair by pair (small pairs are otherwise compared in one batch, plain ones straight from
     # the files' bytes: not by compare_tensors)
@@ -373,11 +434,18 @@ def test_huge_float64_dumps_diverge_in_the_cli(tmp_path, capsys):
     assert "rel_diff 0.2" in capsys.readouterr().out
 
 
-_PAIR_DTYPES = [(torch.float32, torch.float32), (torch.float64, torch.float64),
-                (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-                (torch.bfloat16, torch.bfloat16), (torch.int64, torch.int64),
-                (torch.int32, torch.int64), (torch.complex64, torch.complex64),
-                (torch.complex64, torch.float32), (torch.float64, torch.complex128)]
+_PAIR_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.int64, torch.int64),
+    (torch.int32, torch.int64),
+    (torch.complex64, torch.complex64),
+    (torch.complex64, torch.float32),
+    (torch.float64, torch.complex128),
+]
 
 
 @st.composite
@@ -388,10 +456,10 @@ def tensor_pairs(draw):
     if draw(st.booleans()):
         dx, dy = dy, dx
     shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     noise = draw(st.sampled_from([0.0, 1e-15, 1e-7, 1e-2, 1.0, 1e6]))
     if not (dx.is_floating_point or dx.is_complex):
-        base = draw(st.sampled_from([0, 2 ** 30, 2 ** 62, -(2 ** 62)]))
+        base = draw(st.sampled_from([0, 2**30, 2**62, -(2**62)]))
         hi = torch.iinfo(dx).max // 2
         base = max(-hi, min(hi, base))
         y = base + torch.randint(-1000, 1000, shape, generator=gen)
@@ -399,9 +467,11 @@ def tensor_pairs(draw):
         return x.to(dx), y.to(dy)
     wide = torch.float64 in (dx, dy) or torch.complex128 in (dx, dy)
     k = draw(st.integers(-300, 300) if wide else st.integers(-30, 30))
-    scale = 10.0 ** k
+    scale = 10.0**k
+
     def draw_real():
         return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
     y = draw_real()
     x = y * (1 + noise * torch.randn(shape, generator=gen, dtype=torch.float64))
     if dx.is_complex or dy.is_complex:
@@ -413,8 +483,12 @@ def tensor_pairs(draw):
         if dt.is_complex:
             return t.to(dt)
         info = torch.finfo(dt)
-        return t.real.clamp(-info.max, info.max).to(dt) if t.is_complex() else \
-            t.clamp(-info.max, info.max).to(dt)
+        return (
+            t.real.clamp(-info.max, info.max).to(dt)
+            if t.is_complex()
+            else t.clamp(-info.max, info.max).to(dt)
+        )
+
     return cast(x, dx), cast(y, dy)
 
 
@@ -430,8 +504,10 @@ def test_metrics_property_against_exact_reference(pair):
     if x.dtype != y.dtype and x.is_floating_point() and y.is_floating_point():
         narrow = min((x.dtype, y.dtype), key=lambda d: torch.finfo(d).bits)
         cast = reference_metrics(x.to(narrow), y.to(narrow))
-        assert abs(got["rel_diff_cast"] - cast["rel_diff"]) <= 1e-12 * cast["rel_diff"] or \
-            got["rel_diff_cast"] == cast["rel_diff"]
+        assert (
+            abs(got["rel_diff_cast"] - cast["rel_diff"]) <= 1e-12 * cast["rel_diff"]
+            or got["rel_diff_cast"] == cast["rel_diff"]
+        )
         assert got["max_abs_cast"] == pytest.approx(cast["max_abs"], rel=4 * EPS, abs=0)
     else:
         assert (got["rel_diff_cast"], got["max_abs_cast"]) == (got["rel_diff"], got["max_abs"])
@@ -440,6 +516,7 @@ def test_metrics_property_against_exact_reference(pair):
 
 # -- every shown column is a metric ------------------------------------------------------------
 
+
 def test_stats_rel_on_tensor_dumps_compares_statistics(runs, tmp_path, capsys):
     """Issue 13: --metric stats_rel on tensor dumps that clearly differ said no divergence."""
     from tdinspect import DumpSet
@@ -447,8 +524,7 @@ def test_stats_rel_on_tensor_dumps_compares_statistics(runs, tmp_path, capsys):
 
     from .test_dumpset_diff import write_dump
 
-    div = DumpSet.open(runs["ref"]).diff(DumpSet.open(runs["wrong"])).first_divergence(
-        metric="stats_rel")
+    div = DumpSet.open(runs["ref"]).diff(DumpSet.open(runs["wrong"])).first_divergence(metric="stats_rel")
     assert div is not None and div.key == "model.layers.2.mlp.down" and div.value > 1e-3
     # without sidecars: statistics computed from the tensors
     t = torch.linspace(-1, 1, 50)
@@ -463,7 +539,7 @@ def test_stats_rel_on_tensor_dumps_compares_statistics(runs, tmp_path, capsys):
 def test_cast_columns_are_metrics_everywhere(runs, capsys, name):
     from tdinspect import DumpSet
     from tdinspect.cli import main
-    from tdinspect.metrics import METRICS
+    from tdinspect.numerics.metrics import METRICS
 
     m = METRICS[name]
     assert m.higher_is_worse and m.default_threshold == 1e-3

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tdinspect
 from tdinspect import DumpSet, load_pass, parse_key
-from tdinspect.examples import layernorm_test, make_model, make_tokens
+from tdinspect.examples.models import layernorm_test, make_model, make_tokens
 
 from .conftest import only_folder
 
@@ -36,14 +36,22 @@ def test_layernorm_forward_backward_sequence(tmp_path):
     keys = _side(tmp_path)["entries"]["key"]
     ops = [parse_key(k).op for k in keys if parse_key(k).io == "out"]
     ops = list(dict.fromkeys(ops))
-    for expected in ("aten.randn.default", "aten._to_copy.default", "aten.empty.memory_format",
-                     "aten.fill_.Scalar", "aten.zero_.default", "aten.native_layer_norm.default",
-                     "aten.sum.default", "aten.mul.Tensor", "aten.ones_like.default",
-                     "aten.expand.default", "aten.native_layer_norm_backward.default",
-                     "aten.detach.default"):
+    for expected in (
+        "aten.randn.default",
+        "aten._to_copy.default",
+        "aten.empty.memory_format",
+        "aten.fill_.Scalar",
+        "aten.zero_.default",
+        "aten.native_layer_norm.default",
+        "aten.sum.default",
+        "aten.mul.Tensor",
+        "aten.ones_like.default",
+        "aten.expand.default",
+        "aten.native_layer_norm_backward.default",
+        "aten.detach.default",
+    ):
         assert expected in ops, expected
-    assert ops.index("aten.native_layer_norm.default") < ops.index(
-        "aten.native_layer_norm_backward.default")
+    assert ops.index("aten.native_layer_norm.default") < ops.index("aten.native_layer_norm_backward.default")
     # forward and backward of the LayerNorm are attributed to the module that ran them
     assert "model.LayerNorm/aten.native_layer_norm.default[out0]" in keys
     assert "model.LayerNorm/aten.native_layer_norm_backward.default[out1]" in keys
@@ -69,9 +77,9 @@ def test_uninitialized_outputs_marked_and_not_stored(tmp_path):
 def test_inputs_recorded_before_inplace_and_references(tmp_path):
     x = torch.ones(4)
     with tdinspect.capture_ops(tmp_path, inputs=True) as dump:
-        y = x * 3          # mul: out0 recorded
-        y.add_(1)          # in-place: its input must be 3s, its output 4s
-        z = y.view(2, 2)   # a view of a recorded tensor: a reference, not a copy
+        y = x * 3  # mul: out0 recorded
+        y.add_(1)  # in-place: its input must be 3s, its output 4s
+        z = y.view(2, 2)  # a view of a recorded tensor: a reference, not a copy
         w = z + 0
         dump.step()
     assert torch.equal(w, torch.full((2, 2), 4.0))
@@ -86,8 +94,12 @@ def test_inputs_recorded_before_inplace_and_references(tmp_path):
     assert "model/aten.add_.Tensor[in0]" not in stored
     v = pi.position["model/aten.view.default[out0]"]
     # where the view's elements sit in the stored tensor: rebuilt by indexing, no op is run
-    assert pi.ref[v] == {"kind": "view", "of": "model/aten.add_.Tensor[out0]",
-                         "base": [[4], [1], 0], "view": [[2, 2], [2, 1], 0]}
+    assert pi.ref[v] == {
+        "kind": "view",
+        "of": "model/aten.add_.Tensor[out0]",
+        "base": [[4], [1], 0],
+        "view": [[2, 2], [2, 1], 0],
+    }
     assert "model/aten.view.default[out0]" not in stored
     assert torch.equal(ds.tensor("model/aten.view.default[out0]"), torch.full((2, 2), 4.0))
     # non-tensor arguments are in the sidecar
@@ -181,8 +193,8 @@ def test_replay_finds_the_op_that_is_wrong(tmp_path):
     gelu = tdinspect.replay(tmp_path, "model.layers.0.mlp.act/aten.gelu.default")
     after = tdinspect.replay(tmp_path, "model.layers.0.mlp.down/aten.addmm.default")
     before = tdinspect.replay(tmp_path, "model.layers.0.mlp.up/aten.addmm.default")
-    assert gelu.rel_diff > 1e-3          # its own error: the 10% it added
-    assert after.rel_diff < 1e-10        # it received a wrong input but computed correctly
+    assert gelu.rel_diff > 1e-3  # its own error: the 10% it added
+    assert after.rel_diff < 1e-10  # it received a wrong input but computed correctly
     assert before.rel_diff < 1e-10
     assert "aten.gelu.default" in repr(gelu) and "own error" in gelu._repr_html_()
 
@@ -191,7 +203,7 @@ def test_replay_layernorm_sample(tmp_path):
     _ln_capture(tmp_path, inputs=True)
     r = tdinspect.replay(tmp_path, "model.LayerNorm/aten.native_layer_norm.default[out0]")
     assert r.op == "aten.native_layer_norm.default" and len(r.outputs) == 3
-    assert 0 < r.rel_diff < 1e-3          # bf16 rounding, not an error
+    assert 0 < r.rel_diff < 1e-3  # bf16 rounding, not an error
     with pytest.raises(KeyError, match="no op call"):
         tdinspect.replay(tmp_path, "model/aten.nothing.default")
     with tdinspect.capture_ops(tmp_path / "noin") as dump:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+
 import pytest
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
 from .conftest import ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 CONDA_NAMES = {"torch": "pytorch", "dask[distributed]": "dask", "isal": "python-isal"}
 
@@ -95,20 +96,27 @@ def _pass_close(old: dict, new: dict, where) -> None:
             assert torch.equal(a, b), (where, key)
             continue
         scale = a.double().abs().max().item() if a.numel() else 0.0
-        torch.testing.assert_close(b.double(), a.double(), rtol=0,
-                                   atol=_tolerance(str(a.dtype)) * scale, equal_nan=True,
-                                   msg=lambda m: f"{where} {key}: {m}")
+        torch.testing.assert_close(
+            b.double(),
+            a.double(),
+            rtol=0,
+            atol=_tolerance(str(a.dtype)) * scale,
+            equal_nan=True,
+            msg=lambda m, key=key: f"{where} {key}: {m}",
+        )
 
 
 def test_sample_dumps_regenerate_on_any_cpu(tmp_path):
     """Regenerating the samples gives the committed files: structure and every non-numeric
     byte exactly, tensor values and statistics within the documented cross-CPU tolerance."""
     import torch
-    from tdinspect.samples import generate
+
+    from tdinspect.examples.samples import generate
 
     generate(tmp_path)
-    committed = sorted(p.relative_to(ROOT / "sample_dumps") for p in (ROOT / "sample_dumps").rglob("*")
-                       if p.is_file())
+    committed = sorted(
+        p.relative_to(ROOT / "sample_dumps") for p in (ROOT / "sample_dumps").rglob("*") if p.is_file()
+    )
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert committed == fresh and committed
     for rel in committed:
@@ -132,8 +140,9 @@ def test_sample_tolerance_still_tells_runs_apart():
     bad = torch.load(root / "wrong_layer/rank0_pid0/pass00000.pt", weights_only=True)
     with pytest.raises(AssertionError):
         _pass_close(ref, bad, "wrong_layer")
-    perturbed = {k: v * (1 + 10 * _tolerance(str(v.dtype))) if v.is_floating_point() else v
-                 for k, v in ref.items()}
+    perturbed = {
+        k: v * (1 + 10 * _tolerance(str(v.dtype))) if v.is_floating_point() else v for k, v in ref.items()
+    }
     with pytest.raises(AssertionError):
         _pass_close(ref, perturbed, "10x the tolerance")
 

@@ -12,12 +12,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import tdinspect.diff as diff_module
-from tdinspect import DumpSet, parallel, passframes
-from tdinspect.diff import COLUMNS, ROW_METRICS, compare_pass, upstream_of
-from tdinspect.passframes import frame_of, typed_columns
+import tdinspect.compare.diff as diff_module
+from tdinspect import DumpSet
+from tdinspect.compare import passframes
+from tdinspect.compare.diff import COLUMNS, ROW_METRICS, compare_pass, upstream_of
+from tdinspect.compare.passframes import frame_of, typed_columns
+from tdinspect.util import parallel
 
 from .test_dumpset_diff import write_dump
 
@@ -127,13 +130,13 @@ def _rows_frame(rows):
 
 
 def _assert_same(got, expected):
-    pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True,
-                                  check_column_type=True)
+    pd.testing.assert_frame_equal(
+        got, expected, check_exact=True, check_index_type=True, check_column_type=True
+    )
 
 
 @pytest.mark.parametrize("other,max_rows", [("wrong", None), ("bf16", None), ("wrong", 3)])
-def test_table_and_pass_frames_are_the_frames_pandas_makes_of_the_rows(runs, other, max_rows,
-                                                                       monkeypatch):
+def test_table_and_pass_frames_are_the_frames_pandas_makes_of_the_rows(runs, other, max_rows, monkeypatch):
     if max_rows is not None:  # passes over MAX_ROWS rows: pandas' frames, then their concat
         monkeypatch.setattr(passframes, "MAX_ROWS", max_rows)
     d = DumpSet.open(runs["ref"]).diff(runs[other])
@@ -141,13 +144,26 @@ def test_table_and_pass_frames_are_the_frames_pandas_makes_of_the_rows(runs, oth
     held = [type(v) for v in d._results._data.values()]  # the road each pass took
     assert held == [pd.DataFrame if max_rows else dict] * 3
     text = pd.Series(["x"]).dtype  # pandas' string dtype (object before pandas 3)
-    expected = {"rank": "int64", "pass": "int64", "op": text, "call": "int64", "order": "float64",
-                "key": text, "key_b": text, "dtype_a": text, "dtype_b": text, "shape": text,
-                "structural": "bool", "reason": text, **{m: "float64" for m in ROW_METRICS},
-                "upstream": text}
+    expected = {
+        "rank": "int64",
+        "pass": "int64",
+        "op": text,
+        "call": "int64",
+        "order": "float64",
+        "key": text,
+        "key_b": text,
+        "dtype_a": text,
+        "dtype_b": text,
+        "shape": text,
+        "structural": "bool",
+        "reason": text,
+        **{m: "float64" for m in ROW_METRICS},
+        "upstream": text,
+    }
     assert list(table.columns) == list(expected)
-    assert table.dtypes.to_dict() == {k: np.dtype(v) if isinstance(v, str) else v
-                                      for k, v in expected.items()}
+    assert table.dtypes.to_dict() == {
+        k: np.dtype(v) if isinstance(v, str) else v for k, v in expected.items()
+    }
     passes = [_rows_frame(compare_pass(job)) for job in d._jobs()]
     _assert_same(table, pd.concat(passes, ignore_index=True))
     for job, frame in zip(d._jobs(), passes):
@@ -198,9 +214,14 @@ def test_early_exit_compares_only_the_first_waves_passes(tmp_path, monkeypatch):
     assert sorted(compared) == [0, 1, 2]  # waves of 1 then 2 passes: 3 to 5 never started
 
 
-_VALUES = st.one_of(st.floats(allow_nan=True), st.integers(-2**70, 2**70), st.booleans(),
-                    st.text(max_size=3), st.floats(width=32).map(np.float64),
-                    st.integers(-9, 9).map(np.int64))
+_VALUES = st.one_of(
+    st.floats(allow_nan=True),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.text(max_size=3),
+    st.floats(width=32).map(np.float64),
+    st.integers(-9, 9).map(np.int64),
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -15,8 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdinspect import DumpSet, kernels, metrics, plainpairs, smallpairs
-from tdinspect.metrics import STORED, TENSOR_METRICS, compare_tensors
+from tdinspect import DumpSet
+from tdinspect.compare import plainpairs, smallpairs
+from tdinspect.numerics import kernels, metrics
+from tdinspect.numerics.metrics import STORED, TENSOR_METRICS, compare_tensors
 
 from .recorded import capture_llama, record_dump
 from .test_dumpset_diff import write_dump
@@ -73,8 +75,10 @@ def _tables(a, b):
 
     with mock.patch.object(plainpairs, "stored_metrics", spy):
         plain = DumpSet.open(a).diff(b).table(progress=False)
-    with mock.patch("tdinspect.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys)), \
-            mock.patch("tdinspect.diff.plain_dtypes", lambda pi: [None] * len(pi.keys)):
+    with (
+        mock.patch("tdinspect.compare.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys)),
+        mock.patch("tdinspect.compare.diff.plain_dtypes", lambda pi: [None] * len(pi.keys)),
+    ):
         single = DumpSet.open(a).diff(b).table(progress=False)
     return plain, seen, single
 
@@ -94,7 +98,7 @@ def test_plain_pairs_of_a_recorded_dump_have_the_pair_by_pair_rows(tmp_path, mon
     assert rows.loc[(1, "m.same"), "equal"] == 1.0 and rows.loc[(1, "m.negzero"), "equal"] == 0.0
     assert rows.loc[(0, "m.bfloat16"), "max_abs"] > 0 and rows.loc[(0, "m.shape"), "structural"]
     with monkeypatch.context() as m:  # the pairs left over read the records the road checked
-        m.setattr("tdinspect.diff._open", lambda pi: pytest.fail("pass file read twice"))
+        m.setattr("tdinspect.compare.diff._open", lambda pi: pytest.fail("pass file read twice"))
         _assert_bitwise_equal(DumpSet.open(a).diff(b).table(progress=False), single)
 
 
@@ -117,8 +121,7 @@ def test_a_refused_layout_sends_plain_pairs_to_the_loaded_tensors(tmp_path, monk
     real = smallpairs.element_starts
 
     def refuse(path, keys, raw, index=None):
-        refused.append(real(path, keys, [["0", 10**12, [1], [1], "torch.float32"]] * len(raw),
-                            index))
+        refused.append(real(path, keys, [["0", 10**12, [1], [1], "torch.float32"]] * len(raw), index))
         return refused[-1]
 
     monkeypatch.setattr(smallpairs, "element_starts", refuse)
@@ -133,10 +136,13 @@ def _bits(out: dict) -> list[bytes]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(list(STORED)), size=st.sampled_from([1, 300, N]),
-       kind=st.sampled_from(["normal", "zeros", "nonfinite", "huge", "tiny", "allzero"]),
-       how=st.sampled_from(["same", "lastbits", "far", "negzero", "noise"]),
-       seed=st.integers(0, 2**16))
+@given(
+    dtype=st.sampled_from(list(STORED)),
+    size=st.sampled_from([1, 300, N]),
+    kind=st.sampled_from(["normal", "zeros", "nonfinite", "huge", "tiny", "allzero"]),
+    how=st.sampled_from(["same", "lastbits", "far", "negzero", "noise"]),
+    seed=st.integers(0, 2**16),
+)
 def test_compare_tensors_short_road_gives_the_general_roads_bits(dtype, size, kind, how, seed):
     """One dtype, contiguous: the stored bytes go to the kernel in a few calls; the metrics
     are the general road's, bit for bit, the special roads (NaN/Inf masked, float64 rescaled,
@@ -144,8 +150,9 @@ def test_compare_tensors_short_road_gives_the_general_roads_bits(dtype, size, ki
     rng = np.random.default_rng(seed)
     n = max(1, size * 4 // dtype.itemsize)
     y = values_of(rng, n, dtype, kind)
-    x = partner(rng, y, how) if dtype.itemsize > 1 else \
-        partner(rng, y.float(), how).to(dtype)  # torch has no float8 arithmetic
+    x = (
+        partner(rng, y, how) if dtype.itemsize > 1 else partner(rng, y.float(), how).to(dtype)
+    )  # torch has no float8 arithmetic
     calls = []
     real = metrics.stored_metrics
 
@@ -169,9 +176,15 @@ def test_big_entries_compared_live_have_the_offline_bits(tmp_path):
     """A tiny HF Llama whose logits pass 64 KB: live comparison (compare_tensors,
     one pair at a time) and the offline diff (the plain road) give the same bits."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=4096,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     ids = torch.randint(0, 4096, (1, 12), generator=torch.Generator().manual_seed(0))
 
     def run(name, change=None, **live):
@@ -212,8 +225,9 @@ def _saved_at(folder, tensors: dict, residue: int) -> None:
     raise AssertionError("no padding gave the residue")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn]
+)
 def test_differing_records_at_any_byte_offset_compare_as_torch_load_reads_them(tmp_path, dtype):
     """Records another zip writer left at odd addresses (torch.save aligns them to 64 bytes),
     compared on the plain road (bfloat16 read two elements a 32-bit load): the rows of
@@ -241,6 +255,7 @@ def test_differing_records_at_any_byte_offset_compare_as_torch_load_reads_them(t
     assert seen == [(2, 1), ((2 + skip) % 4, (1 + skip) % 4)]  # the records where they lie
     for key, row in plain.set_index("key").iterrows():
         want = compare_tensors(records[1][key], records[0][key])
-        assert [struct.pack("<d", row[k]) for k in TENSOR_METRICS] == \
-            [struct.pack("<d", want[k]) for k in TENSOR_METRICS], key
+        assert [struct.pack("<d", row[k]) for k in TENSOR_METRICS] == [
+            struct.pack("<d", want[k]) for k in TENSOR_METRICS
+        ], key
         assert 0 < row["max_abs"] < math.inf and not row["structural"]

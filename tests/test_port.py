@@ -1,7 +1,7 @@
 """A hand-written port of a tiny Hugging Face Llama against the real thing (issue 11).
 
 The reference is ``transformers``' ``LlamaForCausalLM`` (random weights from a
-tiny config); the port (``tdinspect.examples_port``) has other names, fused
+tiny config); the port (``tdinspect.examples.port``) has other names, fused
 ``qkv`` and ``gate_up`` projections and its own RMSNorm class, loaded with the
 same weights. ``suggest_mapping`` must pair every entry the two have in common,
 and with its rules a fault in the port must be named at its first entry.
@@ -19,28 +19,36 @@ pytest.importorskip("transformers")
 
 from tdinspect import DumpSet, suggest_mapping  # noqa: E402
 from tdinspect.cli import main  # noqa: E402
-from tdinspect.examples_port import capture_port_pair  # noqa: E402
+from tdinspect.examples.port import capture_port_pair  # noqa: E402
 
 LAYERS = 2
 # what the port holds of each reference entry (the ground truth, written by hand)
-COMMON = {"model.model.embed_tokens": ("model.embed", slice(None)),
-          "model.model.norm": ("model.final_norm", slice(None)),
-          "model.lm_head": ("model.head", slice(None))}
+COMMON = {
+    "model.model.embed_tokens": ("model.embed", slice(None)),
+    "model.model.norm": ("model.final_norm", slice(None)),
+    "model.lm_head": ("model.head", slice(None)),
+}
 for _i in range(LAYERS):
     _a, _b = f"model.model.layers.{_i}.", f"model.blocks.{_i}."
-    COMMON.update({
-        _a + "input_layernorm": (_b + "attn_norm", slice(None)),
-        _a + "self_attn.q_proj": (_b + "attn.qkv", slice(0, 32)),
-        _a + "self_attn.k_proj": (_b + "attn.qkv", slice(32, 48)),
-        _a + "self_attn.v_proj": (_b + "attn.qkv", slice(48, 64)),
-        _a + "self_attn.o_proj": (_b + "attn.o", slice(None)),
-        _a + "post_attention_layernorm": (_b + "mlp_norm", slice(None)),
-        _a + "mlp.gate_proj": (_b + "ffn.gate_up", slice(0, 64)),
-        _a + "mlp.up_proj": (_b + "ffn.gate_up", slice(64, 128)),
-        _a + "mlp.down_proj": (_b + "ffn.down", slice(None)),
-    })
-ONLY_A = ["model.model.rotary_emb[0]", "model.model.rotary_emb[1]",
-          "model.model.layers.0.mlp.act_fn", "model.model.layers.1.mlp.act_fn"]
+    COMMON.update(
+        {
+            _a + "input_layernorm": (_b + "attn_norm", slice(None)),
+            _a + "self_attn.q_proj": (_b + "attn.qkv", slice(0, 32)),
+            _a + "self_attn.k_proj": (_b + "attn.qkv", slice(32, 48)),
+            _a + "self_attn.v_proj": (_b + "attn.qkv", slice(48, 64)),
+            _a + "self_attn.o_proj": (_b + "attn.o", slice(None)),
+            _a + "post_attention_layernorm": (_b + "mlp_norm", slice(None)),
+            _a + "mlp.gate_proj": (_b + "ffn.gate_up", slice(0, 64)),
+            _a + "mlp.up_proj": (_b + "ffn.gate_up", slice(64, 128)),
+            _a + "mlp.down_proj": (_b + "ffn.down", slice(None)),
+        }
+    )
+ONLY_A = [
+    "model.model.rotary_emb[0]",
+    "model.model.rotary_emb[1]",
+    "model.model.layers.0.mlp.act_fn",
+    "model.model.layers.1.mlp.act_fn",
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +72,9 @@ def test_suggestion_pairs_every_common_entry(port, suggestion):
     assert suggestion.unmatched_b == []
     assert (used["confidence"] >= 0.9).all()
     # each transform takes the slice the port's weights put there
-    ref, good = DumpSet.open(port["ref"]), DumpSet.open(port["good"])
+    good = DumpSet.open(port["good"])
     from tdinspect.align import parse_transform
+
     for row in used.itertuples():
         b, cut = COMMON[row.a]
         full = good.tensor(b)
@@ -73,10 +82,14 @@ def test_suggestion_pairs_every_common_entry(port, suggestion):
         assert torch.equal(got, full[..., cut]), row.a
     # per-layer pairs fold into one rule each
     rules = suggestion.rules
-    assert rules[r"model\.model\.layers\.(\d+)\.self_attn\.q_proj"] == [r"model.blocks.\1.attn.qkv",
-                                                                        "chunk(2, -1)[0]"]
-    assert rules[r"model\.model\.layers\.(\d+)\.mlp\.up_proj"] == [r"model.blocks.\1.ffn.gate_up",
-                                                                   "chunk(2, -1)[1]"]
+    assert rules[r"model\.model\.layers\.(\d+)\.self_attn\.q_proj"] == [
+        r"model.blocks.\1.attn.qkv",
+        "chunk(2, -1)[0]",
+    ]
+    assert rules[r"model\.model\.layers\.(\d+)\.mlp\.up_proj"] == [
+        r"model.blocks.\1.ffn.gate_up",
+        "chunk(2, -1)[1]",
+    ]
     assert rules[r"model\.model\.embed_tokens"] == "model.embed"
     assert len(rules) == 12
 
@@ -140,9 +153,7 @@ def test_cli_suggest_then_diff(tmp_path, port, capsys):
     assert len(doc["pairs"]) == 21 and sorted(doc["unmatched_a"]) == sorted(ONLY_A)
 
 
-
-def test_rules_suggested_from_the_buggy_port_do_not_read_as_all_clear(tmp_path, port, suggestion,
-                                                                      capsys):
+def test_rules_suggested_from_the_buggy_port_do_not_read_as_all_clear(tmp_path, port, suggestion, capsys):
     """The documented flow run on the port that has the bug (no good port to learn from): its
     values agree up to layer 0's v_proj, so the rules pair those 7 entries and the other 18
     were set aside; first_divergence(structural="report") said None and the CLI "no
@@ -151,19 +162,31 @@ def test_rules_suggested_from_the_buggy_port_do_not_read_as_all_clear(tmp_path, 
 
     s = suggest_mapping(port["ref"], port["bad"])
     d = DumpSet.open(port["ref"]).diff(port["bad"], mapping=s.rules)
-    with pytest.warns(UncomparedWarning, match=r"stops at model\.model\.layers\.0\.self_attn\.v_proj "
-                                               r"\(A's entry 7 of 25, pass 0\)"):
+    with pytest.warns(
+        UncomparedWarning,
+        match=r"stops at model\.model\.layers\.0\.self_attn\.v_proj "
+        r"\(A's entry 7 of 25, pass 0\)",
+    ):
         assert d.first_divergence(structural="report") is None
     gap = d.uncompared_after()
     assert gap["last_compared"] == "model.model.layers.0.self_attn.v_proj" and gap["pass"] == 0
     assert gap["after"][0] == "model.model.layers.0.self_attn.o_proj"  # the RoPE bug's first entry
     assert len(gap["after"]) == 18 and gap["after"][-1] == "model.lm_head"
     f = s.save(tmp_path / "map.yaml")
-    args = ["first-divergence", str(port["ref"]), str(port["bad"]), "--mapping", str(f),
-            "--structural", "report"]
+    args = [
+        "first-divergence",
+        str(port["ref"]),
+        str(port["bad"]),
+        "--mapping",
+        str(f),
+        "--structural",
+        "report",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "no divergence" in out and "but the comparison stops at model.model.layers.0.self_attn.v_proj" in out
+    assert (
+        "no divergence" in out and "but the comparison stops at model.model.layers.0.self_attn.v_proj" in out
+    )
     assert main([*args, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["uncompared_after"]["position"] == 7
     # the good port's rules: compared up to A's last entry; one-sided entries between are no gap
@@ -181,28 +204,39 @@ def test_tdi_diff_takes_a_mapping_and_sets_structural_entries_aside(tmp_path, po
 
     good_map = suggestion.save(tmp_path / "good.yaml")
     bad_map = suggest_mapping(port["ref"], port["bad"]).save(tmp_path / "bad.yaml")
-    out = _notebook(["%load_ext tdinspect",
-                     f"%tdi_diff {port['ref']} {port['bad']} --mapping {good_map} --structural report",
-                     f"%tdi_diff {port['ref']} {port['bad']} --mapping {bad_map} --structural report",
-                     f"%tdi_diff {port['ref']} {port['bad']} --mapping {tmp_path / 'nosuch.yaml'}"])
+    out = _notebook(
+        [
+            "%load_ext tdinspect",
+            f"%tdi_diff {port['ref']} {port['bad']} --mapping {good_map} --structural report",
+            f"%tdi_diff {port['ref']} {port['bad']} --mapping {bad_map} --structural report",
+            f"%tdi_diff {port['ref']} {port['bad']} --mapping {tmp_path / 'nosuch.yaml'}",
+        ]
+    )
     assert "first divergence: Divergence(model.model.layers.0.self_attn.o_proj" in out[1], out[1]
-    assert "no divergence" in out[2] and \
-        "but the comparison stops at model.model.layers.0.self_attn.v_proj" in out[2], out[2]
+    assert (
+        "no divergence" in out[2]
+        and "but the comparison stops at model.model.layers.0.self_attn.v_proj" in out[2]
+    ), out[2]
     assert "UsageError" in out[3] and "nosuch.yaml" in out[3], out[3]
+
 
 # -- op level: a non-tensor argument that differs ----------------------------------------
 @pytest.fixture(scope="module")
 def eps_runs(tmp_path_factory):
     """Op-level dumps (inputs recorded) of the HF Llama with RMSNorm eps 1e-6 and 1e-4."""
     import tdinspect
-    from tdinspect.examples_port import make_hf_llama, port_tokens
+    from tdinspect.examples.port import make_hf_llama, port_tokens
 
     root = tmp_path_factory.mktemp("eps")
     out = {}
     for name, eps in (("a", 1e-6), ("b", 1e-4), ("a2", 1e-6)):
         model = make_hf_llama(seed=0, rms_norm_eps=eps, num_hidden_layers=1)
-        with torch.no_grad(), tdinspect.capture_ops(root / name, model=model, inputs=True,
-                                                    filter=r"layers\.0\.input_layernorm") as dump:
+        with (
+            torch.no_grad(),
+            tdinspect.capture_ops(
+                root / name, model=model, inputs=True, filter=r"layers\.0\.input_layernorm"
+            ) as dump,
+        ):
             model(port_tokens(length=6, batch=1))
             dump.step()
         out[name] = root / name
@@ -228,9 +262,9 @@ def test_eps_difference_is_named_with_its_argument(eps_runs):
 
 
 def test_shape_arguments_differ_by_name():
-    from tdinspect.align.args import arg_difference, describe_args
-
     from torch.utils._pytree import tree_flatten, treespec_dumps
+
+    from tdinspect.align.args import arg_difference, describe_args
 
     spec = treespec_dumps(tree_flatten(((torch.ones(1), [2, 6]), {}))[1])  # view(x, [2, 6])
     a = {"aten": "aten.view.default", "spec": spec, "leaves": [{"t": "x"}, 2, 6]}
@@ -256,12 +290,14 @@ def test_live_comparison_of_the_port_sets_one_sided_entries_aside(port, suggesti
     port always stopped with ``only in A`` at the end of its first pass."""
     import tdinspect
     from tdinspect.dumper.checks import DivergenceError
-    from tdinspect.examples_port import LlamaPort, make_hf_llama, port_tokens
+    from tdinspect.examples.port import LlamaPort, make_hf_llama, port_tokens
 
     def live(rope, **options):
         model = LlamaPort.from_hf(make_hf_llama(0), rope=rope)
-        with torch.no_grad(), tdinspect.capture(model, compare_to=port["ref"],
-                                                mapping=suggestion.rules, **options) as cap:
+        with (
+            torch.no_grad(),
+            tdinspect.capture(model, compare_to=port["ref"], mapping=suggestion.rules, **options) as cap,
+        ):
             for step in range(2):
                 model(port_tokens(step))
                 cap.step()
@@ -274,8 +310,11 @@ def test_live_comparison_of_the_port_sets_one_sided_entries_aside(port, suggesti
     assert sorted(r["key"] for r in got.set_aside) == sorted(ONLY_A * 2)  # both passes
     with pytest.raises(DivergenceError) as err:
         live("interleaved", structural="report", threshold=1e-6)
-    offline = DumpSet.open(port["ref"]).diff(port["bad"], mapping=suggestion.rules)\
+    offline = (
+        DumpSet.open(port["ref"])
+        .diff(port["bad"], mapping=suggestion.rules)
         .first_divergence(threshold=1e-6, structural="report")
+    )
     div = err.value.divergence
     assert (div.key, div.pass_, div.value) == (offline.key, offline.pass_, offline.value)
     assert div.key == "model.model.layers.0.self_attn.o_proj"

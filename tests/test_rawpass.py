@@ -11,18 +11,33 @@ import torch
 
 import tdinspect
 from tdinspect.dumpset import DumpSet
-from tdinspect.format import load_pass
-from tdinspect.rawpass import layout, read_plain, read_raw
+from tdinspect.store.format import load_pass
+from tdinspect.store.rawpass import layout, read_plain, read_raw
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-          torch.float8_e5m2, torch.complex64, torch.int64, torch.int32, torch.int8, torch.uint8,
-          torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
-                            b.reshape(-1).contiguous().view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
+        )
+    )
 
 
 class ManyKinds(torch.nn.Module):
@@ -95,8 +110,13 @@ def _saved(tmp_path, tensors):
 
 def test_shared_storages_are_numbered_as_torch_numbers_them(tmp_path):
     base = torch.arange(20.0)
-    tensors = {"a": torch.ones(3), "view": base[5:9], "b": torch.zeros(2), "base": base,
-               "again": base.view(4, 5)[1:, ::2]}
+    tensors = {
+        "a": torch.ones(3),
+        "view": base[5:9],
+        "b": torch.zeros(2),
+        "base": base,
+        "again": base.view(4, 5)[1:, ::2],
+    }
     path = _saved(tmp_path, tensors)
     back = read_raw(path, list(tensors), layout(tensors))
     assert back is not None
@@ -105,16 +125,16 @@ def test_shared_storages_are_numbered_as_torch_numbers_them(tmp_path):
 
 
 BAD_LAYOUTS = [
-    ["0", 10**9, [4], [1], "torch.float32"],                 # past the end of the record
-    ["0", 0, [4], [-1], "torch.float32"],                    # negative stride
-    ["0", -1, [4], [1], "torch.float32"],                    # negative offset
-    ["0", 0, [5], [1], "torch.float32"],                     # one element too many
-    ["../../etc/passwd", 0, [4], [1], "torch.float32"],      # not a record of the archive
-    ["data.pkl", 0, [4], [1], "torch.uint8"],                # not a storage record
-    ["0", 0, [4], [1], "os.system"],                         # not a dtype
-    ["0", 0, [4], [1], "torch.float64"],                     # 16 bytes do not hold 4 float64
-    ["0", 0, "4", [1], "torch.float32"],                     # malformed shape
-    ["0", 0, [4], [1]],                                      # too short
+    ["0", 10**9, [4], [1], "torch.float32"],  # past the end of the record
+    ["0", 0, [4], [-1], "torch.float32"],  # negative stride
+    ["0", -1, [4], [1], "torch.float32"],  # negative offset
+    ["0", 0, [5], [1], "torch.float32"],  # one element too many
+    ["../../etc/passwd", 0, [4], [1], "torch.float32"],  # not a record of the archive
+    ["data.pkl", 0, [4], [1], "torch.uint8"],  # not a storage record
+    ["0", 0, [4], [1], "os.system"],  # not a dtype
+    ["0", 0, [4], [1], "torch.float64"],  # 16 bytes do not hold 4 float64
+    ["0", 0, "4", [1], "torch.float32"],  # malformed shape
+    ["0", 0, [4], [1]],  # too short
     None,
 ]
 
@@ -149,7 +169,7 @@ def test_a_refused_layout_falls_back_to_torch_load(tmp_path, model, tokens, monk
         unpickled.append(path)
         return load_pass(path, **kwargs)
 
-    monkeypatch.setattr(tdinspect.passindex, "load_pass", spy)
+    monkeypatch.setattr(tdinspect.store.passindex, "load_pass", spy)
     assert pi.load().keys() == truth.keys() and unpickled == []  # the records, as laid out
     pi.raw = [["0", 10**12, [1], [1], "torch.float32"] for _ in pi.raw]
     assert pi._read_records() is None  # refused: the offset lies beyond the record
@@ -173,6 +193,6 @@ def test_a_renamed_or_swapped_entry_is_caught_by_the_archive_itself(tmp_path):
     path = _saved(tmp_path, tensors)
     raw = layout(tensors)
     assert read_raw(path, ["a", "b"], raw) is not None
-    assert read_raw(path, ["b", "a"], raw) is None             # reordered
-    assert read_raw(path, ["a", "renamed"], raw) is None       # renamed
+    assert read_raw(path, ["b", "a"], raw) is None  # reordered
+    assert read_raw(path, ["a", "renamed"], raw) is None  # renamed
     assert read_raw(path, ["a", "b"], [raw[1], raw[0]]) is None  # records swapped

@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 import torch
 
-import tdinspect.picklelayout as picklelayout
-import tdinspect.rawpass as rawpass
-import tdinspect.zipindex as zipindex
-from tdinspect import passindex
+import tdinspect.store.picklelayout as picklelayout
+import tdinspect.store.rawpass as rawpass
+import tdinspect.store.zipindex as zipindex
 from tdinspect.dumpset import DumpSet
-from tdinspect.metrics import same_bits
+from tdinspect.numerics.metrics import same_bits
+from tdinspect.store import passindex
 
 from .recorded import record_dump
 from .test_dumpset_diff import write_dump
@@ -24,8 +24,10 @@ from .test_dumpset_diff import write_dump
 
 def _run(root, passes=3, scale=1.0, sidecars=True):
     """A dump of ``passes`` x 4 small entries: written by tdinspect, or by plain torch.save."""
-    tensors = [{f"model.layers.{e}.out": torch.arange(12.0).reshape(3, 4) * (p + e + 1) * scale
-                for e in range(4)} for p in range(passes)]
+    tensors = [
+        {f"model.layers.{e}.out": torch.arange(12.0).reshape(3, 4) * (p + e + 1) * scale for e in range(4)}
+        for p in range(passes)
+    ]
     if not sidecars:
         return write_dump(root, tensors)
     return record_dump(root, tensors)
@@ -48,8 +50,9 @@ def test_the_fast_index_reads_what_zipfile_reads(tmp_path):
         index = zipindex.read_index(path)
         with zipfile.ZipFile(path) as archive:
             infos = archive.infolist()
-        assert index.records == {i.filename: (i.header_offset, i.file_size, i.compress_type, i.CRC)
-                                 for i in infos}, path
+        assert index.records == {
+            i.filename: (i.header_offset, i.file_size, i.compress_type, i.CRC) for i in infos
+        }, path
         with open(path, "rb") as f:  # the binding's digest, as zipfile's reading gives it
             assert index.digest == zipindex._slow(f)[2], path
         assert index.size == path.stat().st_size
@@ -63,8 +66,7 @@ def test_the_fast_index_reads_what_zipfile_reads(tmp_path):
     assert zipindex.read_index(tmp_path / "cut.pt") is None
 
 
-def _spy(monkeypatch, module, name,
-         key=lambda f: os.path.realpath(f.name if hasattr(f, "read") else f)):
+def _spy(monkeypatch, module, name, key=lambda f: os.path.realpath(f.name if hasattr(f, "read") else f)):
     """Count the calls of ``module.name`` by the file of their first argument (a path, an open
     file, or ``/proc/self/fd/N``: load_pass maps a file by its descriptor's name)."""
     calls = Counter()
@@ -133,8 +135,13 @@ def test_without_a_sidecar_a_plain_file_is_never_unpickled(tmp_path, monkeypatch
 
 
 def test_without_a_sidecar_other_files_are_unpickled_once(tmp_path, monkeypatch):
-    passes = [{"model.a": (torch.ones(3) * p).to(torch.float8_e4m3fn),  # saved another way
-               "model.b": torch.arange(4.0) + p} for p in range(3)]
+    passes = [
+        {
+            "model.a": (torch.ones(3) * p).to(torch.float8_e4m3fn),  # saved another way
+            "model.b": torch.arange(4.0) + p,
+        }
+        for p in range(3)
+    ]
     a, b = write_dump(tmp_path / "a", passes), write_dump(tmp_path / "b", passes)
     loads = _spy(monkeypatch, torch, "load")
     diff = DumpSet.open(a).diff(b)
@@ -146,8 +153,9 @@ def test_without_a_sidecar_other_files_are_unpickled_once(tmp_path, monkeypatch)
 
 def test_tensors_held_from_open_are_bounded_and_never_travel(tmp_path, monkeypatch):
     monkeypatch.setattr(passindex, "HELD_PASSES", 2)
-    a = write_dump(tmp_path / "a", [{"model.x": (torch.ones(2) * p).to(torch.float8_e5m2)}
-                                    for p in range(4)])  # read with torch.load
+    a = write_dump(
+        tmp_path / "a", [{"model.x": (torch.ones(2) * p).to(torch.float8_e5m2)} for p in range(4)]
+    )  # read with torch.load
     ds = DumpSet.open(a)
     assert [pi._held is not None for pi in ds.pass_indexes()] == [False, False, True, True]
     copy = pickle.loads(pickle.dumps(ds.get_pass(3)))  # what a dask worker receives

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tdinspect
 from tdinspect import ConfigError, DumpConfig, DumpSet, load_pass, parse_key
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 
 from .conftest import only_folder
 
@@ -37,17 +37,28 @@ def test_inputs_params_outputs_names_kinds_and_values(tmp_path):
     e = sidecar(run)
     keys = e["key"]
     # per module, in execution order: its parameters (first call), its inputs, its outputs
-    assert keys[:6] == ["model.embed.weight", "model.embed[in][0]", "model.embed",
-                        "model.layers.0.ln1.weight", "model.layers.0.ln1.bias",
-                        "model.layers.0.ln1[in][0]"]
+    assert keys[:6] == [
+        "model.embed.weight",
+        "model.embed[in][0]",
+        "model.embed",
+        "model.layers.0.ln1.weight",
+        "model.layers.0.ln1.bias",
+        "model.layers.0.ln1[in][0]",
+    ]
     kinds = dict(zip(keys, e["kind"]))
     assert kinds["model.embed.weight"] == "param" and kinds["model.embed[in][0]"] == "input"
     assert kinds["model.embed"] == "output"
     # the expert runs three times: three inputs and outputs, its parameters once
     assert [k for k in keys if k.startswith("model.expert")] == [
-        "model.expert.weight", "model.expert.bias", "model.expert[in][0]", "model.expert",
-        "model.expert[in][0]::call1", "model.expert::call1",
-        "model.expert[in][0]::call2", "model.expert::call2"]
+        "model.expert.weight",
+        "model.expert.bias",
+        "model.expert[in][0]",
+        "model.expert",
+        "model.expert[in][0]::call1",
+        "model.expert::call1",
+        "model.expert[in][0]::call2",
+        "model.expert::call2",
+    ]
     for key in keys:
         parse_key(key)  # every name follows the grammar
     assert parse_key("model.expert[in][0]::call2").labels == ("in", "0")
@@ -56,8 +67,9 @@ def test_inputs_params_outputs_names_kinds_and_values(tmp_path):
     assert torch.equal(tensors["model.embed[in][0]"], make_tokens(seed=0))
     assert torch.equal(tensors["model.lm_head.weight"], model.lm_head.weight.detach())
     # an input is what the previous module gave
-    assert torch.equal(tensors["model.expert[in][0]::call1"],
-                       tensors["model.expert[in][0]"] + 0.1 * tensors["model.expert"])
+    assert torch.equal(
+        tensors["model.expert[in][0]::call1"], tensors["model.expert[in][0]"] + 0.1 * tensors["model.expert"]
+    )
     # pass 1: parameters did not change, so they are references to pass 0, not copies
     e1 = sidecar(run, 1)
     i = e1["key"].index("model.lm_head.weight")
@@ -102,8 +114,12 @@ def test_record_from_the_environment_and_bad_values(tmp_path):
         tdinspect.capture(make_model(), tmp_path, record=(), environ={})
     # the environment overrides the argument
     model = make_model()
-    with torch.no_grad(), tdinspect.capture(model, tmp_path / "e", record="outputs",
-                                            environ={"TDINSPECT_DUMP_RECORD": "params"}) as dump:
+    with (
+        torch.no_grad(),
+        tdinspect.capture(
+            model, tmp_path / "e", record="outputs", environ={"TDINSPECT_DUMP_RECORD": "params"}
+        ) as dump,
+    ):
         model(make_tokens())
         dump.step()
     assert set(sidecar(tmp_path / "e")["kind"]) == {"param"}
@@ -156,7 +172,8 @@ def test_training_step_records_gradients_and_changed_loss_weight_diverges_there(
     tensors = load_pass(only_folder(a) / "pass00001.pt")
     torch.testing.assert_close(  # the second SGD step made the final weights
         tensors["model.lm_head.weight"] - 0.1 * tensors["model.lm_head.weight.grad"],
-        model.lm_head.weight.detach())
+        model.lm_head.weight.detach(),
+    )
     div = DumpSet.open(a).diff(b).first_divergence(metric="equal")
     assert (div.key, div.pass_) == (f"model.{WEIGHT}.grad", 0)
     pass0 = DumpSet.open(a).diff(b).table(progress=False).query("`pass` == 0")

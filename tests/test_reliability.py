@@ -18,14 +18,27 @@ from torch import nn
 
 import tdinspect
 from tdinspect import DumpFormatError, DumpSet, load_pass
-from tdinspect.examples import make_model, make_tokens
+from tdinspect.examples.models import make_model, make_tokens
 
 from .conftest import ROOT, only_folder, rewrite_sidecar
 from .test_dumpset_diff import write_dump
 
-ALL_DTYPES = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-              torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+ALL_DTYPES = [
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def _tensor(dtype, shape=(3, 4)):
@@ -39,12 +52,14 @@ def _tensor(dtype, shape=(3, 4)):
 
 def test_every_dtype_and_odd_shapes_open_and_diff(tmp_path):
     entries = {f"model.{str(dt).removeprefix('torch.')}": _tensor(dt) for dt in ALL_DTYPES}
-    entries.update({
-        "model.empty": torch.empty(0, 5),
-        "model.scalar": torch.tensor(2.5),
-        "model.noncontig": torch.randn(6, 4).t(),
-        "model.huge_shape": torch.ones(1).expand(10**6, 10**6),  # 10^12 elements, 4 bytes stored
-    })
+    entries.update(
+        {
+            "model.empty": torch.empty(0, 5),
+            "model.scalar": torch.tensor(2.5),
+            "model.noncontig": torch.randn(6, 4).t(),
+            "model.huge_shape": torch.ones(1).expand(10**6, 10**6),  # 10^12 elements, 4 bytes stored
+        }
+    )
     write_dump(tmp_path / "a", [entries])
     other = dict(entries)
     other["model.float32"] = entries["model.float32"] + 1
@@ -94,8 +109,14 @@ def test_missing_pass_in_the_middle(tmp_path):
 
 
 def test_keys_that_break_the_grammar_still_open(tmp_path):
-    odd = {"": torch.ones(1), "a/b/c": torch.ones(2), "x[": torch.ones(3), "y::call0": torch.ones(4),
-           "z::call2": torch.ones(5), "weird key with spaces": torch.ones(6)}
+    odd = {
+        "": torch.ones(1),
+        "a/b/c": torch.ones(2),
+        "x[": torch.ones(3),
+        "y::call0": torch.ones(4),
+        "z::call2": torch.ones(5),
+        "weird key with spaces": torch.ones(6),
+    }
     write_dump(tmp_path, [odd])
     ds = DumpSet.open(tmp_path)
     assert "a/b/c" in ds.ops and "z" in ds.ops
@@ -118,8 +139,11 @@ def dumps(draw):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(entries=dumps(), damage=st.sampled_from(["none", "truncate", "flip", "garbage", "empty"]),
-       where=st.floats(0, 1))
+@given(
+    entries=dumps(),
+    damage=st.sampled_from(["none", "truncate", "flip", "garbage", "empty"]),
+    where=st.floats(0, 1),
+)
 def test_fuzz_dumps_and_damage(tmp_path_factory, entries, damage, where):
     root = tmp_path_factory.mktemp("fuzz")
     write_dump(root, [entries, entries])
@@ -146,15 +170,22 @@ def test_fuzz_dumps_and_damage(tmp_path_factory, entries, damage, where):
 
 
 def test_reader_during_writes_sees_only_complete_passes(tmp_path):
-    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import torch, tdinspect
-        from tdinspect.examples import make_model, make_tokens
+        from tdinspect.examples.models import make_model, make_tokens
         model = make_model(d_model=128)
         with torch.no_grad(), tdinspect.capture(model, {str(tmp_path)!r}) as dump:
             for s in range(25):
                 model(make_tokens(batch=8, seq=64, seed=s))
                 dump.step()
-    """)], cwd=ROOT)
+    """),
+        ],
+        cwd=ROOT,
+    )
     seen = set()
     deadline = time.time() + 120
     while writer.poll() is None and time.time() < deadline:
@@ -195,12 +226,22 @@ def test_module_capture_keeps_training_bitwise_identical(tmp_path):
 
 def test_diff_numerics_edge_cases(tmp_path):
     inf, nan = float("inf"), float("nan")
-    a = {"model.same_nan": torch.tensor([1.0, nan]), "model.same_inf": torch.tensor([inf, -inf, 2.0]),
-         "model.zeros": torch.zeros(4), "model.denormal": torch.tensor([1e-45, 1e-40]),
-         "model.one": torch.tensor([3.0]), "model.sign_inf": torch.tensor([inf])}
-    b = {"model.same_nan": torch.tensor([1.0, nan]), "model.same_inf": torch.tensor([inf, -inf, 2.0]),
-         "model.zeros": torch.zeros(4), "model.denormal": torch.tensor([2e-45, 1e-40]),
-         "model.one": torch.tensor([3.0]), "model.sign_inf": torch.tensor([-inf])}
+    a = {
+        "model.same_nan": torch.tensor([1.0, nan]),
+        "model.same_inf": torch.tensor([inf, -inf, 2.0]),
+        "model.zeros": torch.zeros(4),
+        "model.denormal": torch.tensor([1e-45, 1e-40]),
+        "model.one": torch.tensor([3.0]),
+        "model.sign_inf": torch.tensor([inf]),
+    }
+    b = {
+        "model.same_nan": torch.tensor([1.0, nan]),
+        "model.same_inf": torch.tensor([inf, -inf, 2.0]),
+        "model.zeros": torch.zeros(4),
+        "model.denormal": torch.tensor([2e-45, 1e-40]),
+        "model.one": torch.tensor([3.0]),
+        "model.sign_inf": torch.tensor([-inf]),
+    }
     write_dump(tmp_path / "a", [a])
     write_dump(tmp_path / "b", [b])
     rows = DumpSet.open(tmp_path / "a").diff(tmp_path / "b").table(progress=False).set_index("key")

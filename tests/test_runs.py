@@ -81,8 +81,11 @@ def test_overwrite_removes_earlier_runs_and_says_so(tmp_path, monkeypatch):
     _run(tmp_path, _model())
     with pytest.warns(RunWarning):
         _run(tmp_path, _model())
-    with pytest.warns(RunWarning, match=r"overwrite=True removed 2 earlier run folder\(s\).*"
-                                        r"rank0_pid7, rank0_pid7_run2"):
+    with pytest.warns(
+        RunWarning,
+        match=r"overwrite=True removed 2 earlier run folder\(s\).*"
+        r"rank0_pid7, rank0_pid7_run2",
+    ):
         folder = _run(tmp_path, _model(2.0), overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
     assert len(list_runs(tmp_path)) == 1
@@ -141,30 +144,40 @@ def test_cli_ls_lists_runs(tmp_path, monkeypatch, capsys):
 def _notebook(cells):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(ROOT)}}).execute()
-    return ["".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
-                    + "".join(o.get("traceback", [])) for o in cell.outputs) for cell in nb.cells]
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(ROOT)}}
+    ).execute()
+    return [
+        "".join(
+            o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) + "".join(o.get("traceback", []))
+            for o in cell.outputs
+        )
+        for cell in nb.cells
+    ]
 
 
 def test_rerun_capture_cells_give_the_new_run(tmp_path):
     """Fix the bad model, re-run its capture cell: %tdi_diff sees the new run, not pass 0 of the
     old one; a failing cell says so and marks its pass; a kernel restart opens fine."""
     good, bad = tmp_path / "good", tmp_path / "bad"
-    setup = ("import torch\ntorch.manual_seed(0)\nm = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
-             "x = torch.ones(2, 4)\nimport copy\nb = copy.deepcopy(m)\n"
-             "with torch.no_grad(): b[0].weight.mul_(2)\n%load_ext tdinspect")
-    out = _notebook([
-        setup,
-        f"%%tdi_capture {good} --model m\nm(x)",
-        f"%%tdi_capture {bad} --model b\nb(x)",
-        f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
-        f"b = m\n",
-        f"%%tdi_capture {bad} --model b\nb(x)",
-        f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
-        f"%%tdi_capture {tmp_path / 'fail'} --model m\nm(x)\n1/0",
-        f"%%tdi_capture {bad} --model b --overwrite\nb(x)",
-    ])
+    setup = (
+        "import torch\ntorch.manual_seed(0)\nm = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "x = torch.ones(2, 4)\nimport copy\nb = copy.deepcopy(m)\n"
+        "with torch.no_grad(): b[0].weight.mul_(2)\n%load_ext tdinspect"
+    )
+    out = _notebook(
+        [
+            setup,
+            f"%%tdi_capture {good} --model m\nm(x)",
+            f"%%tdi_capture {bad} --model b\nb(x)",
+            f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
+            "b = m\n",
+            f"%%tdi_capture {bad} --model b\nb(x)",
+            f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
+            f"%%tdi_capture {tmp_path / 'fail'} --model m\nm(x)\n1/0",
+            f"%%tdi_capture {bad} --model b --overwrite\nb(x)",
+        ]
+    )
     assert "DIV True" in out[3]
     assert "earlier run" in out[5] and "_run2" in out[5]
     assert "DIV False" in out[6] and "opened the newest" in out[6]
@@ -176,9 +189,14 @@ def test_rerun_capture_cells_give_the_new_run(tmp_path):
     assert side["failed"].startswith("ZeroDivisionError") and side["entries"]["key"] == ["model.0"]
     assert "cut short by an error" in repr(DumpSet.open(tmp_path / "fail"))
     # a restarted kernel (a new pid): the folders of the earlier kernel do not make it fail
-    out = _notebook([setup, f"%%tdi_capture {good} --model m\nm(x)",
-                     f"%tdi_open g {good}\nprint('PASSES', g.passes, g.run.name)",
-                     f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)"])
+    out = _notebook(
+        [
+            setup,
+            f"%%tdi_capture {good} --model m\nm(x)",
+            f"%tdi_open g {good}\nprint('PASSES', g.passes, g.run.name)",
+            f"%tdi_diff {good} {bad} --as d\nprint('DIV', d.first_divergence() is not None)",
+        ]
+    )
     assert "PASSES [0] rank0_pid" in out[2] and "several folders" not in out[2]
     assert "DIV False" in out[3]
 
@@ -188,12 +206,13 @@ def test_rerun_cell_with_an_unclosed_capture_leaves_one_set_of_hooks(tmp_path):
     kept its hooks on the model and recorded every later forward (doubled hooks, its passes
     growing in memory). Now the new capture closes it, writing what it held, and says so."""
     run = tmp_path / "run"
-    setup = ("import torch, tdinspect\ntorch.manual_seed(0)\n"
-             "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\nx = torch.ones(2, 4)\n"
-             "hooks = lambda: sum(len(s._forward_hooks) for s in m.modules())")
+    setup = (
+        "import torch, tdinspect\ntorch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\nx = torch.ones(2, 4)\n"
+        "hooks = lambda: sum(len(s._forward_hooks) for s in m.modules())"
+    )
     cell = f"cap = tdinspect.capture(m, {str(run)!r})\nm(x)\ncap.step()\nprint('HOOKS', hooks())"
-    out = _notebook([setup, cell, f"m(x)\n{cell}",
-                     "cap.close()\nm(x)\nprint('HOOKS', hooks())"])
+    out = _notebook([setup, cell, f"m(x)\n{cell}", "cap.close()\nm(x)\nprint('HOOKS', hooks())"])
     assert "HOOKS 2" in out[1]
     assert "HOOKS 2" in out[2], out[2]  # one capture's hooks, not two
     assert "closed the earlier capture" in out[2] and "still open" in out[2]
@@ -214,17 +233,20 @@ def test_rerun_cell_with_an_unclosed_capture_leaves_one_set_of_hooks(tmp_path):
         assert torch.equal(load_pass(second / "pass00000.pt")["model.1"], ref(x))
 
 
-
 def test_rerun_cell_with_an_unclosed_op_capture_leaves_one_mode(tmp_path):
     """The same with `cap = tdinspect.capture_ops(DIR, model=m).start()`: the first capture's
     dispatch mode stayed on the stack under the second, recording every op of every later cell,
     and stayed there after `cap.close()` closed the second."""
     run = tmp_path / "ops"
-    setup = ("import torch, tdinspect\ntorch.manual_seed(0)\n"
-             "from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as modes\n"
-             "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\nx = torch.ones(2, 4)")
-    cell = (f"cap = tdinspect.capture_ops({str(run)!r}, model=m).start()\nm(x)\ncap.step()\n"
-            "print('MODES', len(modes()))")
+    setup = (
+        "import torch, tdinspect\ntorch.manual_seed(0)\n"
+        "from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as modes\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\nx = torch.ones(2, 4)"
+    )
+    cell = (
+        f"cap = tdinspect.capture_ops({str(run)!r}, model=m).start()\nm(x)\ncap.step()\n"
+        "print('MODES', len(modes()))"
+    )
     out = _notebook([setup, cell, cell, "cap.close()\nm(x)\nprint('MODES', len(modes()))"])
     assert "MODES 1" in out[1] and "MODES 1" in out[2], out[2]
     assert "closed the earlier op capture" in out[2]
@@ -245,10 +267,13 @@ def test_rerun_cell_with_another_root_closes_the_capture_it_covers(tmp_path):
     x = torch.ones(2, 4)
     hooks = lambda: sum(len(s._forward_hooks) for s in m.modules())  # noqa: E731
     for i, (first_root, second_root, word, keys) in enumerate(
-            [(m[0], m, "inside this Sequential", ["model.0", "model.1"]),
-             (m, m[0], "holding this Linear", ["model"])]):
+        [
+            (m[0], m, "inside this Sequential", ["model.0", "model.1"]),
+            (m, m[0], "holding this Linear", ["model"]),
+        ]
+    ):
         run = tmp_path / str(i)
-        first = tdinspect.capture(first_root, run)
+        first = tdinspect.capture(first_root, run)  # noqa: F841 - held open until the second closes it
         m(x)
         with pytest.warns(RuntimeWarning, match=f"closed the earlier capture of a \\w+ {word}"):
             second = tdinspect.capture(second_root, run)
@@ -318,18 +343,21 @@ def test_overwrite_keeps_the_run_of_a_process_still_writing(tmp_path):
             sys.stdin.readline()
             model(torch.ones(2, 4)); dump.step()
     """)
-    writer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
         assert writer.stdout.readline() == "pass 0 written\n"
-        with pytest.warns(RunWarning, match=rf"kept 1 run folder\(s\) .*still running.*"
-                                            rf"rank0_pid{writer.pid}"):
+        with pytest.warns(
+            RunWarning,
+            match=rf"kept 1 run folder\(s\) .*still running.*"
+            rf"rank0_pid{writer.pid}",
+        ):
             folder = _run(tmp_path, _model(), overwrite=True)
     finally:
         writer.communicate("go\n", timeout=120)
     assert writer.returncode == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([folder.name,
-                                                                 f"rank0_pid{writer.pid}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([folder.name, f"rank0_pid{writer.pid}"])
     assert DumpSet.open(tmp_path / f"rank0_pid{writer.pid}").passes == [0, 1]
     # once that process has ended, its run is an earlier run like any other
     with pytest.warns(RunWarning, match=rf"removed 2 earlier run folder\(s\).*rank0_pid{writer.pid}"):

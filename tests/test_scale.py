@@ -17,7 +17,7 @@ from .conftest import ROOT
 
 CAPTURE_RANK = textwrap.dedent("""
     import sys, torch, tdinspect
-    from tdinspect.examples import make_model, make_tokens
+    from tdinspect.examples.models import make_model, make_tokens
     out, perturb = sys.argv[1], sys.argv[2] == "1"
     model = make_model(seed=0)
     if perturb:
@@ -31,9 +31,14 @@ CAPTURE_RANK = textwrap.dedent("""
 
 
 def capture_ranks(out, perturb_rank=None, ranks=(0, 1)):
-    procs = [subprocess.Popen([sys.executable, "-c", CAPTURE_RANK, str(out),
-                               "1" if r == perturb_rank else "0"],
-                              env={**os.environ, "RANK": str(r)}, cwd=ROOT) for r in ranks]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CAPTURE_RANK, str(out), "1" if r == perturb_rank else "0"],
+            env={**os.environ, "RANK": str(r)},
+            cwd=ROOT,
+        )
+        for r in ranks
+    ]
     assert all(p.wait(timeout=120) == 0 for p in procs)
     return out
 
@@ -41,8 +46,11 @@ def capture_ranks(out, perturb_rank=None, ranks=(0, 1)):
 @pytest.fixture(scope="module")
 def ranked(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranked")
-    return {"a": capture_ranks(root / "a"), "b": capture_ranks(root / "b", perturb_rank=1),
-            "one": capture_ranks(root / "one", ranks=(0,))}
+    return {
+        "a": capture_ranks(root / "a"),
+        "b": capture_ranks(root / "b", perturb_rank=1),
+        "one": capture_ranks(root / "one", ranks=(0,)),
+    }
 
 
 def test_processes_per_rank_open_and_diff(ranked):
@@ -81,9 +89,12 @@ def test_local_cluster_gives_identical_results(ranked):
     plain = DumpSet.open(ranked["a"]).diff(ranked["b"])
     expected = _metrics(plain)
     expected_div = plain.first_divergence()
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as client:
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
         a = DumpSet.open(ranked["a"], client=client)
         diff = a.diff(ranked["b"])
         assert diff.client is client
@@ -91,15 +102,23 @@ def test_local_cluster_gives_identical_results(ranked):
         div = diff.first_divergence()
         stats = a.to_xarray(progress=False)
     pd.testing.assert_frame_equal(got, expected)
-    assert (div.key, div.rank, div.pass_, div.value) == (expected_div.key, expected_div.rank,
-                                                         expected_div.pass_, expected_div.value)
-    np.testing.assert_array_equal(stats["max"].values,
-                                  DumpSet.open(ranked["a"]).to_xarray(progress=False)["max"].values)
+    assert (div.key, div.rank, div.pass_, div.value) == (
+        expected_div.key,
+        expected_div.rank,
+        expected_div.pass_,
+        expected_div.value,
+    )
+    np.testing.assert_array_equal(
+        stats["max"].values, DumpSet.open(ranked["a"]).to_xarray(progress=False)["max"].values
+    )
 
 
 def test_sync_and_threaded_schedulers_agree():
-    from tdinspect import parallel
+    from tdinspect.util import parallel
 
     items = list(range(7))
-    assert list(parallel.map_in_waves(lambda x: x * 3, items, scheduler="sync")) == \
-        list(parallel.map_in_waves(lambda x: x * 3, items, wave=3)) == [x * 3 for x in items]
+    assert (
+        list(parallel.map_in_waves(lambda x: x * 3, items, scheduler="sync"))
+        == list(parallel.map_in_waves(lambda x: x * 3, items, wave=3))
+        == [x * 3 for x in items]
+    )

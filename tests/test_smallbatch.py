@@ -14,10 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdinspect import DumpSet, kernels, metrics, metrics_batch, smallpairs
-from tdinspect.metrics import TENSOR_METRICS, compare_tensors
-from tdinspect.rawpass import layout, read_raw
-from tdinspect.rawspans import element_starts
+from tdinspect import DumpSet
+from tdinspect.compare import smallpairs
+from tdinspect.numerics import kernels, metrics, metrics_batch
+from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors
+from tdinspect.store.rawpass import layout, read_raw
+from tdinspect.store.rawspans import element_starts
 
 from .recorded import capture_llama, record_dump
 from .test_rawpass import BAD_LAYOUTS
@@ -68,14 +70,17 @@ def partner(rng, y: torch.Tensor, how: str) -> torch.Tensor:
     return (y.double() + 1e-2 * scale * torch.from_numpy(rng.standard_normal(y.numel()))).to(y.dtype)
 
 
-PAIR = st.tuples(st.integers(1, 600), st.sampled_from(["normal", "zeros", "nonfinite", "huge",
-                                                       "tiny", "allzero"]),
-                 st.sampled_from(["same", "lastbits", "far", "negzero", "noise"]))
+PAIR = st.tuples(
+    st.integers(1, 600),
+    st.sampled_from(["normal", "zeros", "nonfinite", "huge", "tiny", "allzero"]),
+    st.sampled_from(["same", "lastbits", "far", "negzero", "noise"]),
+)
 
 
 @settings(max_examples=80, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), pairs=st.lists(PAIR, min_size=1, max_size=12),
-       seed=st.integers(0, 2**16))
+@given(
+    dtype=st.sampled_from(DTYPES), pairs=st.lists(PAIR, min_size=1, max_size=12), seed=st.integers(0, 2**16)
+)
 def test_a_batch_gives_each_pair_the_bits_it_gets_alone(dtype, pairs, seed):
     rng = np.random.default_rng(seed)
     ys = [values_of(rng, n, dtype, kind) for n, kind, _ in pairs]
@@ -85,7 +90,8 @@ def test_a_batch_gives_each_pair_the_bits_it_gets_alone(dtype, pairs, seed):
     ref = [(y.view(torch.uint16) if y.element_size() == 2 else y).numpy() for y in ys]
     starts = np.cumsum([0] + [a.shape[0] for a in flat[:-1]])
     values, settled = metrics_batch.compare_segments(
-        np.concatenate(flat).astype(np_dtype), np.concatenate(ref).astype(np_dtype), starts, dtype)
+        np.concatenate(flat).astype(np_dtype), np.concatenate(ref).astype(np_dtype), starts, dtype
+    )
     for j, (x, y) in enumerate(zip(xs, ys)):
         alone = compare_tensors(x, y)
         if not settled[j]:  # the caller computes it alone: only where compare_tensors masks
@@ -94,8 +100,11 @@ def test_a_batch_gives_each_pair_the_bits_it_gets_alone(dtype, pairs, seed):
             assert kind in ("nonfinite", "huge", "tiny") or how == "far", pairs[j]
             continue
         same_numbers({k: float(values[k][j]) for k in TENSOR_METRICS}, alone)
-    plain = [j for j, (_, kind, how) in enumerate(pairs)
-             if kind in ("normal", "zeros") and how in ("same", "lastbits", "noise")]
+    plain = [
+        j
+        for j, (_, kind, how) in enumerate(pairs)
+        if kind in ("normal", "zeros") and how in ("same", "lastbits", "noise")
+    ]
     assert settled[plain].all()  # the usual pairs never fall back
 
 
@@ -105,8 +114,7 @@ def test_the_single_path_sums_in_the_batch_order():
     x, y = rng.standard_normal(1000), rng.standard_normal(1000)
     alone = kernels.pair_sums(x[300:700], y[300:700], rtol=1e-3, atol=1e-5)
     batch = kernels.segment_sums(x, y, np.array([0, 300, 700]), 1e-3, 1e-5)[:, 1]
-    got = [alone.sxx, alone.syy, alone.sdd, alone.sabs, alone.max_abs, alone.max_rel,
-           alone.mismatch]
+    got = [alone.sxx, alone.syy, alone.sdd, alone.sabs, alone.max_abs, alone.max_rel, alone.mismatch]
     assert [bits(v) for v in got] == [bits(v) for v in batch.tolist()]
     # and the sums are the definitions to rounding (pairwise order)
     d = x[300:700] - y[300:700]
@@ -132,12 +140,12 @@ def test_segment_sums_on_threads_at_once_each_get_their_own_answer():
     """The float64 temporaries are this thread's own: two threads summing other data at
     the same time (other sizes, other dtypes) each get the bits they get alone."""
     batches = [_batch(0, None), _batch(1, "bfloat16")]
-    want = [kernels.segment_sums(x, y, st, 1e-3, 1e-5, codes) for x, y, st, codes in batches]
-    for (x, y, st, codes), w in zip(batches, want):  # and those are the definitions
+    want = [kernels.segment_sums(x, y, s, 1e-3, 1e-5, codes) for x, y, s, codes in batches]
+    for (x, y, starts, codes), w in zip(batches, want):  # and those are the definitions
         x64, y64 = (kernels.decoded(v, codes) for v in (x, y))
         d = x64 - y64
-        np.testing.assert_allclose(w[2], np.add.reduceat(d * d, st), rtol=1e-13)
-        np.testing.assert_array_equal(w[4], np.maximum.reduceat(np.abs(d), st))
+        np.testing.assert_allclose(w[2], np.add.reduceat(d * d, starts), rtol=1e-13)
+        np.testing.assert_array_equal(w[4], np.maximum.reduceat(np.abs(d), starts))
     barrier = threading.Barrier(2)
 
     def run(i: int) -> list:
@@ -163,7 +171,6 @@ def test_a_result_is_not_overwritten_by_a_later_call():
         a, b, s, c = _batch(seed, codes)
         kernels.segment_sums(a, b, s, 1e-3, 1e-5, c)
     assert first.tobytes() == kept.tobytes()
-
 
 
 def _mixed_passes(seed: int, wrong: bool):
@@ -209,8 +216,8 @@ def _tables(a, b, monkeypatch):
     monkeypatch.setattr(smallpairs, "compare_segments", spy)
     batched = DumpSet.open(a).diff(b).table(progress=False)
     with monkeypatch.context() as m:
-        m.setattr("tdinspect.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys))
-        m.setattr("tdinspect.diff.plain_dtypes", lambda pi: [None] * len(pi.keys))
+        m.setattr("tdinspect.compare.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys))
+        m.setattr("tdinspect.compare.diff.plain_dtypes", lambda pi: [None] * len(pi.keys))
         single = DumpSet.open(a).diff(b).table(progress=False)
     return batched, single, sum(seen)
 
@@ -226,14 +233,13 @@ def test_rows_of_a_recorded_dump_are_the_pair_by_pair_rows(tmp_path, monkeypatch
     b = record_dump(tmp_path / "b", _mixed_passes(2, wrong=True))
     read = []
     real = smallpairs.element_starts
-    monkeypatch.setattr(smallpairs, "element_starts", lambda *args: read.append(real(*args))
-                        or read[-1])
+    monkeypatch.setattr(smallpairs, "element_starts", lambda *args: read.append(real(*args)) or read[-1])
     batched, single, count = _tables(a, b, monkeypatch)
     assert read and all(r is not None for r in read)  # the records, straight from the files
     assert count >= 2 * 8  # the float entries and more went through the batch ...
     _assert_bitwise_equal(batched, single)  # ... with the rows compare_pair fills
     with monkeypatch.context() as m:  # the pairs left out read the records the batch checked
-        m.setattr("tdinspect.diff._open", lambda pi: pytest.fail("pass file read twice"))
+        m.setattr("tdinspect.compare.diff._open", lambda pi: pytest.fail("pass file read twice"))
         _assert_bitwise_equal(DumpSet.open(a).diff(b).table(progress=False), single)
     rows = batched.set_index(["pass", "key"])
     assert rows.loc[(0, "m.nan"), "reason"] == "NaN/Inf on one side (1 elements)"
@@ -246,9 +252,15 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
     """A tiny HF Llama captured in float32 (reference), with one weight changed, and in
     bfloat16: every row as pair by pair, and the first divergence at the changed weight."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
 
     def run(name, change=None, dtype=torch.float32, **live):
@@ -256,8 +268,11 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
 
     ref, bf16 = run("ref"), run("bf16", dtype=torch.bfloat16)
     norm = "model.layers.1.post_attention_layernorm.weight"
-    cases = [(ref, run("wrong", norm)), (bf16, run("bf16_wrong", norm, torch.bfloat16)),
-             (ref, bf16)]  # the last: two dtypes, nothing batched
+    cases = [
+        (ref, run("wrong", norm)),
+        (bf16, run("bf16_wrong", norm, torch.bfloat16)),
+        (ref, bf16),
+    ]  # the last: two dtypes, nothing batched
     for (a, b), batched_at_least in zip(cases, (40, 40, 0)):
         batched, single, count = _tables(a, b, monkeypatch)
         assert count >= batched_at_least
@@ -266,8 +281,13 @@ def test_tiny_model_dumps_diff_the_same_batched(tmp_path, monkeypatch):
     assert div.key == "model.model.layers.1.post_attention_layernorm"
     # live comparison (one pair at a time, while the model runs) gets the batch's bits
     live = run(None, norm, compare_to=ref, on_divergence="record").set_index(["pass", "key"])
-    offline = DumpSet.open(ref).diff(tmp_path / "wrong").table(progress=False) \
-        .set_index(["pass", "key"]).loc[live.index]
+    offline = (
+        DumpSet.open(ref)
+        .diff(tmp_path / "wrong")
+        .table(progress=False)
+        .set_index(["pass", "key"])
+        .loc[live.index]
+    )
     assert len(live) > 40
     for col in TENSOR_METRICS:
         assert live[col].to_numpy(float).tobytes() == offline[col].to_numpy(float).tobytes(), col
@@ -283,9 +303,15 @@ def test_element_starts_refuses_what_read_raw_refuses(tmp_path, bad):
 
 def test_element_starts_finds_the_bytes_read_raw_views(tmp_path):
     base = torch.arange(20.0)
-    tensors = {"a": torch.ones(3, dtype=torch.bfloat16), "view": base[5:9], "b": torch.zeros(2, 1),
-               "base": base, "again": base.view(4, 5)[1:, ::2], "row": base.view(4, 5)[2:3],
-               "empty": torch.zeros(0, 3)}
+    tensors = {
+        "a": torch.ones(3, dtype=torch.bfloat16),
+        "view": base[5:9],
+        "b": torch.zeros(2, 1),
+        "base": base,
+        "again": base.view(4, 5)[1:, ::2],
+        "row": base.view(4, 5)[2:3],
+        "empty": torch.zeros(0, 3),
+    }
     path = tmp_path / "pass00000.pt"
     torch.save(tensors, path)
     keys, raw = list(tensors), layout(tensors)
@@ -304,8 +330,10 @@ def test_element_starts_finds_the_bytes_read_raw_views(tmp_path):
             continue
         first, count, dtype = where
         assert (count, dtype) == (t.numel(), str(t.dtype))
-        assert bytes(data[first:first + count * t.element_size()]) == \
-            t.contiguous().view(torch.uint8).numpy().tobytes(), key
+        assert (
+            bytes(data[first : first + count * t.element_size()])
+            == t.contiguous().view(torch.uint8).numpy().tobytes()
+        ), key
     before = path.read_bytes()
     made["base"].add_(1)  # copy-on-write: a write never reaches the file
     assert path.read_bytes() == before
@@ -337,8 +365,10 @@ def test_dumps_of_another_tool_are_batched_the_same(tmp_path, monkeypatch):
     from .test_dumpset_diff import write_dump
 
     passes = [_mixed_passes(1, wrong=False), _mixed_passes(2, wrong=True)]
-    a, b = (write_dump(tmp_path / n, [{k: v.clone() for k, v in e.items()} for e in p])
-            for n, p in zip("ab", passes))
+    a, b = (
+        write_dump(tmp_path / n, [{k: v.clone() for k, v in e.items()} for e in p])
+        for n, p in zip("ab", passes)
+    )
     batched, single, count = _tables(a, b, monkeypatch)
     assert count >= 16
     _assert_bitwise_equal(batched, single)
@@ -351,11 +381,18 @@ def test_an_inf_on_the_compared_side_only_is_reported_not_a_crash(tmp_path, monk
     batch's sqnr_db took math.log10(0) (``ValueError: math domain error``: the diff, and the
     CLI with exit 2, failed on the whole dump)."""
     g = torch.Generator().manual_seed(0)
-    ref = {"m.ok": torch.randn(6, generator=g), "m.f32": torch.randn(5, generator=g),
-           "m.bf16": torch.randn(4, generator=g).bfloat16(),
-           "m.f64": torch.tensor([1e-200, 2e-200], dtype=torch.float64)}
-    run = {"m.ok": ref["m.ok"].clone(), "m.f32": ref["m.f32"].clone(),
-           "m.bf16": ref["m.bf16"].clone(), "m.f64": torch.tensor([1e200, 2e-200], dtype=torch.float64)}
+    ref = {
+        "m.ok": torch.randn(6, generator=g),
+        "m.f32": torch.randn(5, generator=g),
+        "m.bf16": torch.randn(4, generator=g).bfloat16(),
+        "m.f64": torch.tensor([1e-200, 2e-200], dtype=torch.float64),
+    }
+    run = {
+        "m.ok": ref["m.ok"].clone(),
+        "m.f32": ref["m.f32"].clone(),
+        "m.bf16": ref["m.bf16"].clone(),
+        "m.f64": torch.tensor([1e200, 2e-200], dtype=torch.float64),
+    }
     run["m.f32"][1] = math.inf
     run["m.bf16"][3] = -math.inf
     for side, entries in (("a", ref), ("b", run)):
@@ -365,28 +402,30 @@ def test_an_inf_on_the_compared_side_only_is_reported_not_a_crash(tmp_path, monk
     assert count >= 4  # every entry went through the batch, none was refused up front
     _assert_bitwise_equal(batched, single)
     rows = batched.set_index("key")
-    assert rows.loc["m.f32", "reason"] == rows.loc["m.bf16", "reason"] == \
-        "NaN/Inf on one side (1 elements)"
+    assert rows.loc["m.f32", "reason"] == rows.loc["m.bf16", "reason"] == "NaN/Inf on one side (1 elements)"
     assert rows.loc["m.f64", "rel_diff"] == pytest.approx(1.0, rel=1e-12)  # rescaled, not Inf
     assert rows.loc["m.ok", "equal"] == 1.0
     div = DumpSet.open(tmp_path / "a").diff(tmp_path / "b").first_divergence()
     assert div.key == "m.f32" and "NaN/Inf on one side" in div.reason
     from tdinspect.cli import main
+
     assert main(["first-divergence", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
 
 
-@pytest.mark.parametrize("x, y, want", [
-    # Σy²/Σ(x-y)² underflows: math.log10(0) raised out of compare_tensors
-    ([1e150, 0.0], [1e-150, 1e-150], 10 * (math.log10(2e-300) - math.log10(1e300 + 1e-300))),
-    # it overflows: the sqnr was reported as inf (as for identical tensors)
-    ([1e150, 2e-150], [1e150, 1e-150], 10 * (math.log10(1e300 + 1e-300) - math.log10(1e-300))),
-])
+@pytest.mark.parametrize(
+    "x, y, want",
+    [
+        # Σy²/Σ(x-y)² underflows: math.log10(0) raised out of compare_tensors
+        ([1e150, 0.0], [1e-150, 1e-150], 10 * (math.log10(2e-300) - math.log10(1e300 + 1e-300))),
+        # it overflows: the sqnr was reported as inf (as for identical tensors)
+        ([1e150, 2e-150], [1e150, 1e-150], 10 * (math.log10(1e300 + 1e-300) - math.log10(1e-300))),
+    ],
+)
 def test_an_sqnr_beyond_float64s_range_is_its_finite_value_alone_and_batched(x, y, want):
     x, y = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
     alone = compare_tensors(x, y)
     assert math.isfinite(alone["sqnr_db"]) and alone["sqnr_db"] == pytest.approx(want, rel=1e-12)
-    values, settled = metrics_batch.compare_segments(x.numpy(), y.numpy(), np.array([0]),
-                                                     torch.float64)
+    values, settled = metrics_batch.compare_segments(x.numpy(), y.numpy(), np.array([0]), torch.float64)
     if settled[0]:  # the batch gives the same bits where it settles the pair
         same_numbers({k: float(values[k][0]) for k in TENSOR_METRICS}, alone)
 

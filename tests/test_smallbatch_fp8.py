@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdinspect import DumpSet, kernels, metrics_batch
-from tdinspect.metrics import TENSOR_METRICS, compare_tensors, sxy_derived, tolerances
+from tdinspect.numerics import kernels, metrics_batch
+from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors, sxy_derived, tolerances
 
 from .recorded import record_dump
 from .test_dumpset_diff import write_dump
@@ -37,9 +37,11 @@ def nonfinite_codes(dtype: torch.dtype) -> list[int]:
 
 
 # a pair: its reference codes, then how the compared side is made from them
-PAIR = st.tuples(st.lists(st.integers(0, 255), min_size=1, max_size=300),
-                 st.sampled_from(["same", "near", "any", "nonfinite", "negzero"]),
-                 st.integers(0, 2**16))
+PAIR = st.tuples(
+    st.lists(st.integers(0, 255), min_size=1, max_size=300),
+    st.sampled_from(["same", "near", "any", "nonfinite", "negzero"]),
+    st.integers(0, 2**16),
+)
 
 
 def partner(codes: np.ndarray, how: str, seed: int, dtype: torch.dtype) -> np.ndarray:
@@ -64,8 +66,7 @@ def test_float8_codes_batched_give_the_bits_of_each_pair_alone(dtype, pairs):
     ys = [np.array(codes, np.uint8) for codes, _, _ in pairs]
     xs = [partner(y, how, seed, dtype) for y, (_, how, seed) in zip(ys, pairs)]
     starts = np.cumsum([0] + [y.shape[0] for y in ys[:-1]])
-    values, settled = metrics_batch.compare_segments(np.concatenate(xs), np.concatenate(ys),
-                                                     starts, dtype)
+    values, settled = metrics_batch.compare_segments(np.concatenate(xs), np.concatenate(ys), starts, dtype)
     table = kernels.decode_table(dtype)
     for j, (x, y) in enumerate(zip(xs, ys)):
         tx, ty = torch.from_numpy(x).view(dtype), torch.from_numpy(y).view(dtype)
@@ -91,12 +92,10 @@ def test_a_float8_pair_alone_is_the_batch_with_one_segment(dtype):
     name = metrics_batch.BATCHED[dtype][1]
     rtol, atol = tolerances(dtype, dtype)
     starts = np.array([0, 1234, 3000])
-    batch = kernels.segment_sums(kernels.decoded(x, name), kernels.decoded(y, name), starts,
-                                 rtol, atol)
+    batch = kernels.segment_sums(kernels.decoded(x, name), kernels.decoded(y, name), starts, rtol, atol)
     for j, (lo, hi) in enumerate(zip(starts, [1234, 3000, 5000])):
         alone = kernels.pair_sums(x[lo:hi], y[lo:hi], rtol=rtol, atol=atol, codes=name)
-        got = [alone.sxx, alone.syy, alone.sdd, alone.sabs, alone.max_abs, alone.max_rel,
-               alone.mismatch]
+        got = [alone.sxx, alone.syy, alone.sdd, alone.sabs, alone.max_abs, alone.max_rel, alone.mismatch]
         assert [bits(v) for v in got] == [bits(v) for v in batch[:, j].tolist()]
     d = kernels.decoded(x, name) - kernels.decoded(y, name)  # the sums are the definitions
     assert batch[2, 0] == pytest.approx(math.fsum(d[:1234] ** 2), rel=1e-14)
@@ -116,6 +115,7 @@ def _llama_activations(change: str | None, seed: int = 0) -> list[dict]:
             out = out[0] if isinstance(out, tuple) else out
             if isinstance(out, torch.Tensor):
                 outputs[name] = out.detach().clone()
+
         return hook
 
     hooks = [m.register_forward_hook(keep(name)) for name, m in model.named_modules() if name]

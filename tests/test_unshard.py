@@ -17,7 +17,7 @@ from tdinspect.align.dims import DimsError, DimsRules, parse_dims, zigzag_chunks
 from tdinspect.dumper.recorder import Recorder
 
 from .conftest import ROOT
-from .tp_block import DIMS, run
+from .tp_block import run
 
 
 # -- the dims grammar ---------------------------------------------------------------------
@@ -29,17 +29,20 @@ def test_dims_parse_reads_axes_and_flags():
     assert parse_dims("e(ep) t h(sp)").index("h") == 2
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("", "expected space-separated"),
-    ("b s h(xp)", "unknown modifier 'xp'"),
-    ("b h h", "dim 'h' appears twice"),
-    ("b s(tp) h(tp)", "axis 'tp' shards both 's' and 'h'"),
-    ("b h(partial)", "partial over no axis"),
-    ("b s(tp,zigzag)", "zigzag in 's(tp,zigzag)' needs cp"),
-    ("b s(cp,cp)", "repeated modifier"),
-    ("b h(tp,)", "empty modifier"),
-    ("b h(tp", "cannot read 'h(tp'"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("", "expected space-separated"),
+        ("b s h(xp)", "unknown modifier 'xp'"),
+        ("b h h", "dim 'h' appears twice"),
+        ("b s(tp) h(tp)", "axis 'tp' shards both 's' and 'h'"),
+        ("b h(partial)", "partial over no axis"),
+        ("b s(tp,zigzag)", "zigzag in 's(tp,zigzag)' needs cp"),
+        ("b s(cp,cp)", "repeated modifier"),
+        ("b h(tp,)", "empty modifier"),
+        ("b h(tp", "cannot read 'h(tp'"),
+    ],
+)
 def test_dims_errors_name_the_spec(spec, words):
     with pytest.raises(DimsError) as err:
         parse_dims(spec)
@@ -68,8 +71,12 @@ def test_capture_rejects_bad_dims_and_coordinates(tmp_path):
 
 def test_capture_ops_records_coordinates_and_dims(tmp_path):
     lin = torch.nn.Linear(4, 6)
-    with torch.no_grad(), tdinspect.capture_ops(tmp_path, model=lin, parallel={"cp": (0, 1)},
-                                                dims={r"aten\.(addmm|mm)": "s h(tp)"}) as dump:
+    with (
+        torch.no_grad(),
+        tdinspect.capture_ops(
+            tmp_path, model=lin, parallel={"cp": (0, 1)}, dims={r"aten\.(addmm|mm)": "s h(tp)"}
+        ) as dump,
+    ):
         lin(torch.randn(3, 4))
         dump.step()
     pi = tdinspect.DumpSet.open(tmp_path).get_pass(0)
@@ -83,8 +90,9 @@ def test_capture_ops_records_coordinates_and_dims(tmp_path):
 def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict, checksum=False):
     os.environ["RANK"] = str(rank)
     try:
-        rec = Recorder(root, level="module", parallel=coords, dims=dims, background_write=False,
-                       checksum=checksum)
+        rec = Recorder(
+            root, level="module", parallel=coords, dims=dims, background_write=False, checksum=checksum
+        )
     finally:
         del os.environ["RANK"]
     for key, t in entries.items():
@@ -94,8 +102,7 @@ def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict, checks
 
 
 def test_coordinates_and_dims_are_in_the_sidecar(tmp_path):
-    _write_rank(tmp_path, 1, {"tp": (1, 2), "cp": (0, 1)}, {"m.q": torch.ones(2, 3)},
-                {r"\.q$": "s h(tp)"})
+    _write_rank(tmp_path, 1, {"tp": (1, 2), "cp": (0, 1)}, {"m.q": torch.ones(2, 3)}, {r"\.q$": "s h(tp)"})
     (sidecar,) = tmp_path.glob("rank1_*/pass00000.json")
     doc = json.loads(sidecar.read_text())
     assert doc["parallel"] == {"tp": [1, 2], "cp": [0, 1]}
@@ -113,9 +120,13 @@ def test_zigzag_partial_and_tp_reassemble_exactly(tmp_path):
         cp, tp = divmod(rank, 2)
         a, b = zigzag_chunks(cp, 2)
         mine = torch.cat([chunks[a], chunks[b]], 1).chunk(2, 2)[tp]
-        _write_rank(tmp_path, rank, {"cp": (cp, 2), "tp": (tp, 2)},
-                    {"x.zz": mine, "x.partial": parts[tp], "x.rep": rep},
-                    {r"\.zz$": "b s(cp,zigzag) h(tp)", r"\.partial$": "b s h(tp,partial)"})
+        _write_rank(
+            tmp_path,
+            rank,
+            {"cp": (cp, 2), "tp": (tp, 2)},
+            {"x.zz": mine, "x.partial": parts[tp], "x.rep": rep},
+            {r"\.zz$": "b s(cp,zigzag) h(tp)", r"\.partial$": "b s h(tp,partial)"},
+        )
     u = tdinspect.DumpSet.open(tmp_path).unshard()
     assert u.ranks == [0]
     assert torch.equal(u.tensor("x.zz"), full)
@@ -128,15 +139,19 @@ def test_zigzag_partial_and_tp_reassemble_exactly(tmp_path):
 
 def test_unsharded_entries_without_dims_must_agree(tmp_path):
     for rank in range(2):
-        _write_rank(tmp_path / "b", rank, {"tp": (rank, 2)},
-                    {"x.same": torch.ones(4), "x.differs": torch.full((4,), float(rank))}, {})
+        _write_rank(
+            tmp_path / "b",
+            rank,
+            {"tp": (rank, 2)},
+            {"x.same": torch.ones(4), "x.differs": torch.full((4,), float(rank))},
+            {},
+        )
     _write_rank(tmp_path / "a", 0, {}, {"x.same": torch.ones(4), "x.differs": torch.zeros(4)}, {})
     u = tdinspect.DumpSet.open(tmp_path / "b").unshard()
     assert torch.equal(u.tensor("x.same"), torch.ones(4))
     with pytest.raises(ValueError, match="not replicated: rank 0 and rank 1 differ"):
         u.tensor("x.differs")
-    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True) \
-        .first_divergence()
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True).first_divergence()
     assert div.key == "x.differs" and div.structural
     assert "B: no dims and not replicated: rank 0 and rank 1" in div.reason
 
@@ -148,8 +163,7 @@ def test_a_shard_given_no_dims_is_named_as_one_not_as_a_shape(tmp_path):
     for rank in range(2):
         _write_rank(tmp_path / "b", rank, {"tp": (rank, 2)}, {"x.act": full.chunk(2)[rank]}, {})
     _write_rank(tmp_path / "a", 0, {}, {"x.act": full}, {})
-    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True) \
-        .first_divergence()
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True).first_divergence()
     assert div.key == "x.act" and div.structural
     assert div.reason.startswith("B: no dims and not replicated: rank 0 and rank 1 differ")
     assert "give the entry dims" in div.reason
@@ -160,14 +174,16 @@ def test_partial_sums_already_reduced_are_named_so(tmp_path):
     dims saying 'partial' add the copies (rel_diff 0.2 at 2 ranks): the reason says why."""
     out = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
     for rank in range(2):
-        _write_rank(tmp_path / "b", rank, {"tp": (rank, 2)}, {"x.o": out.clone()},
-                    {r"\.o$": "s h(tp,partial)"})
+        _write_rank(
+            tmp_path / "b", rank, {"tp": (rank, 2)}, {"x.o": out.clone()}, {r"\.o$": "s h(tp,partial)"}
+        )
     _write_rank(tmp_path / "a", 0, {}, {"x.o": out}, {})
-    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True) \
-        .first_divergence()
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True).first_divergence()
     assert div.key == "x.o" and div.value == pytest.approx(0.2)
-    assert "its 2 partial sums (rank 0 (tp 0 of 2), rank 1 (tp 1 of 2)) are identical: " \
-           "already all-reduced?" in div.reason
+    assert (
+        "its 2 partial sums (rank 0 (tp 0 of 2), rank 1 (tp 1 of 2)) are identical: "
+        "already all-reduced?" in div.reason
+    )
 
 
 def test_ranks_emulated_in_one_process_are_one_run(tmp_path):
@@ -183,16 +199,23 @@ def test_ranks_emulated_in_one_process_are_one_run(tmp_path):
         part = torch.nn.Sequential(torch.nn.Linear(8, 3))
         part[0].weight.data.copy_(full[0].weight.data.chunk(2)[rank])
         part[0].bias.data.copy_(full[0].bias.data.chunk(2)[rank])
-        with torch.no_grad(), tdinspect.capture(part, tmp_path / "tp2", parallel={"tp": (rank, 2)},
-                                                dims={"0$": "b h(tp)"}) as dump:
+        with (
+            torch.no_grad(),
+            tdinspect.capture(
+                part, tmp_path / "tp2", parallel={"tp": (rank, 2)}, dims={"0$": "b h(tp)"}
+            ) as dump,
+        ):
             part(x)
             dump.step()
     assert sorted(p.name.split("_")[0] for p in (tmp_path / "tp2").iterdir()) == ["rank0", "rank1"]
     assert len(tdinspect.DumpSet.runs(tmp_path / "tp2")) == 1
     tp2 = tdinspect.DumpSet.open(tmp_path / "tp2")
     assert tp2.ranks == [0, 1]
-    table = tdinspect.DumpSet.open(tmp_path / "ref").diff(tp2, unshard=True).table(progress=False)
-    assert list(table["op"]) == ["model.0"] and table["max_abs"].item() == 0.0
+    diff = tdinspect.DumpSet.open(tmp_path / "ref").diff(tp2, unshard=True)
+    table = diff.table(progress=False)
+    # a 3-wide matmul may block its sums otherwise than a 6-wide one (BLAS): equal to rounding
+    assert list(table["op"]) == ["model.0"] and table["max_abs"].item() < 1e-6
+    assert diff.first_divergence() is None
 
 
 def test_replicas_are_compared_bit_for_bit(tmp_path):
@@ -202,9 +225,13 @@ def test_replicas_are_compared_bit_for_bit(tmp_path):
     for rank in range(2):
         tail = late.clone()
         tail[-1] += rank  # the copies differ in their last element only
-        _write_rank(tmp_path, rank, {"tp": (rank, 2)},
-                    {"x.nan": nan, "x.zero": torch.tensor([0.0, -0.0 if rank else 0.0]),
-                     "x.late": tail}, {})
+        _write_rank(
+            tmp_path,
+            rank,
+            {"tp": (rank, 2)},
+            {"x.nan": nan, "x.zero": torch.tensor([0.0, -0.0 if rank else 0.0]), "x.late": tail},
+            {},
+        )
     u = tdinspect.DumpSet.open(tmp_path).unshard()
     back = u.tensor("x.nan")
     assert back.view(torch.int32).equal(nan.view(torch.int32))
@@ -217,8 +244,13 @@ def test_replicas_are_compared_bit_for_bit(tmp_path):
 def test_partial_sums_over_three_ranks_in_a_reused_buffer(tmp_path):
     parts = [torch.randn(4, 6, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     for rank in range(3):
-        _write_rank(tmp_path, rank, {"tp": (rank, 3)},
-                    {"x.p": parts[rank], "x.q": 2 * parts[rank]}, {r"\.[pq]$": "s h(tp,partial)"})
+        _write_rank(
+            tmp_path,
+            rank,
+            {"tp": (rank, 3)},
+            {"x.p": parts[rank], "x.q": 2 * parts[rank]},
+            {r"\.[pq]$": "s h(tp,partial)"},
+        )
     u = tdinspect.DumpSet.open(tmp_path).unshard()
     pi = u.get_pass(0)
     loaded = pi.load(scratch=True)  # what a diff reads through: one buffer per shape and dtype
@@ -231,9 +263,14 @@ def test_partial_sums_over_three_ranks_in_a_reused_buffer(tmp_path):
 
 def test_replicas_with_checksums_are_settled_without_reading(tmp_path):
     for rank in range(2):
-        _write_rank(tmp_path, rank, {"tp": (rank, 2)},
-                    {"x.same": torch.ones(4), "x.differs": torch.full((4,), float(rank))}, {},
-                    checksum=True)
+        _write_rank(
+            tmp_path,
+            rank,
+            {"tp": (rank, 2)},
+            {"x.same": torch.ones(4), "x.differs": torch.full((4,), float(rank))},
+            {},
+            checksum=True,
+        )
     u = tdinspect.DumpSet.open(tmp_path).unshard()
     plans = u.get_pass(0).plans
     assert plans["x.same"]["op"] == "read"  # the checksums agree: rank 0's copy, no comparison
@@ -263,14 +300,23 @@ def _free_port() -> int:
 
 
 def _tp2(out, fault_layer=None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("RANK", None)
     port = _free_port()
     extra = [] if fault_layer is None else [str(fault_layer)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_block", str(r), "2", str(port),
-                               str(out), *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.tp_block", str(r), "2", str(port), str(out), *extra],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err.decode()[-2000:]
@@ -292,17 +338,15 @@ def test_tp2_unsharded_matches_tp1(tp_runs):
     assert q.shape == (1, 16, 16)
     diff = tdinspect.DumpSet.open(tp_runs["tp1"]).diff(tp2, unshard=True)
     plan = diff.plan().set_index("a_key")  # readable before any tensor is read
-    assert plan.loc["model.blocks.0.q", "assembled_b"] == \
-        "cat(dim 2: rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))"
-    assert plan.loc["model.blocks.0.o", "assembled_b"] == \
-        "sum(rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))"
+    assert plan.loc["model.blocks.0.q", "assembled_b"] == "cat(dim 2: rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))"
+    assert plan.loc["model.blocks.0.o", "assembled_b"] == "sum(rank 0 (tp 0 of 2), rank 1 (tp 1 of 2))"
     assert plan.loc["model.blocks.0.ln1", "assembled_b"] == "same(rank 0, rank 1)"
     assert plan.loc["model.blocks.0.q", "assembled_a"] == "model.blocks.0.q of 0"
     assert (plan["status"] == "ok").all()
     table = diff.table(progress=False)
     assert len(table) == 20 and not table["structural"].any()
     # shards compared against the matching slices of tp1's tensors: the assembled pair's numbers
-    from tdinspect.metrics import compare_tensors
+    from tdinspect.numerics.metrics import compare_tensors
 
     for row in table[table["op"].str.endswith(".q")].to_dict("records"):
         want = compare_tensors(diff.b.tensor(row["key"]), diff.a.tensor(row["key"]))
@@ -321,5 +365,16 @@ def test_tp2_fault_in_rank1_shard_is_named_with_its_rank(tp_runs):
     assert "rank 1 (tp 1 of 2)" in div.reason and "rank 0 (tp 0" not in div.reason
     from tdinspect.cli import main
 
-    assert main(["first-divergence", str(tp_runs["tp1"]), str(tp_runs["fault"]), "--unshard",
-                 "--threshold", "1e-10"]) == 1
+    assert (
+        main(
+            [
+                "first-divergence",
+                str(tp_runs["tp1"]),
+                str(tp_runs["fault"]),
+                "--unshard",
+                "--threshold",
+                "1e-10",
+            ]
+        )
+        == 1
+    )

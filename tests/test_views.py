@@ -60,14 +60,26 @@ def _out_groups(pi):
 def _tiny(name):
     torch.manual_seed(0)
     if name == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                       num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=32)
+        cfg = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     elif name == "qwen2":
-        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                       num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=32)
+        cfg = transformers.Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
         model = transformers.Qwen2ForCausalLM(cfg)
     else:
         cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
@@ -117,14 +129,14 @@ def test_views_of_strided_stored_tensors(tmp_path):
     live = _LiveOutputs()
     with tdinspect.capture_ops(tmp_path) as dump:
         with live:
-            s = x.transpose(0, 2) * 1        # stored compact; was strided (4, 3, 2) / (1, 4, 12)
+            s = x.transpose(0, 2) * 1  # stored compact; was strided (4, 3, 2) / (1, 4, 12)
             s.transpose(0, 2).reshape(6, 4)  # transpose then view: the reported failure
-            s[1:, :, 1].t()                  # a slice of it, transposed
-            s[:, :1].expand(4, 5, 2)         # stride-0 broadcast
-            s.unfold(0, 2, 1)                # overlapping windows
-            t = x * 1                        # stored contiguous
-            t[:, 1].t().unsqueeze(0)         # sliced, transposed
-            t.view(torch.int32)              # another dtype: stored, not a reference
+            s[1:, :, 1].t()  # a slice of it, transposed
+            s[:, :1].expand(4, 5, 2)  # stride-0 broadcast
+            s.unfold(0, 2, 1)  # overlapping windows
+            t = x * 1  # stored contiguous
+            t[:, 1].t().unsqueeze(0)  # sliced, transposed
+            t.view(torch.int32)  # another dtype: stored, not a reference
             t.as_strided((2, 2), (1, 1), 3)  # may reach anywhere: stored
         dump.step()
     pi = DumpSet.open(tmp_path).pass_indexes()[0]

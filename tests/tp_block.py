@@ -19,8 +19,12 @@ from torch import nn
 HIDDEN, HEADS, FFN, LAYERS, SEQ = 32, 4, 64, 2, 16
 
 # what each module's output is, across tensor-parallel ranks
-DIMS = {r"\.(q|k|v|attn)$": "b s h(tp)", r"\.up$": "b s f(tp)", r"\.act$": "b s f(tp)",
-        r"\.(o|down)$": "b s h(tp,partial)"}
+DIMS = {
+    r"\.(q|k|v|attn)$": "b s h(tp)",
+    r"\.up$": "b s f(tp)",
+    r"\.act$": "b s f(tp)",
+    r"\.(o|down)$": "b s h(tp,partial)",
+}
 
 
 class Attention(nn.Module):
@@ -47,15 +51,15 @@ class Block(nn.Module):
         h, f = HIDDEN // size, FFN // size
 
         def column(n_in, n_out, part):  # the rows of the full weight this rank computes
-            w = torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5
+            w = torch.randn(n_out, n_in, generator=gen) / n_in**0.5
             lin = nn.Linear(n_in, n_out // size, bias=False)
-            lin.weight.data.copy_(w[rank * part:(rank + 1) * part])
+            lin.weight.data.copy_(w[rank * part : (rank + 1) * part])
             return lin
 
         def row(n_in, n_out, part):  # the columns of the full weight this rank holds
-            w = torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5
+            w = torch.randn(n_out, n_in, generator=gen) / n_in**0.5
             lin = nn.Linear(n_in // size, n_out, bias=False)
-            lin.weight.data.copy_(w[:, rank * part:(rank + 1) * part])
+            lin.weight.data.copy_(w[:, rank * part : (rank + 1) * part])
             return lin
 
         self.ln1 = nn.LayerNorm(HIDDEN)
@@ -110,8 +114,9 @@ def run(out: str, rank: int = 0, size: int = 1, fault_layer: int | None = None) 
 def main(argv: list[str]) -> None:
     rank, size, port, out = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     fault = int(argv[4]) if len(argv) > 4 else None
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=rank, world_size=size)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
     try:
         run(out, rank, size, fault)
     finally:

@@ -98,6 +98,8 @@ def arg_difference(ca: dict | None, cb: dict | None) -> str:
     for name in list(xa) + [n for n in xb if n not in xa]:
         va, vb = xa.get(name), xb.get(name)
         if va != vb:
-            return (f"argument {name!r} of {aten}: {_text(va) if va is not None else '(absent)'} vs "
-                    f"{_text(vb) if vb is not None else '(absent)'}")
+            return (
+                f"argument {name!r} of {aten}: {_text(va) if va is not None else '(absent)'} vs "
+                f"{_text(vb) if vb is not None else '(absent)'}"
+            )
     return ""

@@ -19,10 +19,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..naming import make_key, split_call
-from ..passindex import PassIndex
-from .dims import DimsError, parse_dims
-from .logical import LogicalPass, error, read
+from tdinspect.align.dims import DimsError, parse_dims
+from tdinspect.align.logical import LogicalPass, error, read
+from tdinspect.naming import make_key, split_call
+from tdinspect.store.passindex import PassIndex
 
 
 def parse_concat(value) -> tuple[str, int | str]:
@@ -57,8 +57,10 @@ def dim_index(dim: int | str, spec: str | None, ndim: int | None, key: str) -> i
             raise ValueError(f"dim {dim} is out of range for {key!r} ({ndim} dims)")
         return dim % ndim if ndim else dim
     if spec is None:
-        raise ValueError(f"dim {dim!r} needs dims for {key!r} (capture(dims=...) or "
-                         "DumpSet.open(dims=...)), or give dim as an int")
+        raise ValueError(
+            f"dim {dim!r} needs dims for {key!r} (capture(dims=...) or "
+            "DumpSet.open(dims=...)), or give dim as an int"
+        )
     try:
         return parse_dims(spec).index(dim)
     except DimsError as exc:
@@ -78,12 +80,17 @@ def _cat(key: str, parts: list[tuple[Any, PassIndex, str, str]], dim) -> dict:
         return read(parts[0][0], k0)
     shapes = [pi.shape[pi.position[k]] for _, pi, k, _ in parts]
     # a part of fewer dims can still agree off dim d ([1] with [1, 8] at d=1): count dims too
-    rest = {(len(s), tuple(s[:d] + s[d + 1:])) if s is not None else None for s in shapes}
+    rest = {(len(s), tuple(s[:d] + s[d + 1 :])) if s is not None else None for s in shapes}
     if len(rest) != 1 or None in rest:
         seen = ", ".join(f"{label}: {s}" for (_, _, _, label), s in zip(parts, shapes))
         return error(f"shapes do not concatenate along dim {dim!r} ({seen})")
-    return {"op": "cat", "dim": d, "parts": [read(src, k) for src, _, k, _ in parts],
-            "zigzag": False, "labels": [label for *_, label in parts]}
+    return {
+        "op": "cat",
+        "dim": d,
+        "parts": [read(src, k) for src, _, k, _ in parts],
+        "zigzag": False,
+        "labels": [label for *_, label in parts],
+    }
 
 
 def concat(ds, over: str = "call", dim: int | str = 1):
@@ -109,7 +116,7 @@ def concat(ds, over: str = "call", dim: int | str = 1):
     Op dumps that do not record module calls (written before tdinspect did)
     put every call end to end, and a RuntimeWarning says so.
     """
-    from ..dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     over, dim = parse_concat((over, dim))
     out = {}
@@ -126,11 +133,15 @@ def concat(ds, over: str = "call", dim: int | str = 1):
                 first[key] = (have[0], passes[have[0]].position[key])
                 dims[key] = passes[have[0]].dims[first[key][1]]
                 lost = [p for p in passes if p not in have]
-                plans[key] = error(f"in passes {have} only, not in {lost}") if lost else \
-                    _cat(key, [(p, passes[p], key, f"pass {p}") for p in have], dim)
+                plans[key] = (
+                    error(f"in passes {have} only, not in {lost}")
+                    if lost
+                    else _cat(key, [(p, passes[p], key, f"pass {p}") for p in have], dim)
+                )
             p0 = min(passes)
-            out[(rank, p0)] = LogicalPass.build(rank, p0, passes, plans, first, dims=dims,
-                                                what=f"passes {sorted(passes)} concatenated")
+            out[(rank, p0)] = LogicalPass.build(
+                rank, p0, passes, plans, first, dims=dims, what=f"passes {sorted(passes)} concatenated"
+            )
     else:
         for (rank, p), pi in ds._passes.items():
             calls: dict[str, list[tuple[int, str]]] = {}
@@ -154,20 +165,30 @@ def concat(ds, over: str = "call", dim: int | str = 1):
                     runs = [found]
                 for i, run in enumerate(runs):
                     name = make_key(base, i)
-                    made.append((pi.position[run[0][1]], name,
-                                 _cat(name, [(0, pi, k, f"call {c}") for c, k in run], dim)))
+                    made.append(
+                        (
+                            pi.position[run[0][1]],
+                            name,
+                            _cat(name, [(0, pi, k, f"call {c}") for c, k in run], dim),
+                        )
+                    )
             made.sort(key=lambda m: m[0])
             plans = {name: plan for _, name, plan in made}
             first = {name: (0, at) for at, name, _ in made}
             dims = {name: pi.dims[at] for at, name, _ in made}
-            out[(rank, p)] = LogicalPass.build(rank, p, {0: pi}, plans, first, dims=dims,
-                                               what=f"calls of pass {p} concatenated")
+            out[(rank, p)] = LogicalPass.build(
+                rank, p, {0: pi}, plans, first, dims=dims, what=f"calls of pass {p} concatenated"
+            )
     if mixed:
-        warnings.warn(f"tdinspect: {ds.path}: this op-level dump does not say which call of its "
-                      "module ran each op (written before tdinspect recorded it), so an op that "
-                      "runs several times in one forward (an RMSNorm's two aten.mul) has its "
-                      "different tensors put end to end: capture it again, or compare a decode "
-                      "run at module level", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"tdinspect: {ds.path}: this op-level dump does not say which call of its "
+            "module ran each op (written before tdinspect recorded it), so an op that "
+            "runs several times in one forward (an RMSNorm's two aten.mul) has its "
+            "different tensors put end to end: capture it again, or compare a decode "
+            "run at module level",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)
 
 
@@ -188,8 +209,9 @@ def _runs(pi: PassIndex, found: list[tuple[int, str]]) -> list[list[tuple[int, s
         by_call.setdefault(m, []).append((c, k))
     counts = [len(v) for v in by_call.values()]
     if len(set(counts)) > 1:
-        return (f"runs {counts} times in calls {list(by_call)} of its module: its runs "
-                "do not line up one to one")
+        return (
+            f"runs {counts} times in calls {list(by_call)} of its module: its runs do not line up one to one"
+        )
     return [list(run) for run in zip(*by_call.values())]
 
 
@@ -199,7 +221,7 @@ def narrow(ds, dim: int | str, start: int, length: int):
     Entries too short, or without the named dim, become structural
     divergences with the reason.
     """
-    from ..dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     dim = as_dim(dim)
     out = {}
@@ -214,11 +236,19 @@ def narrow(ds, dim: int | str, start: int, length: int):
                 plans[key] = error(str(exc))
                 continue
             if shape is None or shape[d] < start + length:
-                plans[key] = error(f"{key!r} has {None if shape is None else shape[d]} positions "
-                                   f"along dim {dim!r}, fewer than {start} + {length}")
+                plans[key] = error(
+                    f"{key!r} has {None if shape is None else shape[d]} positions "
+                    f"along dim {dim!r}, fewer than {start} + {length}"
+                )
                 continue
-            plans[key] = {"op": "narrow", "dim": d, "start": start, "length": length,
-                          "part": read(0, key)}
-        out[(rank, p)] = LogicalPass.build(rank, p, {0: pi}, plans, first, dims=dims,
-                                           what=f"positions {start}..{start + length} of dim {dim}")
+            plans[key] = {"op": "narrow", "dim": d, "start": start, "length": length, "part": read(0, key)}
+        out[(rank, p)] = LogicalPass.build(
+            rank,
+            p,
+            {0: pi},
+            plans,
+            first,
+            dims=dims,
+            what=f"positions {start}..{start + length} of dim {dim}",
+        )
     return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)

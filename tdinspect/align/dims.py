@@ -65,13 +65,15 @@ class DimsSpec:
             return self.names.index(name)
         except ValueError:
             names = ", ".join(self.names[:16]) + (", ..." if len(self.names) > 16 else "")
-            raise DimsError(f"dims {self.text[:120]!r} has no dim {name[:80]!r} (dims: "
-                            f"{names})") from None
+            raise DimsError(f"dims {self.text[:120]!r} has no dim {name[:80]!r} (dims: {names})") from None
 
     def sharded(self) -> list[tuple[str, int, str, str, bool]]:
         """``(dim name, dim index, axis, "cat" | "sum", zigzag)`` for each axis a dim names."""
-        return [(d.name, i, axis, "sum" if d.partial else "cat", d.zigzag)
-                for i, d in enumerate(self.dims) for axis in d.axes]
+        return [
+            (d.name, i, axis, "sum" if d.partial else "cat", d.zigzag)
+            for i, d in enumerate(self.dims)
+            for axis in d.axes
+        ]
 
     def __str__(self) -> str:
         return self.text
@@ -87,23 +89,28 @@ def parse_dims(text: str) -> DimsSpec:
         dim name or axis, ``zigzag`` without ``cp``, ``partial`` without an axis.
     """
     if not isinstance(text, str) or not text.strip():
-        raise DimsError(f"dims spec {str(text)[:80]!r}: expected space-separated dim names such "
-                        "as 'b s h(tp)'")
+        raise DimsError(
+            f"dims spec {str(text)[:80]!r}: expected space-separated dim names such as 'b s h(tp)'"
+        )
     shown = text if len(text) <= 120 else text[:120] + "..."  # a sidecar's text: any length
     dims, used_axes, names = [], {}, set()
     for token in text.split():
         m = _TOKEN.match(token)
         if not m:
-            raise DimsError(f"dims {shown!r}: cannot read {token[:80]!r} (a dim is a name with optional "
-                            "modifiers in parentheses, e.g. h(tp) or s(cp,zigzag))")
+            raise DimsError(
+                f"dims {shown!r}: cannot read {token[:80]!r} (a dim is a name with optional "
+                "modifiers in parentheses, e.g. h(tp) or s(cp,zigzag))"
+            )
         name, inner = m.group(1), m.group(2)
         mods = [x.strip() for x in inner.split(",")] if inner is not None else []
         if inner is not None and not all(mods):
             raise DimsError(f"dims {shown!r}: empty modifier in {token[:80]!r}")
         unknown = [x for x in mods if x not in AXES + FLAGS]
         if unknown:
-            raise DimsError(f"dims {shown!r}: unknown modifier {unknown[0]!r} in {token[:80]!r} "
-                            f"(known: {', '.join(AXES + FLAGS)})")
+            raise DimsError(
+                f"dims {shown!r}: unknown modifier {unknown[0]!r} in {token[:80]!r} "
+                f"(known: {', '.join(AXES + FLAGS)})"
+            )
         if len(set(mods)) != len(mods):
             raise DimsError(f"dims {shown!r}: repeated modifier in {token[:80]!r}")
         if name in names:  # a set: a list made 8,000 dims take 1 s, 80,000 would take 100
@@ -111,13 +118,13 @@ def parse_dims(text: str) -> DimsSpec:
         axes = tuple(x for x in mods if x in AXES)
         for axis in axes:
             if axis in used_axes:
-                raise DimsError(f"dims {shown!r}: axis {axis!r} shards both {used_axes[axis]!r} "
-                                f"and {name!r}")
+                raise DimsError(f"dims {shown!r}: axis {axis!r} shards both {used_axes[axis]!r} and {name!r}")
             used_axes[axis] = name
         partial, zigzag = "partial" in mods, "zigzag" in mods
         if partial and not axes:
-            raise DimsError(f"dims {shown!r}: {token[:80]!r} is partial over no axis (write e.g. "
-                            f"{name}(tp,partial))")
+            raise DimsError(
+                f"dims {shown!r}: {token[:80]!r} is partial over no axis (write e.g. {name}(tp,partial))"
+            )
         if zigzag and axes != ("cp",):
             raise DimsError(f"dims {shown!r}: zigzag in {token[:80]!r} needs cp as the dim's only axis")
         if zigzag and partial:

@@ -12,8 +12,8 @@ read. Nodes::
     {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
     {"op": "error", "reason": text}                    cannot be assembled: why
 
-A :class:`LogicalPass` is a :class:`~tdinspect.passindex.PassIndex` whose
-tensors come from such plans, so :class:`~tdinspect.diff.Diff`, statistics
+A :class:`LogicalPass` is a :class:`~tdinspect.store.passindex.PassIndex` whose
+tensors come from such plans, so :class:`~tdinspect.compare.diff.Diff`, statistics
 and the cube use it unchanged; memory stays at the parts of one entry.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..metrics import same_bits
-from ..passindex import PassIndex
+from tdinspect.numerics.metrics import same_bits
+from tdinspect.store.passindex import PassIndex
 
 
 class AlignError(ValueError):
@@ -91,8 +91,11 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
         first = parts[0]
         if len(parts) == 1:
             return first
-        total = torch.empty_like(first, memory_format=torch.contiguous_format) if out is None \
+        total = (
+            torch.empty_like(first, memory_format=torch.contiguous_format)
+            if out is None
             else out(first.shape, first.dtype)
+        )
         torch.add(first, parts[1], out=total)
         for t in parts[2:]:
             total += t
@@ -101,11 +104,14 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
         first = parts[0]
         for label, t in zip(node["labels"][1:], parts[1:]):
             if not same_bits(first, t):
-                delta = (first.double() - t.double()).abs().max().item() if first.shape == t.shape \
-                    else math.nan
-                raise AlignError(f"no dims and not replicated: {node['labels'][0]} and {label} "
-                                 f"differ (max |Δ| {delta:.3g}); give the entry dims, e.g. "
-                                 f"dims={{regex: 'b s h(tp)'}}")
+                delta = (
+                    (first.double() - t.double()).abs().max().item() if first.shape == t.shape else math.nan
+                )
+                raise AlignError(
+                    f"no dims and not replicated: {node['labels'][0]} and {label} "
+                    f"differ (max |Δ| {delta:.3g}); give the entry dims, e.g. "
+                    f"dims={{regex: 'b s h(tp)'}}"
+                )
         return first
     raise AlignError(f"unknown plan step {op!r}")
 
@@ -115,7 +121,7 @@ def pieces(node: dict, fetch) -> tuple[int, list[tuple[int, torch.Tensor]]]:
     along ``dim`` and not copied together (nested ``cat`` along the same dim flattened).
 
     The parts' metrics combine into the whole's
-    (:func:`tdinspect.metrics_split.compare_pieces`) without the copy that assembling costs.
+    (:func:`tdinspect.numerics.metrics_split.compare_pieces`) without the copy that assembling costs.
     """
     dim = node["dim"]
     parts: list[torch.Tensor] = []
@@ -138,9 +144,9 @@ def pieces(node: dict, fetch) -> tuple[int, list[tuple[int, torch.Tensor]]]:
     return dim, out
 
 
-def matching_slices(a: tuple[int, list[tuple[int, torch.Tensor]]],
-                    b: tuple[int, list[tuple[int, torch.Tensor]]]) \
-        -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def matching_slices(
+    a: tuple[int, list[tuple[int, torch.Tensor]]], b: tuple[int, list[tuple[int, torch.Tensor]]]
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Views of two sides' pieces cut at every boundary of either side, pair by pair.
 
     ``a`` and ``b`` as :func:`pieces` gives them (a whole tensor is ``(dim, [(0, t)])``);
@@ -181,8 +187,10 @@ def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]
     if node.get("zigzag"):
         c, total = len(sizes), sum(sizes)
         chunk = total // (2 * c)
-        return [(label, [(r * chunk, chunk), ((2 * c - 1 - r) * chunk, chunk)], dim)
-                for r, label in enumerate(node["labels"])]
+        return [
+            (label, [(r * chunk, chunk), ((2 * c - 1 - r) * chunk, chunk)], dim)
+            for r, label in enumerate(node["labels"])
+        ]
     for label, size in zip(node["labels"], sizes):
         out.append((label, [(start, size)], dim))
         start += size
@@ -204,10 +212,14 @@ def describe(node: dict) -> str:
     if op == "error":
         return f"cannot: {node['reason']}"
     if op == "narrow":
-        return (f"narrow(dim {node['dim']}, {node['start']}..{node['start'] + node['length']}: "
-                f"{describe(node['part'])})")
-    parts = [label if part["op"] == "read" else f"{label} [{describe(part)}]"
-             for label, part in zip(node["labels"], node["parts"])]
+        return (
+            f"narrow(dim {node['dim']}, {node['start']}..{node['start'] + node['length']}: "
+            f"{describe(node['part'])})"
+        )
+    parts = [
+        label if part["op"] == "read" else f"{label} [{describe(part)}]"
+        for label, part in zip(node["labels"], node["parts"])
+    ]
     head = f"dim {node['dim']}{', zigzag' if node.get('zigzag') else ''}: " if op == "cat" else ""
     return f"{op}({head}{', '.join(parts)})"
 
@@ -220,7 +232,7 @@ class _Loaded:
     the same shape (what a diff, which compares one entry at a time, needs).
     """
 
-    def __init__(self, owner: "LogicalPass", scratch: bool = False):
+    def __init__(self, owner: LogicalPass, scratch: bool = False):
         self.owner = owner
         self._open: dict[Any, Any] = {}
         self._buffers: dict[tuple, torch.Tensor] | None = {} if scratch else None
@@ -254,9 +266,17 @@ class LogicalPass(PassIndex):
     what: str = ""
 
     @classmethod
-    def build(cls, rank: int, index: int, sources: dict[Any, PassIndex], plans: dict[str, dict],
-              first: dict[str, tuple[Any, int]], *, dims: dict[str, str | None] | None = None,
-              what: str = "") -> "LogicalPass":
+    def build(
+        cls,
+        rank: int,
+        index: int,
+        sources: dict[Any, PassIndex],
+        plans: dict[str, dict],
+        first: dict[str, tuple[Any, int]],
+        *,
+        dims: dict[str, str | None] | None = None,
+        what: str = "",
+    ) -> LogicalPass:
         """A logical pass with entries ``plans`` (in order); ``first[key] = (src, i)``
         is a source entry whose metadata (dtype, module type) the logical entry takes."""
         keys = list(plans)
@@ -271,12 +291,29 @@ class LogicalPass(PassIndex):
 
         n = len(keys)
         some = next(iter(sources.values()))
-        return cls(rank, index, some.files, keys, [shape_of(plans[k], shape) for k in keys],
-                   [meta("dtype", k) for k in keys], [meta("module_type", k) for k in keys],
-                   [True] * n, None, [False] * n, [None] * n, [None] * n,
-                   [meta("aten", k) for k in keys], some.level, False, False,
-                   parallel={}, dims=[(dims or {}).get(k) for k in keys],
-                   sources=sources, plans=plans, what=what)
+        return cls(
+            rank,
+            index,
+            some.files,
+            keys,
+            [shape_of(plans[k], shape) for k in keys],
+            [meta("dtype", k) for k in keys],
+            [meta("module_type", k) for k in keys],
+            [True] * n,
+            None,
+            [False] * n,
+            [None] * n,
+            [None] * n,
+            [meta("aten", k) for k in keys],
+            some.level,
+            False,
+            False,
+            parallel={},
+            dims=[(dims or {}).get(k) for k in keys],
+            sources=sources,
+            plans=plans,
+            what=what,
+        )
 
     def load(self, scratch: bool = False) -> _Loaded:
         """Open the sources lazily; ``scratch``: reuse output buffers (see :class:`_Loaded`)."""
@@ -287,8 +324,7 @@ class LogicalPass(PassIndex):
             raise KeyError(f"{self.path}: no entry {key!r} ({self.what})")
         if not isinstance(loaded, _Loaded):
             loaded = self.load()
-        return evaluate(self.plans[key], loaded.fetch,
-                        loaded.buffer if loaded._buffers is not None else None)
+        return evaluate(self.plans[key], loaded.fetch, loaded.buffer if loaded._buffers is not None else None)
 
     def pieces(self, key: str, loaded=None) -> tuple[int, list[tuple[int, torch.Tensor]]] | None:
         """Entry ``key`` as :func:`pieces` when it is a concatenation, else ``None``."""

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..regularfile import open_regular
-from .transforms import Transform, TransformError, as_transform
+from tdinspect.align.transforms import Transform, TransformError, as_transform
+from tdinspect.util.regularfile import open_regular
 
 MAX_FILE_BYTES = 16 << 20  # a mapping file is rules: kilobytes (a FIFO or /dev/zero: refused)
 _SHOWN = reprlib.Repr()  # values quoted in messages, cut short (Python 3.11 takes no arguments)
@@ -51,8 +51,12 @@ def _loader() -> type:
     class Loader(yaml.SafeLoader):
         def compose_node(self, parent, index):
             if self.check_event(yaml.AliasEvent):
-                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed "
-                                                  "in a mapping file", self.peek_event().start_mark)
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    "aliases (*name) are not allowed in a mapping file",
+                    self.peek_event().start_mark,
+                )
             return super().compose_node(parent, index)
 
     return Loader
@@ -89,7 +93,7 @@ class Mapping:
         self._cache: dict[str, tuple[str, Transform | None, int]] = {}
 
     @classmethod
-    def coerce(cls, value: "Mapping | dict | str | os.PathLike | None") -> "Mapping | None":
+    def coerce(cls, value: Mapping | dict | str | os.PathLike | None) -> Mapping | None:
         """A Mapping from a Mapping, a dict of rules, or a YAML/JSON file path."""
         if value is None or isinstance(value, Mapping):
             return value
@@ -100,11 +104,12 @@ class Mapping:
         rules = getattr(value, "rules", None)  # a suggestion object
         if isinstance(rules, dict):
             return cls(rules)
-        raise MappingError(f"mapping must be a dict of rules, a file path or a Mapping, "
-                           f"not {type(value).__name__}")
+        raise MappingError(
+            f"mapping must be a dict of rules, a file path or a Mapping, not {type(value).__name__}"
+        )
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Mapping":
+    def from_file(cls, path: str | os.PathLike) -> Mapping:
         """Read rules from a YAML or JSON file (``yaml.safe_load``: data only).
 
         The file must be a regular file of at most :data:`MAX_FILE_BYTES`, UTF-8,
@@ -125,8 +130,7 @@ class Mapping:
         except OSError as exc:
             raise MappingError(f"{path}: cannot read the mapping file ({exc.strerror})") from None
         if len(data) > MAX_FILE_BYTES:
-            raise MappingError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB, not a mapping "
-                               "file")
+            raise MappingError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB, not a mapping file")
         try:
             doc = yaml.load(data.decode("utf-8"), Loader=_loader())  # noqa: S506 - safe, no aliases
         except UnicodeDecodeError as exc:
@@ -140,8 +144,9 @@ class Mapping:
         if isinstance(doc, dict) and set(doc) == {"rules"} and isinstance(doc["rules"], dict):
             doc = doc["rules"]
         if not isinstance(doc, dict):
-            raise MappingError(f"{path}: expected a mapping of a_regex: b_template rules, "
-                               f"found {type(doc).__name__}")
+            raise MappingError(
+                f"{path}: expected a mapping of a_regex: b_template rules, found {type(doc).__name__}"
+            )
         try:
             return cls(doc)
         except MappingError as exc:
@@ -158,8 +163,10 @@ class Mapping:
                     try:
                         hit = (m.expand(rule.template), rule.transform, n)
                     except (re.error, IndexError) as exc:
-                        raise MappingError(f"rule '{rule.source}': template {rule.template!r} "
-                                           f"cannot be expanded for {a_base!r} ({exc})") from None
+                        raise MappingError(
+                            f"rule '{rule.source}': template {rule.template!r} "
+                            f"cannot be expanded for {a_base!r} ({exc})"
+                        ) from None
                     break
             self._cache[a_base] = hit
         return hit[0], hit[1]
@@ -172,8 +179,7 @@ class Mapping:
 
     def to_dict(self) -> dict[str, Any]:
         """The rules as written in a mapping file (callable transforms by name)."""
-        return {r.source: ([r.template, r.transform.spec] if r.transform else r.template)
-                for r in self.rules}
+        return {r.source: ([r.template, r.transform.spec] if r.transform else r.template) for r in self.rules}
 
     def __getstate__(self):
         return {"rules": self.rules, "_cache": {}}
@@ -195,16 +201,18 @@ def _rule(pattern: Any, target: Any) -> Rule:
     transform = None
     if isinstance(target, (list, tuple)):
         if len(target) != 2 or not isinstance(target[0], str):
-            raise MappingError(f"rule '{pattern}': expected b_template or [b_template, transform], "
-                               f"got {_SHOWN.repr(target)}")
+            raise MappingError(
+                f"rule '{pattern}': expected b_template or [b_template, transform], got {_SHOWN.repr(target)}"
+            )
         target, spec = target
         try:
             transform = as_transform(spec)
         except TransformError as exc:
             raise MappingError(f"rule '{pattern}': {exc}") from None
     if not isinstance(target, str) or not target:
-        raise MappingError(f"rule '{pattern}': the B template must be a non-empty string, "
-                           f"got {_SHOWN.repr(target)}")
+        raise MappingError(
+            f"rule '{pattern}': the B template must be a non-empty string, got {_SHOWN.repr(target)}"
+        )
     try:
         compiled.sub(target, "")  # checks group references against the pattern (no match needed)
     except (re.error, IndexError) as exc:

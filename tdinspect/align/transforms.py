@@ -37,9 +37,19 @@ MAX_STEPS = 16
 MAX_INT = 1 << 31
 
 # method -> (least, most) positional arguments; "ints" = the arguments may also be one tuple
-_ARITY = {"permute": (1, 8), "transpose": (2, 2), "reshape": (1, 8), "flatten": (0, 2),
-          "unflatten": (2, 2), "squeeze": (0, 1), "unsqueeze": (1, 1), "narrow": (3, 3),
-          "select": (2, 2), "chunk": (2, 2), "float": (0, 0)}
+_ARITY = {
+    "permute": (1, 8),
+    "transpose": (2, 2),
+    "reshape": (1, 8),
+    "flatten": (0, 2),
+    "unflatten": (2, 2),
+    "squeeze": (0, 1),
+    "unsqueeze": (1, 1),
+    "narrow": (3, 3),
+    "select": (2, 2),
+    "chunk": (2, 2),
+    "float": (0, 0),
+}
 _TUPLE_OK = {"permute", "reshape", "unflatten"}  # the only methods that take a tuple
 
 
@@ -117,8 +127,9 @@ def _shape_after(spec: str, steps: tuple, shape: tuple) -> tuple:
         for step in steps:
             t = step.apply(t)
     except Exception as exc:  # torch raises RuntimeError, IndexError, TypeError...
-        raise TransformError(f"transform {spec!r} does not fit shape {list(shape)}: "
-                             f"{_first_line(exc)}") from None
+        raise TransformError(
+            f"transform {spec!r} does not fit shape {list(shape)}: {_first_line(exc)}"
+        ) from None
     return tuple(t.shape)
 
 
@@ -131,12 +142,18 @@ def _int(node: ast.AST, spec: str) -> int:
     value = None
     if isinstance(node, ast.Constant) and type(node.value) is int:
         value = node.value
-    elif (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
-          and isinstance(node.operand, ast.Constant) and type(node.operand.value) is int):
+    elif (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) is int
+    ):
         value = -node.operand.value
     if value is None:
-        raise TransformError(f"transform {spec!r}: only integer literals (or tuples of them) are "
-                             f"allowed as arguments, not {ast.unparse(node)!r}")
+        raise TransformError(
+            f"transform {spec!r}: only integer literals (or tuples of them) are "
+            f"allowed as arguments, not {ast.unparse(node)!r}"
+        )
     if abs(value) > MAX_INT:
         raise TransformError(f"transform {spec!r}: integer {value} is too large")
     return value
@@ -145,8 +162,7 @@ def _int(node: ast.AST, spec: str) -> int:
 def _arg(node: ast.AST, spec: str, allow_tuple: bool):
     if isinstance(node, ast.Tuple):
         if not allow_tuple:
-            raise TransformError(f"transform {spec!r}: a tuple is not allowed here "
-                                 f"({ast.unparse(node)!r})")
+            raise TransformError(f"transform {spec!r}: a tuple is not allowed here ({ast.unparse(node)!r})")
         return tuple(_int(e, spec) for e in node.elts)
     return _int(node, spec)
 
@@ -157,12 +173,17 @@ def _call(node: ast.AST, spec: str) -> tuple[ast.AST | None, Step]:
     if isinstance(node, ast.Subscript):
         index = _int(node.slice, spec)
         node = node.value
-        if not (isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))
-                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "chunk"):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Name, ast.Attribute))
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == "chunk"
+        ):
             raise TransformError(f"transform {spec!r}: indexing [i] is only allowed after chunk(...)")
     if not isinstance(node, ast.Call):
-        raise TransformError(f"transform {spec!r}: expected a chain of calls such as "
-                             f"'chunk(3, -1)[0]', found {ast.unparse(node)!r}")
+        raise TransformError(
+            f"transform {spec!r}: expected a chain of calls such as "
+            f"'chunk(3, -1)[0]', found {ast.unparse(node)!r}"
+        )
     if isinstance(node.func, ast.Name):
         inner, name = None, node.func.id
     elif isinstance(node.func, ast.Attribute):
@@ -170,14 +191,18 @@ def _call(node: ast.AST, spec: str) -> tuple[ast.AST | None, Step]:
     else:
         raise TransformError(f"transform {spec!r}: {ast.unparse(node.func)!r} is not a method name")
     if name not in _ARITY:
-        raise TransformError(f"transform {spec!r}: {name!r} is not an allowed operation "
-                             f"(allowed: {', '.join(sorted(_ARITY))})")
+        raise TransformError(
+            f"transform {spec!r}: {name!r} is not an allowed operation (allowed: {', '.join(sorted(_ARITY))})"
+        )
     if node.keywords:
         raise TransformError(f"transform {spec!r}: {name}() takes positional arguments only")
     lo, hi = _ARITY[name]
     if not lo <= len(node.args) <= hi:
-        raise TransformError(f"transform {spec!r}: {name}() takes {lo}" + (f" to {hi}" if hi != lo else "")
-                             + f" arguments, got {len(node.args)}")
+        raise TransformError(
+            f"transform {spec!r}: {name}() takes {lo}"
+            + (f" to {hi}" if hi != lo else "")
+            + f" arguments, got {len(node.args)}"
+        )
     args = tuple(_arg(a, spec, name in _TUPLE_OK) for a in node.args)
     if name == "unflatten" and not (isinstance(args[0], int) and isinstance(args[1], tuple)):
         raise TransformError(f"transform {spec!r}: unflatten(dim, (sizes)) expects an int and a tuple")

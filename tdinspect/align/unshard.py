@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..format import DumpFormatError
-from ..passindex import PassIndex
-from .dims import DimsError, parse_dims
-from .logical import LogicalPass, error, read
+from tdinspect.align.dims import DimsError, parse_dims
+from tdinspect.align.logical import LogicalPass, error, read
+from tdinspect.store.format import DumpFormatError
+from tdinspect.store.passindex import PassIndex
 
 
 def coordinates(passes: dict[int, PassIndex]) -> dict[int, dict[str, list[int]]]:
@@ -31,26 +31,32 @@ def coordinates(passes: dict[int, PassIndex]) -> dict[int, dict[str, list[int]]]
     out = {}
     for r in ranks:
         recorded = passes[r].parallel
-        out[r] = dict(recorded) if recorded else (
-            {"tp": [ranks.index(r), len(ranks)]} if len(ranks) > 1 else {})
+        out[r] = (
+            dict(recorded) if recorded else ({"tp": [ranks.index(r), len(ranks)]} if len(ranks) > 1 else {})
+        )
     sizes: dict[str, int] = {}
     for r, coords in out.items():
         for axis, (_, size) in coords.items():
             if sizes.setdefault(axis, size) != size:
-                raise DumpFormatError(f"{passes[r].path}: rank {r} says {axis} size {size}, "
-                                      f"another rank says {sizes[axis]}")
+                raise DumpFormatError(
+                    f"{passes[r].path}: rank {r} says {axis} size {size}, another rank says {sizes[axis]}"
+                )
     return out
 
 
 def _label(ranks: list[int], axis: str, i: int, size: int) -> str:
     who = ", ".join(str(r) for r in ranks)
-    return f"rank {who} ({axis} {i} of {size})" if len(ranks) == 1 else \
-        f"ranks {who} ({axis} {i} of {size})"
+    return f"rank {who} ({axis} {i} of {size})" if len(ranks) == 1 else f"ranks {who} ({axis} {i} of {size})"
 
 
-def plan_entry(key: str, spec_text: str | None, holders: list[int],
-               coords: dict[int, dict[str, list[int]]], shapes: dict[int, Any],
-               checksums: dict[int, str | None] | None = None) -> dict:
+def plan_entry(
+    key: str,
+    spec_text: str | None,
+    holders: list[int],
+    coords: dict[int, dict[str, list[int]]],
+    shapes: dict[int, Any],
+    checksums: dict[int, str | None] | None = None,
+) -> dict:
     """The plan of one logical entry from the ranks in ``holders`` that hold ``key``.
 
     An entry without dims is a replica: with every rank's checksum recorded
@@ -72,18 +78,24 @@ def plan_entry(key: str, spec_text: str | None, holders: list[int],
             if len(set(sums)) == 1:
                 return read(holders[0], key)
             seen = ", ".join(f"rank {r}: {c}" for r, c in zip(holders, sums))
-            return error(f"no dims and not replicated: the ranks' checksums differ ({seen}); "
-                         "give the entry dims, e.g. dims={regex: 'b s h(tp)'}")
-        return {"op": "same", "parts": [read(r, key) for r in holders],
-                "labels": [f"rank {r}" for r in holders]}
+            return error(
+                f"no dims and not replicated: the ranks' checksums differ ({seen}); "
+                "give the entry dims, e.g. dims={regex: 'b s h(tp)'}"
+            )
+        return {
+            "op": "same",
+            "parts": [read(r, key) for r in holders],
+            "labels": [f"rank {r}" for r in holders],
+        }
     try:
         spec = parse_dims(spec_text)
     except DimsError as exc:
         return error(str(exc))
     shape = shapes[holders[0]]
     if shape is not None and len(shape) != len(spec.dims):
-        return error(f"dims {spec_text!r} names {len(spec.dims)} dims, the tensor has "
-                     f"{len(shape)} ({list(shape)})")
+        return error(
+            f"dims {spec_text!r} names {len(spec.dims)} dims, the tensor has {len(shape)} ({list(shape)})"
+        )
     steps = spec.sharded()
     axes = [s[2] for s in steps]
 
@@ -91,8 +103,7 @@ def plan_entry(key: str, spec_text: str | None, holders: list[int],
         return coords[r].get(axis, [0, 1])
 
     # ranks off index 0 of an axis the spec does not name hold copies: the first is taken
-    chosen = [r for r in holders
-              if all(c[0] == 0 for a, c in coords[r].items() if a not in axes)]
+    chosen = [r for r in holders if all(c[0] == 0 for a, c in coords[r].items() if a not in axes)]
 
     def build(ranks: list[int], level: int) -> dict:
         if level == len(steps):
@@ -131,8 +142,9 @@ def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:
         holders = [r for r in ranks if key in passes[r].position]
         specs = {passes[r].dims[passes[r].position[key]] for r in holders}
         shapes = {r: passes[r].shape[passes[r].position[key]] for r in holders}
-        checksums = {r: passes[r].checksum[passes[r].position[key]] if passes[r].checksum else None
-                     for r in holders}
+        checksums = {
+            r: passes[r].checksum[passes[r].position[key]] if passes[r].checksum else None for r in holders
+        }
         first[key] = (holders[0], passes[holders[0]].position[key])
         if len(specs) > 1:
             plans[key] = error(f"ranks disagree on its dims: {sorted(map(str, specs))}")
@@ -141,11 +153,12 @@ def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:
         dims[key] = spec
         plans[key] = plan_entry(key, spec, holders, coords, shapes, checksums)
     some = passes[ranks[0]]
-    return LogicalPass.build(0, some.index, dict(passes), plans, first, dims=dims,
-                             what=f"unsharded from ranks {ranks}")
+    return LogicalPass.build(
+        0, some.index, dict(passes), plans, first, dims=dims, what=f"unsharded from ranks {ranks}"
+    )
 
 
-def unshard(ds) -> "Any":
+def unshard(ds) -> Any:
     """A logical :class:`~tdinspect.dumpset.DumpSet` (one rank, 0) of ``ds``'s ranks reassembled.
 
     Tensors are assembled when read; statistics are recomputed from them.
@@ -156,7 +169,7 @@ def unshard(ds) -> "Any":
         For a statistics-only dump (there are no shards to put together) or
         ranks that disagree on an axis's size.
     """
-    from ..dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     if ds.stats_only:
         raise DumpFormatError(f"{ds.path}: statistics-only dump: unshard needs the tensors")

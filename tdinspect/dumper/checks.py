@@ -1,7 +1,7 @@
 """Checks run on each entry while the model runs: health (NaN/Inf) and live comparison.
 
 Capture side: torch and the standard library only. The live comparison's
-analysis code (:mod:`tdinspect.live`) is imported only when ``compare_to`` is
+analysis code (:mod:`tdinspect.dumper.live`) is imported only when ``compare_to`` is
 given.
 
 Usage::
@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError
-from ..naming import split_call
-from ..terminal import visible
-from ..stats import broadcast_dims, first_slice
-from .kinds import flat_values, holds_no_data
+from tdinspect.config import ConfigError
+from tdinspect.dumper.kinds import flat_values, holds_no_data
+from tdinspect.naming import split_call
+from tdinspect.numerics.stats import broadcast_dims, first_slice
+from tdinspect.util.terminal import visible
 
 
 class CaptureCheckError(RuntimeError):
@@ -78,11 +78,18 @@ class NonFinite:
 
     def describe(self) -> str:
         where = f"call {self.call}, pass {self.pass_}" + (f", rank {self.rank}" if self.rank else "")
-        counts = ("NaN/Inf (counts unavailable)" if self.nan is None else
-                  f"{self.nan} NaN and {self.inf} Inf of {self.numel} elements")
-        origin = ("" if self.inherited is None else
-                  "; its inputs already held NaN/Inf (inherited)" if self.inherited else
-                  "; its inputs were finite: this op created them")
+        counts = (
+            "NaN/Inf (counts unavailable)"
+            if self.nan is None
+            else f"{self.nan} NaN and {self.inf} Inf of {self.numel} elements"
+        )
+        origin = (
+            ""
+            if self.inherited is None
+            else "; its inputs already held NaN/Inf (inherited)"
+            if self.inherited
+            else "; its inputs were finite: this op created them"
+        )
         return f"{self.key} ({where}): {counts}{origin}"
 
     def __repr__(self) -> str:
@@ -116,9 +123,13 @@ class DivergenceError(CaptureCheckError):
 
     def __init__(self, divergence: Any, evidence: Any = None):
         where = f"; evidence in {evidence}" if evidence else ""
-        super().__init__(visible(f"live comparison: first divergence at {divergence.key} "
-                                 f"(call {divergence.call}, pass {divergence.pass_}): "
-                                 f"{divergence.reason}{where}"))  # names from the files
+        super().__init__(
+            visible(
+                f"live comparison: first divergence at {divergence.key} "
+                f"(call {divergence.call}, pass {divergence.pass_}): "
+                f"{divergence.reason}{where}"
+            )
+        )  # names from the files
         self.divergence = divergence
         self.evidence = evidence
 
@@ -203,9 +214,17 @@ class HealthCheck:
         self._pending: list[tuple] = []  # accelerator: flags waiting for step()
         self._warned: set[int] = set()
 
-    def check(self, key: str, tensor: torch.Tensor, *, pass_: int, order: int,
-              inputs: list | None = None, inputs_before: Any = None,
-              row: torch.Tensor | None = None) -> None:
+    def check(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        *,
+        pass_: int,
+        order: int,
+        inputs: list | None = None,
+        inputs_before: Any = None,
+        row: torch.Tensor | None = None,
+    ) -> None:
         """Check one output. ``inputs`` (op level) tell inherited from created;
         ``inputs_before`` is their flag taken before an in-place op ran; ``row``
         is the entry's statistics when capture computed them on the CPU (their
@@ -263,8 +282,11 @@ class HealthCheck:
             raise NonFiniteError(found)
         if found.pass_ not in self._warned:
             self._warned.add(found.pass_)
-            warnings.warn(f"tdinspect: first non-finite output of pass {found.pass_}: "
-                          f"{found.describe()}", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"tdinspect: first non-finite output of pass {found.pass_}: {found.describe()}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 class StopsOnCheck:
@@ -297,8 +319,8 @@ class Guarded(StopsOnCheck):
 
 
 def open_live(compare_to, *, evidence_dir, rank: int, level: str, **options):
-    """The live comparison of a capture (:class:`tdinspect.live.LiveCompare`): the analysis code
+    """The live comparison of a capture (:class:`tdinspect.dumper.live.LiveCompare`): the analysis code
     is imported here, only when ``compare_to`` is given."""
-    from ..live import LiveCompare
+    from tdinspect.dumper.live import LiveCompare
 
     return LiveCompare(compare_to, evidence_dir=evidence_dir, rank=rank, level=level, **options)

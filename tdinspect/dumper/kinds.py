@@ -11,7 +11,7 @@ quantized                     stored as is, with dtype, scheme, scale and zero p
                               read (and its statistics taken) dequantized
 nested                        stored as is; read as its components, flattened and joined
 expanded (stride 0)           the elements the storage holds (size 1 on broadcast dims), and
-                              the view's geometry, re-indexed on read (:mod:`tdinspect.reindex`)
+                              the view's geometry, re-indexed on read (:mod:`tdinspect.store.reindex`)
 ``DTensor``                   the local shard, with placements, mesh and global shape
 other subclasses              the plain tensor under it, with the subclass's name; a wrapper
                               subclass without its own storage is skipped
@@ -27,18 +27,27 @@ from typing import Any
 
 import torch
 
-from ..stats import broadcast_dims, first_slice, tensor_stats
+from tdinspect.numerics.stats import broadcast_dims, first_slice, tensor_stats
 
-_SPARSE = {torch.sparse_coo: "sparse_coo", torch.sparse_csr: "sparse_csr",
-           torch.sparse_csc: "sparse_csc", torch.sparse_bsr: "sparse_bsr",
-           torch.sparse_bsc: "sparse_bsc"}
+_SPARSE = {
+    torch.sparse_coo: "sparse_coo",
+    torch.sparse_csr: "sparse_csr",
+    torch.sparse_csc: "sparse_csc",
+    torch.sparse_bsr: "sparse_bsr",
+    torch.sparse_bsc: "sparse_bsc",
+}
 
 
 def is_plain(t: torch.Tensor) -> bool:
     """A strided tensor with data and no subclass, that is not expanded: the recorder's path."""
-    return ((type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
-            and t.layout == torch.strided and not t.is_quantized and not t.is_nested
-            and t.device.type != "meta" and not (0 in t.stride() and broadcast_dims(t)))
+    return (
+        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_nested
+        and t.device.type != "meta"
+        and not (0 in t.stride() and broadcast_dims(t))
+    )
 
 
 def holds_no_data(t: torch.Tensor) -> bool:
@@ -83,9 +92,14 @@ def prepare(t: torch.Tensor) -> Prepared:
         return _prepare(t.detach())
     except Exception as exc:  # noqa: BLE001 - the model's forward must go on
         shape = shape_of(t)
-        return Prepared(None, None, shape, str(t.dtype),
-                        skipped=f"{type(t).__name__} could not be stored ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
+        return Prepared(
+            None,
+            None,
+            shape,
+            str(t.dtype),
+            skipped=f"{type(t).__name__} could not be stored ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})",
+        )
 
 
 def shape_of(t: torch.Tensor) -> list[int] | None:
@@ -100,8 +114,9 @@ def _prepare(t: torch.Tensor) -> Prepared:
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(t):
-        return Prepared(None, None, shape_of(t), str(t.dtype),
-                        skipped="FakeTensor (traced under FakeTensorMode): no data")
+        return Prepared(
+            None, None, shape_of(t), str(t.dtype), skipped="FakeTensor (traced under FakeTensorMode): no data"
+        )
     if t.device.type == "meta":
         return Prepared(None, None, shape_of(t), str(t.dtype), skipped="meta tensor: no data")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -115,21 +130,24 @@ def _prepare(t: torch.Tensor) -> Prepared:
             q.update(scale=float(t.q_scale()), zero_point=int(t.q_zero_point()))
         else:
             q.update(axis=int(t.q_per_channel_axis()))
-        return Prepared(t, tensor_stats(values), list(t.shape), str(values.dtype),
-                        storage={"quantized": q})
+        return Prepared(t, tensor_stats(values), list(t.shape), str(values.dtype), storage={"quantized": q})
     if t.is_nested:
         flat = flat_values(t)
-        return Prepared(t, tensor_stats(flat), [flat.numel()], str(t.dtype),
-                        storage={"nested": [list(p.shape) for p in t.unbind()]})
+        return Prepared(
+            t,
+            tensor_stats(flat),
+            [flat.numel()],
+            str(t.dtype),
+            storage={"nested": [list(p.shape) for p in t.unbind()]},
+        )
     dims = broadcast_dims(t)
     if dims:
         held = first_slice(t, dims)
         sizes = list(held.shape)
-        base = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]  # row-major, as stored
+        base = [math.prod(sizes[d + 1 :]) for d in range(len(sizes))]  # row-major, as stored
         strides = [0 if d in dims else s for d, s in enumerate(base)]
         view = {"base": [sizes, base, 0], "view": [list(t.shape), strides, 0]}
-        return Prepared(held, tensor_stats(t), list(t.shape), str(t.dtype),
-                        storage={"expand": view})
+        return Prepared(held, tensor_stats(t), list(t.shape), str(t.dtype), storage={"expand": view})
     return Prepared(t, tensor_stats(t), list(t.shape), str(t.dtype))
 
 
@@ -140,13 +158,23 @@ def _subclass(t: torch.Tensor) -> Prepared:
     if callable(to_local) and mesh is not None:  # a DTensor: its local shard
         local = to_local()
         inner = _prepare(local)
-        inner.storage = {**(inner.storage or {}), "dtensor": {
-            "placements": [str(p) for p in t.placements], "mesh": list(mesh.shape),
-            "global_shape": list(t.shape)}}
+        inner.storage = {
+            **(inner.storage or {}),
+            "dtensor": {
+                "placements": [str(p) for p in t.placements],
+                "mesh": list(mesh.shape),
+                "global_shape": list(t.shape),
+            },
+        }
         return inner
     if hasattr(type(t), "__tensor_flatten__"):
-        return Prepared(None, None, shape_of(t), str(t.dtype),
-                        skipped=f"tensor subclass {name}: a wrapper without storage of its own")
+        return Prepared(
+            None,
+            None,
+            shape_of(t),
+            str(t.dtype),
+            skipped=f"tensor subclass {name}: a wrapper without storage of its own",
+        )
     with torch._C.DisableTorchFunctionSubclass():
         plain = t.as_subclass(torch.Tensor)
     inner = _prepare(plain)
@@ -173,8 +201,13 @@ def _sparse(t: torch.Tensor) -> Prepared:
         hi = 0.0 if math.isnan(row[1]) else max(row[1], 0.0)
         std = math.sqrt(max(l2 * l2 / count - mean * mean, 0.0))
         row = [lo, hi, mean, std, max(abs(lo), abs(hi)), l2, nan, inf, float(n)]
-    return Prepared(t, torch.tensor(row, dtype=torch.float64), list(t.shape), str(t.dtype),
-                    storage={"layout": _SPARSE[t.layout], "nnz": int(t._nnz())})
+    return Prepared(
+        t,
+        torch.tensor(row, dtype=torch.float64),
+        list(t.shape),
+        str(t.dtype),
+        storage={"layout": _SPARSE[t.layout], "nnz": int(t._nnz())},
+    )
 
 
 def restore(t: torch.Tensor) -> torch.Tensor:

@@ -40,18 +40,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import (GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path,
-                                tree_unflatten)
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
 
-from ..config import ConfigError, DumpConfig, FilterSpec, parse_record
-from ..naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
-from .checks import Guarded, HealthCheck, StopsOnCheck, open_live
-from .recorder import Recorder, current_rank, parallel_coords
-from .reruns import close_reruns
-
+from tdinspect.config import ConfigError, DumpConfig, FilterSpec, parse_record
+from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, open_live
+from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
+from tdinspect.dumper.reruns import close_reruns
+from tdinspect.naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 
 # model -> its captures still open that no ``with`` holds (see ModuleCapture._close_stale)
-_UNMANAGED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_UNMANAGED: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 def _eager(fn):
@@ -64,8 +62,7 @@ def _eager(fn):
     after the capture started (``torch.compile`` loads dynamo) meets a hook not yet
     disabled at its first trace: dynamo breaks the graph at the ``disable`` call, which
     then runs eagerly, as does the hook."""
-    disabled = torch.compiler.disable(fn, recursive=True) if "torch._dynamo" in sys.modules \
-        else None
+    disabled = torch.compiler.disable(fn, recursive=True) if "torch._dynamo" in sys.modules else None
 
     def hook(*args, **kwargs):
         nonlocal disabled
@@ -80,9 +77,18 @@ def _eager(fn):
 
 def path_label(path) -> str:
     """The ``[label]...`` of a pytree key path (``(SequenceKey(2), MappingKey("h"))`` -> ``[2][h]``)."""
-    return "".join(label(k.idx if isinstance(k, SequenceKey) else
-                         k.key if isinstance(k, MappingKey) else
-                         k.name if isinstance(k, GetAttrKey) else k) for k in path)
+    return "".join(
+        label(
+            k.idx
+            if isinstance(k, SequenceKey)
+            else k.key
+            if isinstance(k, MappingKey)
+            else k.name
+            if isinstance(k, GetAttrKey)
+            else k
+        )
+        for k in path
+    )
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -93,9 +99,14 @@ def _cache_layers(obj: Any) -> list[tuple[Any, Any]] | None:
     ``layers`` list of objects with ``keys``/``values``, or older ``key_cache``/``value_cache``
     lists), found by shape of the object so that capture never imports transformers."""
     layers = getattr(obj, "layers", None)
-    if isinstance(layers, (list, tuple)) and layers and all(
+    if (
+        isinstance(layers, (list, tuple))
+        and layers
+        and all(
             hasattr(layer, "keys") and hasattr(layer, "values") and not isinstance(layer, Mapping)
-            for layer in layers):
+            for layer in layers
+        )
+    ):
         return [(layer.keys, layer.values) for layer in layers]
     keys, values = getattr(obj, "key_cache", None), getattr(obj, "value_cache", None)
     if isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values):
@@ -103,8 +114,9 @@ def _cache_layers(obj: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
-def flatten_output(output: Any, prefix: str = "",
-                   dropped: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def flatten_output(
+    output: Any, prefix: str = "", dropped: dict[str, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(label, tensor)`` for every tensor in a module's output, in a stable order.
 
     A KV cache object (HF ``DynamicCache``) gives ``[i][key]`` and ``[i][value]`` per
@@ -158,9 +170,14 @@ def map_tensors(obj: Any, fn, prefix: str = "") -> Any:
         elif isinstance(leaf, Mapping):
             leaf = type(leaf)({k: map_tensors(v, fn, sub + label(k)) for k, v in leaf.items()})
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            leaf = dataclasses.replace(leaf, **{f.name: map_tensors(getattr(leaf, f.name), fn,
-                                                                    sub + label(f.name))
-                                                for f in dataclasses.fields(leaf) if f.init})
+            leaf = dataclasses.replace(
+                leaf,
+                **{
+                    f.name: map_tensors(getattr(leaf, f.name), fn, sub + label(f.name))
+                    for f in dataclasses.fields(leaf)
+                    if f.init
+                },
+            )
         out.append(leaf)
     return tree_unflatten(out, spec)
 
@@ -185,8 +202,10 @@ def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     inner = getattr(model, "_orig_mod", None)
     if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
         return _unwrap_compiled(inner)[0], True
-    compiled = any(type(m).__name__ == "OptimizedModule"
-                   or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    compiled = any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
     return model, compiled
 
 
@@ -234,12 +253,26 @@ class ModuleCapture(StopsOnCheck):
         The hooked module names.
     """
 
-    def __init__(self, model: nn.Module | None, config: DumpConfig, *, root: str = "model",
-                 modules: str = "leaves", stats_only: bool = False, checksum: bool = False,
-                 max_pending_bytes: int = 2 << 30, fsync: bool = False, warn_unfired: bool = True,
-                 background_write: bool | None = None, on_nonfinite: str | None = None,
-                 parallel: dict | None = None, dims: dict[str, str] | None = None,
-                 compare_to=None, compare_options: dict | None = None, overwrite: bool = False):
+    def __init__(
+        self,
+        model: nn.Module | None,
+        config: DumpConfig,
+        *,
+        root: str = "model",
+        modules: str = "leaves",
+        stats_only: bool = False,
+        checksum: bool = False,
+        max_pending_bytes: int = 2 << 30,
+        fsync: bool = False,
+        warn_unfired: bool = True,
+        background_write: bool | None = None,
+        on_nonfinite: str | None = None,
+        parallel: dict | None = None,
+        dims: dict[str, str] | None = None,
+        compare_to=None,
+        compare_options: dict | None = None,
+        overwrite: bool = False,
+    ):
         self.config = config
         rank = current_rank(parallel_coords(parallel))
         self.health = HealthCheck(on_nonfinite, rank) if on_nonfinite else None
@@ -266,24 +299,41 @@ class ModuleCapture(StopsOnCheck):
         chosen = select_modules(model, config.predicate(), root, modules)
         if not chosen:
             sample = [module_key(root, n) for n, _ in list(model.named_modules())[:6]]
-            raise ConfigError(f"the filter selects no module of {type(model).__name__}, so nothing "
-                              f"would be captured (filter={config.filter!r}, "
-                              f"filter_fn={config.filter_fn!r}); names look like {sample}")
+            raise ConfigError(
+                f"the filter selects no module of {type(model).__name__}, so nothing "
+                f"would be captured (filter={config.filter!r}, "
+                f"filter_fn={config.filter_fn!r}); names look like {sample}"
+            )
         self._close_stale(model)
         if compare_to is not None:  # dump_dir then holds the evidence only, not a full dump
-            self.live = open_live(compare_to, evidence_dir=config.dump_dir if config.enabled else None,
-                                  rank=rank, level="module", **(compare_options or {}))
+            self.live = open_live(
+                compare_to,
+                evidence_dir=config.dump_dir if config.enabled else None,
+                rank=rank,
+                level="module",
+                **(compare_options or {}),
+            )
         if compiled:
-            warnings.warn("tdinspect: the model is torch.compile'd; running it eagerly while "
-                          "capturing (hooks do not fire inside compiled graphs)", stacklevel=3)
+            warnings.warn(
+                "tdinspect: the model is torch.compile'd; running it eagerly while "
+                "capturing (hooks do not fire inside compiled graphs)",
+                stacklevel=3,
+            )
             self._stance = torch.compiler.set_stance("force_eager")
             self._stance.__enter__()
         write = config.enabled and self.live is None
-        self.recorder = Recorder(config.dump_dir if write else None, level="module", stats_only=stats_only,
-                                 checksum=checksum,
-                                 max_pending_bytes=max_pending_bytes, fsync=fsync,
-                                 background_write=background_write, parallel=parallel, dims=dims,
-                                 overwrite=overwrite)
+        self.recorder = Recorder(
+            config.dump_dir if write else None,
+            level="module",
+            stats_only=stats_only,
+            checksum=checksum,
+            max_pending_bytes=max_pending_bytes,
+            fsync=fsync,
+            background_write=background_write,
+            parallel=parallel,
+            dims=dims,
+            overwrite=overwrite,
+        )
         self.folder = self.recorder.folder
         if self.live is not None:  # every recorded entry is compared (and may end the capture)
             self.recorder.observer = Guarded(self.live, self._on_check_error)
@@ -296,14 +346,18 @@ class ModuleCapture(StopsOnCheck):
                 self._containers.add(name)
             mtype = type(mod).__name__
             if "inputs" in self.record or "params" in self.record:
-                self._handles.append(mod.register_forward_pre_hook(
-                    self._make_pre_hook(name, mtype), with_kwargs=True))
+                self._handles.append(
+                    mod.register_forward_pre_hook(self._make_pre_hook(name, mtype), with_kwargs=True)
+                )
             self._handles.append(mod.register_forward_hook(self._make_hook(name, mtype)))
             if "grads" in self.record:
                 for pname, param in mod.named_parameters(recurse=False):
                     if param.requires_grad:
-                        self._handles.append(param.register_post_accumulate_grad_hook(
-                            self._make_grad_hook(f"{name}.{pname}.grad", mtype)))
+                        self._handles.append(
+                            param.register_post_accumulate_grad_hook(
+                                self._make_grad_hook(f"{name}.{pname}.grad", mtype)
+                            )
+                        )
         self._model_ref = weakref.ref(model)
         _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
 
@@ -368,8 +422,7 @@ class ModuleCapture(StopsOnCheck):
                 # recorded first: its statistics' NaN/Inf counts spare the check a read
                 row = rec.record(key, tensor, module_type=module_type, **extra) if outputs else None
                 if health is not None:
-                    self._checked(health.check, key, tensor, pass_=rec.pass_index, order=order,
-                                  row=row)
+                    self._checked(health.check, key, tensor, pass_=rec.pass_index, order=order, row=row)
             if dropped:
                 rec.note_dropped({name + sub + suffix: kind for sub, kind in dropped.items()})
             fired.add(name)
@@ -380,8 +433,10 @@ class ModuleCapture(StopsOnCheck):
     def _record_params(self, name: str, module: nn.Module, module_type: str) -> None:
         """Parameters and buffers of ``module``: copied when they changed since last stored."""
         rec = self.recorder
-        for kind, items in (("param", module.named_parameters(recurse=False)),
-                            ("buffer", module.named_buffers(recurse=False))):
+        for kind, items in (
+            ("param", module.named_parameters(recurse=False)),
+            ("buffer", module.named_buffers(recurse=False)),
+        ):
             for pname, tensor in items:
                 if tensor is None:
                     continue
@@ -390,8 +445,9 @@ class ModuleCapture(StopsOnCheck):
                 ident = (tensor.data_ptr(), tensor._version, tensor.dtype, tuple(tensor.shape))
                 seen = self._params_seen.get(key)
                 if seen is not None and seen[0] == ident:
-                    rec.record_unchanged(key, tensor, seen[2], of_pass=seen[1],
-                                         module_type=module_type, kind=kind)
+                    rec.record_unchanged(
+                        key, tensor, seen[2], of_pass=seen[1], module_type=module_type, kind=kind
+                    )
                 else:
                     rec.record(key, tensor, module_type=module_type, kind=kind)
                     self._params_seen[key] = (ident, rec.pass_index, rec.facts(key))
@@ -402,8 +458,7 @@ class ModuleCapture(StopsOnCheck):
         def grad_hook(param):
             if param.grad is None or self._under_graph_capture(param.grad):
                 return
-            rec.record(make_key(key, rec.next_call(key)), param.grad, module_type=module_type,
-                       kind="grad")
+            rec.record(make_key(key, rec.next_call(key)), param.grad, module_type=module_type, kind="grad")
 
         return grad_hook
 
@@ -413,9 +468,13 @@ class ModuleCapture(StopsOnCheck):
             return False
         if not self._graph_warned:
             self._graph_warned = True
-            warnings.warn("tdinspect: hooks are running inside CUDA-graph capture; graph replays "
-                          "will not be dumped. Run eagerly while dumping "
-                          "(DumpConfig.use_cuda_graph).", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "tdinspect: hooks are running inside CUDA-graph capture; graph replays "
+                "will not be dumped. Run eagerly while dumping "
+                "(DumpConfig.use_cuda_graph).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return True
 
     def _on_check_error(self) -> None:
@@ -442,9 +501,11 @@ class ModuleCapture(StopsOnCheck):
             return None
         for callback in self._on_step:
             callback()
-        self.recorder.warn_if_empty("no hook fired during this step. Was model.forward() called "
-                                    "directly (hooks need model(...)), or did the model run under "
-                                    "CUDA-graph replay or torch.compile?")
+        self.recorder.warn_if_empty(
+            "no hook fired during this step. Was model.forward() called "
+            "directly (hooks need model(...)), or did the model run under "
+            "CUDA-graph replay or torch.compile?"
+        )
         path = self.recorder.step(failed)
         if self.health is not None:
             self._checked(self.health.end_pass)
@@ -465,8 +526,10 @@ class ModuleCapture(StopsOnCheck):
         """``name``, and the module that ran with its weights when one did (tied weights: T5's
         ``shared`` embedding is ``encoder.embed_tokens``'s; the copy that ran was captured)."""
         mine = set(self._weights.get(name, ()))
-        ran = next((n for n in self.names if n in self._fired and mine
-                    and mine <= set(self._weights.get(n, ()))), None)
+        ran = next(
+            (n for n in self.names if n in self._fired and mine and mine <= set(self._weights.get(n, ()))),
+            None,
+        )
         return name if ran is None else f"{name} (its weights are {ran}'s, which ran)"
 
     def close(self, write_pending: bool = True, warn: bool = True) -> None:
@@ -484,10 +547,14 @@ class ModuleCapture(StopsOnCheck):
         unfired = self.unfired
         rec.close(write_pending=write_pending)
         if warn and self._warn_unfired and unfired and rec.pass_index:
-            shown = ", ".join(self._why_unfired(n) for n in unfired[:5]) + \
-                (" ..." if len(unfired) > 5 else "")
-            warnings.warn(f"tdinspect: {len(unfired)} selected module(s) never ran a hooked forward: "
-                          f"{shown}", RuntimeWarning, stacklevel=2)
+            shown = ", ".join(self._why_unfired(n) for n in unfired[:5]) + (
+                " ..." if len(unfired) > 5 else ""
+            )
+            warnings.warn(
+                f"tdinspect: {len(unfired)} selected module(s) never ran a hooked forward: {shown}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _forget(self) -> None:
         """Leave the registry of open captures outside a ``with``."""
@@ -495,7 +562,7 @@ class ModuleCapture(StopsOnCheck):
         if model is not None and model in _UNMANAGED:
             _UNMANAGED[model].discard(self)
 
-    def __enter__(self) -> "ModuleCapture":
+    def __enter__(self) -> ModuleCapture:
         self._forget()  # a with block closes it: nesting captures is deliberate
         return self
 
@@ -522,18 +589,34 @@ def resolve_config(dump_dir, filter, filter_fn, config, environ, record=None) ->
     return cfg.with_env(os.environ if environ is None else environ)
 
 
-def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None = None, *,
-            filter: FilterSpec = None, filter_fn: str | None = None,
-            config: DumpConfig | None = None, root: str = "model", modules: str = "leaves",
-            stats_only: bool = False, checksum: bool = False,
-            max_pending_bytes: int = 2 << 30, fsync: bool = False,
-            warn_unfired: bool = True, background_write: bool | None = None,
-            on_nonfinite: str | None = None, compare_to=None, metric: str | None = None,
-            threshold=None, on_divergence: str = "raise", mapping=None, record=None,
-            structural: str = "diverge",
-            parallel: dict | None = None, dims: dict[str, str] | None = None,
-            overwrite: bool = False,
-            environ=None) -> ModuleCapture:
+def capture(
+    model: nn.Module | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    *,
+    filter: FilterSpec = None,
+    filter_fn: str | None = None,
+    config: DumpConfig | None = None,
+    root: str = "model",
+    modules: str = "leaves",
+    stats_only: bool = False,
+    checksum: bool = False,
+    max_pending_bytes: int = 2 << 30,
+    fsync: bool = False,
+    warn_unfired: bool = True,
+    background_write: bool | None = None,
+    on_nonfinite: str | None = None,
+    compare_to=None,
+    metric: str | None = None,
+    threshold=None,
+    on_divergence: str = "raise",
+    mapping=None,
+    record=None,
+    structural: str = "diverge",
+    parallel: dict | None = None,
+    dims: dict[str, str] | None = None,
+    overwrite: bool = False,
+    environ=None,
+) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
 
     Parameters
@@ -558,7 +641,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         Write statistics (sidecar) without tensors, for dumps too big for disk.
     checksum : bool
         Also store a bitwise fingerprint of every tensor (computed on its
-        device, one int64 to the host; :mod:`tdinspect.checksum` states its
+        device, one int64 to the host; :mod:`tdinspect.numerics.checksum` states its
         collision rate), so that two ``stats_only`` runs can be checked for
         bitwise equality: ``diff.first_divergence(metric="equal")``.
     max_pending_bytes : int
@@ -582,7 +665,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         definitions and the divergence rule of :class:`tdinspect.Diff`
         (statistics only when the reference holds statistics only; a missing
         reference entry is a structural divergence). ``dump_dir`` then holds
-        only the evidence of the first divergence (see :mod:`tdinspect.live`);
+        only the evidence of the first divergence (see :mod:`tdinspect.dumper.live`);
         without it nothing is written.
     metric, threshold
         As for :meth:`tdinspect.Diff.first_divergence` (default ``rel_diff``
@@ -622,7 +705,7 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
         naming them; a run whose process is still running on this host is
         kept, and the warning says so). Without it they are kept: every capture is a new run in
         its own ``rank<R>_pid<P>[_runN]`` folder, and ``DumpSet.open`` opens
-        the newest run (see :mod:`tdinspect.runs`).
+        the newest run (see :mod:`tdinspect.store.runs`).
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -638,12 +721,27 @@ def capture(model: nn.Module | None = None, dump_dir: str | os.PathLike | None =
     ...     dump.step()
     """
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ, record)
-    return ModuleCapture(model, cfg, root=root, modules=modules, stats_only=stats_only,
-                         checksum=checksum,
-                         max_pending_bytes=max_pending_bytes, fsync=fsync, warn_unfired=warn_unfired,
-                         background_write=background_write, on_nonfinite=on_nonfinite,
-                         parallel=parallel, dims=dims, compare_to=compare_to,
-                         compare_options=dict(metric=metric, threshold=threshold,
-                                              on_divergence=on_divergence, mapping=mapping,
-                                              structural=structural),
-                         overwrite=overwrite)
+    return ModuleCapture(
+        model,
+        cfg,
+        root=root,
+        modules=modules,
+        stats_only=stats_only,
+        checksum=checksum,
+        max_pending_bytes=max_pending_bytes,
+        fsync=fsync,
+        warn_unfired=warn_unfired,
+        background_write=background_write,
+        on_nonfinite=on_nonfinite,
+        parallel=parallel,
+        dims=dims,
+        compare_to=compare_to,
+        compare_options=dict(
+            metric=metric,
+            threshold=threshold,
+            on_divergence=on_divergence,
+            mapping=mapping,
+            structural=structural,
+        ),
+        overwrite=overwrite,
+    )

@@ -15,7 +15,7 @@ forward created the autograd node being executed. Ops outside any module go
 under the root (``model``). Repeated calls of the same op in the same module
 are ``::call1``, ``::call2``... as in module-level capture.
 
-What is stored (the sidecar says which, see :mod:`tdinspect.format`):
+What is stored (the sidecar says which, see :mod:`tdinspect.store.format`):
 
 - outputs of every op; inputs too with ``inputs=True``, copied *before* the op
   runs, so in-place ops (``add_``) show the value they read;
@@ -24,7 +24,7 @@ What is stored (the sidecar says which, see :mod:`tdinspect.format`):
   a view op's output of a recorded tensor is a reference too
   (``{"kind": "view", "of": stored_key, "base": geometry, "view": geometry}``,
   a geometry being ``[sizes, strides, storage_offset]`` in the shared storage),
-  rebuilt on load by re-indexing the stored tensor (:mod:`tdinspect.reindex`),
+  rebuilt on load by re-indexing the stored tensor (:mod:`tdinspect.store.reindex`),
   never by running an operator;
 - outputs of ``empty``-like ops are marked ``uninitialized`` and not stored;
 - non-tensor arguments go in the sidecar (``call_args``) so an op can be
@@ -43,29 +43,52 @@ from typing import Any, TextIO
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils._pytree import tree_flatten, treespec_dumps
-from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
-                                          _get_current_dispatch_mode_stack)
 
-from ..config import ConfigError, DumpConfig, FilterSpec
-from ..format import encode_arg
-from ..naming import CALL_SEP, module_key
-from .checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
-from .kinds import holds_no_data
-from .modules import resolve_config
-from .recorder import Recorder, current_rank, parallel_coords
-from .reruns import close_reruns
+from tdinspect.config import ConfigError, DumpConfig, FilterSpec
+from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
+from tdinspect.dumper.kinds import holds_no_data
+from tdinspect.dumper.modules import resolve_config
+from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
+from tdinspect.dumper.reruns import close_reruns
+from tdinspect.naming import CALL_SEP, module_key
+from tdinspect.store.format import encode_arg
 
-_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                  "empty_permuted"}
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 # views whose elements are exactly their base's (reordered): they share its statistics
-_SAME_ELEMENTS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "detach", "alias",
-                  "unsqueeze", "squeeze", "flatten", "view_as", "_reshape_alias", "unflatten"}
+_SAME_ELEMENTS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "detach",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "view_as",
+    "_reshape_alias",
+    "unflatten",
+}
 # views that may reach storage outside their base's elements: stored, not referenced
 _ANY_ELEMENTS = {torch.ops.aten.as_strided.default}
 _META_KEY = "tdinspect_module"
-_SHORT_DTYPE = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
-                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+_SHORT_DTYPE = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "bool",
+}
 
 
 def _short(t: torch.Tensor) -> str:
@@ -104,8 +127,10 @@ class _ModuleTracker:
                 self._names[id(mod)] = module_key(self.root, name)
             self.types.update({self._names[id(m)]: type(m).__name__ for m in model.modules()})
         reg = nn.modules.module
-        self.handles = [reg.register_module_forward_pre_hook(self._pre),
-                        reg.register_module_forward_hook(self._post)]
+        self.handles = [
+            reg.register_module_forward_pre_hook(self._pre),
+            reg.register_module_forward_hook(self._post),
+        ]
 
     def detach(self) -> None:
         for h in self.handles:
@@ -125,8 +150,13 @@ class _ModuleTracker:
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
         self.stack.append((name, mod, call))
-        self._pending_inputs.append({t.grad_fn for t in tree_flatten(args)[0]
-                                     if isinstance(t, torch.Tensor) and t.grad_fn is not None})
+        self._pending_inputs.append(
+            {
+                t.grad_fn
+                for t in tree_flatten(args)[0]
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            }
+        )
 
     def _post(self, mod, args, output):
         if not self.stack:
@@ -140,8 +170,11 @@ class _ModuleTracker:
     @staticmethod
     def _label_graph(name: str, output: Any, stop: set) -> None:
         """Label the autograd nodes this module created, for backward attribution."""
-        todo = [t.grad_fn for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        todo = [
+            t.grad_fn
+            for t in tree_flatten(output)[0]
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
         seen = set()
         inner = name + "."
         while todo:
@@ -168,7 +201,7 @@ class _ModuleTracker:
 
 
 class _OpRecorderMode(TorchDispatchMode):
-    def __init__(self, owner: "OpCapture"):
+    def __init__(self, owner: OpCapture):
         super().__init__()
         self.owner = owner
 
@@ -177,7 +210,7 @@ class _OpRecorderMode(TorchDispatchMode):
 
 
 # op captures started outside any ``with`` and not closed yet (see OpCapture._close_stale)
-_UNMANAGED: "weakref.WeakSet[OpCapture]" = weakref.WeakSet()
+_UNMANAGED: weakref.WeakSet[OpCapture] = weakref.WeakSet()
 
 
 class OpCapture(StopsOnCheck):
@@ -187,21 +220,33 @@ class OpCapture(StopsOnCheck):
     off it records nothing and costs nothing.
     """
 
-    def __init__(self, config: DumpConfig, *, model: nn.Module | None = None, root: str = "model",
-                 inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
-                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                 background_write: bool | None = None, on_nonfinite: str | None = None,
-                 parallel: dict | None = None, dims: dict[str, str] | None = None,
-                 compare_to=None, compare_options: dict | None = None, overwrite: bool = False,
-                 checksum: bool = False):
+    def __init__(
+        self,
+        config: DumpConfig,
+        *,
+        model: nn.Module | None = None,
+        root: str = "model",
+        inputs: bool = False,
+        trace: bool | TextIO = False,
+        stats_only: bool = False,
+        max_pending_bytes: int = 2 << 30,
+        fsync: bool = False,
+        background_write: bool | None = None,
+        on_nonfinite: str | None = None,
+        parallel: dict | None = None,
+        dims: dict[str, str] | None = None,
+        compare_to=None,
+        compare_options: dict | None = None,
+        overwrite: bool = False,
+        checksum: bool = False,
+    ):
         self.config = config
         self._rank = current_rank(parallel_coords(parallel))
         self.health = HealthCheck(on_nonfinite, self._rank) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
         self._compare = (compare_to, compare_options or {}) if compare_to is not None else None
         self.live = None
-        self.enabled = (config.enabled or bool(trace) or self.health is not None
-                        or compare_to is not None)
+        self.enabled = config.enabled or bool(trace) or self.health is not None or compare_to is not None
         self.inputs = inputs
         self.trace = (sys.stdout if trace is True else trace) or None
         self._write = config.enabled and compare_to is None  # else dump_dir holds evidence only
@@ -219,29 +264,44 @@ class OpCapture(StopsOnCheck):
         self.recorder = None
         self.folder = None
         self._stats_only = stats_only
-        self._writer_args = dict(max_pending_bytes=max_pending_bytes, fsync=fsync,
-                                 background_write=background_write, parallel=parallel, dims=dims,
-                                 overwrite=overwrite, checksum=checksum)
+        self._writer_args = dict(
+            max_pending_bytes=max_pending_bytes,
+            fsync=fsync,
+            background_write=background_write,
+            parallel=parallel,
+            dims=dims,
+            overwrite=overwrite,
+            checksum=checksum,
+        )
         if config.enabled:  # bad coordinates or dims specs are errors here, not at start()
             parallel_coords(parallel)
             if dims:
-                from ..align.dims import DimsRules
+                from tdinspect.align.dims import DimsRules
 
                 DimsRules(dims, what="capture_ops(dims=...)")
 
     # -- lifecycle ------------------------------------------------------------------------
-    def start(self) -> "OpCapture":
+    def start(self) -> OpCapture:
         """Begin recording (``with`` calls this)."""
         if not self.enabled or self._mode is not None:
             return self
         self._close_stale()
         if self._compare is not None and self.live is None:
             target, options = self._compare
-            self.live = open_live(target, level="op", rank=self._rank, **options,
-                                  evidence_dir=self.config.dump_dir if self.config.enabled else None)
+            self.live = open_live(
+                target,
+                level="op",
+                rank=self._rank,
+                **options,
+                evidence_dir=self.config.dump_dir if self.config.enabled else None,
+            )
         if self._write or self.health is not None or self.live is not None:
-            self.recorder = Recorder(self.config.dump_dir if self._write else None, level="op",
-                                     stats_only=self._stats_only, **self._writer_args)
+            self.recorder = Recorder(
+                self.config.dump_dir if self._write else None,
+                level="op",
+                stats_only=self._stats_only,
+                **self._writer_args,
+            )
             self.recorder.observer = self.live
             self.folder = self.recorder.folder
         self._tracker.attach(self._model)
@@ -257,9 +317,14 @@ class OpCapture(StopsOnCheck):
         only: one under other modes is not closed, a warning says it is still open."""
         for old in [c for c in _UNMANAGED if c._mode is None]:
             _UNMANAGED.discard(old)
-        close_reruns(_UNMANAGED, self.config.dump_dir, "op capture",
-                     closable=lambda old: _get_current_dispatch_mode_stack()[-1:] == [old._mode],
-                     unclosable="under other dispatch modes", stacklevel=3)
+        close_reruns(
+            _UNMANAGED,
+            self.config.dump_dir,
+            "op capture",
+            closable=lambda old: _get_current_dispatch_mode_stack()[-1:] == [old._mode],
+            unclosable="under other dispatch modes",
+            stacklevel=3,
+        )
 
     def step(self, failed: str | None = None):
         """End the pass and write it (always, even when empty); returns its path.
@@ -300,7 +365,7 @@ class OpCapture(StopsOnCheck):
         if rec is not None:
             rec.close(write_pending=write_pending)
 
-    def __enter__(self) -> "OpCapture":
+    def __enter__(self) -> OpCapture:
         self._managed = True  # a with block closes it: not a stale capture
         return self.start()
 
@@ -328,8 +393,14 @@ class OpCapture(StopsOnCheck):
         if holds_no_data(t):
             return None
         try:
-            return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                    tuple(t.stride()), t.dtype, t.device)
+            return (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.dtype,
+                t.device,
+            )
         except (RuntimeError, NotImplementedError):
             return None
 
@@ -342,8 +413,9 @@ class OpCapture(StopsOnCheck):
         ref, key, uninit, root = hit
         return (key, uninit, root) if ref() is not None else None
 
-    def _remember(self, t: torch.Tensor, key: str, uninitialized: bool = False,
-                  root: tuple | None = None) -> None:
+    def _remember(
+        self, t: torch.Tensor, key: str, uninitialized: bool = False, root: tuple | None = None
+    ) -> None:
         ident = self._identity(t)
         if ident is not None:
             if root is None:  # a stored entry: its own root, at its place in the storage
@@ -357,8 +429,10 @@ class OpCapture(StopsOnCheck):
         written = self._writes.get(func)
         if written is None:
             written = self._writes[func] = [
-                (i, a.name) for i, a in enumerate(func._schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write]
+                (i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            ]
         return written
 
     def _forget_written(self, func, args, kwargs) -> None:
@@ -382,8 +456,7 @@ class OpCapture(StopsOnCheck):
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
         aten = str(func)
         # what every record of this op carries (one dict: the op's records repeat it)
-        tags = {"module_type": self._tracker.types.get(module, ""), "aten": aten,
-                "module_call": module_call}
+        tags = {"module_type": self._tracker.types.get(module, ""), "aten": aten, "module_call": module_call}
         view_base = self._view_base(func, args)
         watch = self.trace is not None or self.health is not None  # look at the tensor inputs
         leaves, spec = tree_flatten((args, kwargs)) if self.inputs or watch else ((), None)
@@ -397,9 +470,15 @@ class OpCapture(StopsOnCheck):
                 tensor_i += 1
                 earlier = self._lookup(leaf)
                 if earlier is not None:
-                    rec.record(key, leaf, store=False, **tags,
-                               ref={"kind": "same", "of": earlier[0]},
-                               uninitialized=earlier[1] or None, same_stats_as=earlier[0])
+                    rec.record(
+                        key,
+                        leaf,
+                        store=False,
+                        **tags,
+                        ref={"kind": "same", "of": earlier[0]},
+                        uninitialized=earlier[1] or None,
+                        same_stats_as=earlier[0],
+                    )
                     in_keys[i] = earlier[0]
                 else:
                     rec.record(key, leaf, **tags)
@@ -411,12 +490,18 @@ class OpCapture(StopsOnCheck):
         traced_in = self._describe(in_tensors) if self.trace is not None else None
         health_in = self._health_inputs(func, in_tensors) if self.health is not None else None
         out = func(*args, **kwargs)
-        outs = [out] if isinstance(out, torch.Tensor) else [
-            o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = (
+            [out]
+            if isinstance(out, torch.Tensor)
+            else [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        )
         uninitialized = func._overloadpacket.__name__ in _UNINITIALIZED
         if traced_in is not None:
-            outs_s = (" ".join(f"{_short(t)} (uninitialized)" for t in outs) if uninitialized
-                      else self._describe(outs))
+            outs_s = (
+                " ".join(f"{_short(t)} (uninitialized)" for t in outs)
+                if uninitialized
+                else self._describe(outs)
+            )
             print(f"{site + suffix}  in: {traced_in}  ->  out: {outs_s}", file=self.trace)
         if rec is None or not outs:
             return out
@@ -429,17 +514,30 @@ class OpCapture(StopsOnCheck):
                 self._remember(o, key, uninitialized=True)
                 continue
             if health_in is not None:
-                self.health.check(key, o, pass_=rec.pass_index, order=len(rec),
-                                  inputs=health_in[0], inputs_before=health_in[1])
+                self.health.check(
+                    key,
+                    o,
+                    pass_=rec.pass_index,
+                    order=len(rec),
+                    inputs=health_in[0],
+                    inputs_before=health_in[1],
+                )
             call_args = None
             if self.inputs and i == 0:
-                call_args = {"aten": aten, "spec": self._spec_json(spec),
-                             "leaves": [encode_arg(v, k) for v, k in zip(leaves, in_keys)]}
+                call_args = {
+                    "aten": aten,
+                    "spec": self._spec_json(spec),
+                    "leaves": [encode_arg(v, k) for v, k in zip(leaves, in_keys)],
+                }
             if root is not None and o.dtype == view_base.dtype:
                 # a view: where its elements sit in the stored entry's storage, nothing to run
                 same = base[0] if func._overloadpacket.__name__ in _SAME_ELEMENTS else None
-                ref = {"kind": "view", "of": root[0], "base": root[1:],
-                       "view": [[*o.shape], [*o.stride()], o.storage_offset()]}
+                ref = {
+                    "kind": "view",
+                    "of": root[0],
+                    "base": root[1:],
+                    "view": [[*o.shape], [*o.stride()], o.storage_offset()],
+                }
                 rec.record(key, o, store=False, **tags, ref=ref, call_args=call_args, same_stats_as=same)
                 self._remember(o, key, root=root)
             else:
@@ -484,16 +582,33 @@ class OpCapture(StopsOnCheck):
         return " ".join(f"{_short(t)} {_range(t)}" for t in tensors) or "-"
 
 
-def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: FilterSpec = None,
-                filter_fn: str | None = None, config: DumpConfig | None = None, root: str = "model",
-                inputs: bool = False, trace: bool | TextIO = False, stats_only: bool = False,
-                max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                background_write: bool | None = None, on_nonfinite: str | None = None,
-                parallel: dict | None = None, dims: dict[str, str] | None = None,
-                compare_to=None, metric: str | None = None, threshold=None,
-                on_divergence: str = "raise", mapping=None, overwrite: bool = False,
-                structural: str = "diverge",
-                checksum: bool = False, environ=None) -> OpCapture:
+def capture_ops(
+    dump_dir=None,
+    *,
+    model: nn.Module | None = None,
+    filter: FilterSpec = None,
+    filter_fn: str | None = None,
+    config: DumpConfig | None = None,
+    root: str = "model",
+    inputs: bool = False,
+    trace: bool | TextIO = False,
+    stats_only: bool = False,
+    max_pending_bytes: int = 2 << 30,
+    fsync: bool = False,
+    background_write: bool | None = None,
+    on_nonfinite: str | None = None,
+    parallel: dict | None = None,
+    dims: dict[str, str] | None = None,
+    compare_to=None,
+    metric: str | None = None,
+    threshold=None,
+    on_divergence: str = "raise",
+    mapping=None,
+    overwrite: bool = False,
+    structural: str = "diverge",
+    checksum: bool = False,
+    environ=None,
+) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
 
     Parameters
@@ -536,17 +651,33 @@ def capture_ops(dump_dir=None, *, model: nn.Module | None = None, filter: Filter
 
     Examples
     --------
-    >>> from tdinspect.examples import layernorm_test
+    >>> from tdinspect.examples.models import layernorm_test
     >>> with capture_ops("/tmp/tdi_ln") as dump:          # doctest: +SKIP
     ...     layernorm_test(torch.bfloat16)
     ...     dump.step()
     """
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ)
-    return OpCapture(cfg, model=model, root=root, inputs=inputs, trace=trace, stats_only=stats_only,
-                     max_pending_bytes=max_pending_bytes, fsync=fsync,
-                     background_write=background_write, on_nonfinite=on_nonfinite,
-                     parallel=parallel, dims=dims, compare_to=compare_to, checksum=checksum,
-                     compare_options=dict(metric=metric, threshold=threshold,
-                                          on_divergence=on_divergence, mapping=mapping,
-                                              structural=structural),
-                     overwrite=overwrite)
+    return OpCapture(
+        cfg,
+        model=model,
+        root=root,
+        inputs=inputs,
+        trace=trace,
+        stats_only=stats_only,
+        max_pending_bytes=max_pending_bytes,
+        fsync=fsync,
+        background_write=background_write,
+        on_nonfinite=on_nonfinite,
+        parallel=parallel,
+        dims=dims,
+        compare_to=compare_to,
+        checksum=checksum,
+        compare_options=dict(
+            metric=metric,
+            threshold=threshold,
+            on_divergence=on_divergence,
+            mapping=mapping,
+            structural=structural,
+        ),
+        overwrite=overwrite,
+    )

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from ..checksum import tensor_checksum
-from ..format import pass_filename, sidecar_filename
-from ..naming import make_key, split_call
-from ..runs import new_run_folder
-from ..stats import stats_and_checksum, tensor_stats
-from .kinds import is_plain, prepare, shape_of
-from .writer import AsyncWriter, PendingPass
+from tdinspect.dumper.kinds import is_plain, prepare, shape_of
+from tdinspect.dumper.writer import AsyncWriter, PendingPass
+from tdinspect.naming import make_key, split_call
+from tdinspect.numerics.checksum import tensor_checksum
+from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
+from tdinspect.store.format import pass_filename, sidecar_filename
+from tdinspect.store.runs import new_run_folder
 
-_LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -76,8 +76,7 @@ def parallel_coords(parallel: dict | None) -> dict[str, list[int]]:
             return {"tp": [dist.get_rank(), dist.get_world_size()]}
         return {}
     if not isinstance(parallel, dict):
-        raise TypeError(f"parallel={parallel!r}: expected {{axis: (rank, size)}}, "
-                        "e.g. {'tp': (0, 2)}")
+        raise TypeError(f"parallel={parallel!r}: expected {{axis: (rank, size)}}, e.g. {{'tp': (0, 2)}}")
     out = {}
     for axis, coord in parallel.items():
         try:
@@ -85,8 +84,7 @@ def parallel_coords(parallel: dict | None) -> dict[str, list[int]]:
         except (TypeError, ValueError):
             raise ValueError(f"parallel[{axis!r}]={coord!r}: expected (rank, size)") from None
         if not (isinstance(axis, str) and axis.isidentifier()) or not 0 <= index < size:
-            raise ValueError(f"parallel[{axis!r}]={coord!r}: need an axis name and "
-                             "0 <= rank < size")
+            raise ValueError(f"parallel[{axis!r}]={coord!r}: need an axis name and 0 <= rank < size")
         out[axis] = [index, size]
     return out
 
@@ -118,8 +116,14 @@ class BufferPool:
     def give(self, tensors) -> None:
         with self._lock:
             for t in tensors:
-                if t is None or t.layout != torch.strided or t.is_nested or t.is_quantized \
-                        or t.device.type != "cpu" or t.is_pinned():
+                if (
+                    t is None
+                    or t.layout != torch.strided
+                    or t.is_nested
+                    or t.is_quantized
+                    or t.device.type != "cpu"
+                    or t.is_pinned()
+                ):
                     continue
                 size = t.numel() * t.element_size()
                 if self._bytes + size > self.limit:
@@ -179,23 +183,32 @@ class Recorder:
         matches gets a ``dims`` column (:mod:`tdinspect.align.dims`).
     checksum : bool
         Also record a bitwise fingerprint of each tensor, computed on its
-        device (:func:`tdinspect.checksum.tensor_checksum`), in the sidecar's
+        device (:func:`tdinspect.numerics.checksum.tensor_checksum`), in the sidecar's
         ``checksum`` column.
     overwrite : bool
         Remove earlier runs in ``dump_dir`` (they are kept otherwise; this
         capture is a new run in its own folder either way, see
-        :mod:`tdinspect.runs`).
+        :mod:`tdinspect.store.runs`).
     """
 
-    def __init__(self, dump_dir: str | os.PathLike | None, *, level: str, stats_only: bool = False,
-                 max_pending_bytes: int = 2 << 30, fsync: bool = False,
-                 background_write: bool | None = None, parallel: dict | None = None,
-                 dims: dict[str, str] | None = None, checksum: bool = False,
-                 overwrite: bool = False):
+    def __init__(
+        self,
+        dump_dir: str | os.PathLike | None,
+        *,
+        level: str,
+        stats_only: bool = False,
+        max_pending_bytes: int = 2 << 30,
+        fsync: bool = False,
+        background_write: bool | None = None,
+        parallel: dict | None = None,
+        dims: dict[str, str] | None = None,
+        checksum: bool = False,
+        overwrite: bool = False,
+    ):
         self.parallel = parallel_coords(parallel)
         self.dims = None
         if dims:
-            from ..align.dims import DimsRules  # stdlib-only: checks the specs now
+            from tdinspect.align.dims import DimsRules  # stdlib-only: checks the specs now
 
             self.dims = DimsRules(dims, what="capture(dims=...)")
         self.rank = current_rank(self.parallel)
@@ -214,11 +227,13 @@ class Recorder:
         if dump_dir is None:
             self._new_pass()
             return
-        self.folder, self.run = new_run_folder(dump_dir, self.rank, overwrite=overwrite,
-                                               world=grid_size(self.parallel))
+        self.folder, self.run = new_run_folder(
+            dump_dir, self.rank, overwrite=overwrite, world=grid_size(self.parallel)
+        )
         self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
-        self.writer = AsyncWriter(max_pending_bytes, fsync, on_written=self.pool.give,
-                                  threaded=background_write)
+        self.writer = AsyncWriter(
+            max_pending_bytes, fsync, on_written=self.pool.give, threaded=background_write
+        )
         self._calls: dict[str, int] = {}
         self._new_pass()
         _LIVE.add(self)
@@ -236,10 +251,13 @@ class Recorder:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _forked_note(self) -> None:
-        self._say_once("fork", f"tdinspect: this process (pid {os.getpid()}) was forked from pid "
-                               f"{self._forked_from} while it captured into {self.folder}; the "
-                               "child captures nothing (the parent's capture goes on). Start a "
-                               "capture in the child to record it.")
+        self._say_once(
+            "fork",
+            f"tdinspect: this process (pid {os.getpid()}) was forked from pid "
+            f"{self._forked_from} while it captured into {self.folder}; the "
+            "child captures nothing (the parent's capture goes on). Start a "
+            "capture in the child to record it.",
+        )
 
     def _thread_number(self) -> int:
         thread = threading.current_thread()  # the object, not its ident: idents are reused
@@ -247,18 +265,28 @@ class Recorder:
         if n is None:
             n = self._threads[thread] = len(self._threads)
             if n == 1:
-                self._say_once("threads", "tdinspect: a second thread "
-                               f"({threading.current_thread().name}) records into this capture; "
-                               "entries keep distinct names (call numbers in arrival order) and the "
-                               "sidecar's thread column says which thread made each")
+                self._say_once(
+                    "threads",
+                    "tdinspect: a second thread "
+                    f"({threading.current_thread().name}) records into this capture; "
+                    "entries keep distinct names (call numbers in arrival order) and the "
+                    "sidecar's thread column says which thread made each",
+                )
         return n
 
     def _new_pass(self) -> None:
-        self._pass = PendingPass(self.pass_index, self.folder,
-                                 {"rank": self.rank, "pid": os.getpid(), "level": self.level,
-                                  "stats_only": self.stats_only,
-                                  **({"parallel": self.parallel} if self.parallel else {})},
-                                 columns={"module_type": [], "shape": [], "dtype": [], "stored": []})
+        self._pass = PendingPass(
+            self.pass_index,
+            self.folder,
+            {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "level": self.level,
+                "stats_only": self.stats_only,
+                **({"parallel": self.parallel} if self.parallel else {}),
+            },
+            columns={"module_type": [], "shape": [], "dtype": [], "stored": []},
+        )
         self._in_flight = False
         self._calls = {}
         self._index: dict[str, int] = {}
@@ -273,9 +301,13 @@ class Recorder:
         if not self._dropped_said:
             self._dropped_said = True
             label, kind = next(iter(parts.items()))
-            warnings.warn(f"tdinspect: output parts that are neither tensors nor plain data are "
-                          f"not stored (first: {label}, a {kind}); the sidecar lists them "
-                          f"under 'dropped'", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"tdinspect: output parts that are neither tensors nor plain data are "
+                f"not stored (first: {label}, a {kind}); the sidecar lists them "
+                f"under 'dropped'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def next_call(self, site: str) -> int:
         """0-based call number of ``site`` (a module name, or module/op) in this pass."""
@@ -284,9 +316,16 @@ class Recorder:
             self._calls[site] = n
             return n
 
-    def record(self, key: str, tensor: torch.Tensor | None, *, module_type: str,
-               store: bool = True, same_stats_as: str | None = None,
-               **extra: Any) -> torch.Tensor | None:
+    def record(
+        self,
+        key: str,
+        tensor: torch.Tensor | None,
+        *,
+        module_type: str,
+        store: bool = True,
+        same_stats_as: str | None = None,
+        **extra: Any,
+    ) -> torch.Tensor | None:
         """Add one entry; ``tensor`` is copied (or reduced to statistics) now.
 
         Returns the entry's statistics (on the tensor's device; ``None`` when
@@ -311,12 +350,16 @@ class Recorder:
         p = self._pass
         if self.dims is not None:
             extra["dims"] = self.dims.lookup(split_call(key)[0])
-        measured = tensor is not None and self.writer is not None \
-            and not extra.get("uninitialized")
+        measured = tensor is not None and self.writer is not None and not extra.get("uninitialized")
         if self.observer is not None:
-            self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
-                                uninitialized=bool(extra.get("uninitialized")),
-                                call_args=extra.get("call_args"))
+            self.observer.entry(
+                key,
+                tensor,
+                pass_=self.pass_index,
+                module_type=module_type,
+                uninitialized=bool(extra.get("uninitialized")),
+                call_args=extra.get("call_args"),
+            )
         shared = None
         if same_stats_as is not None and same_stats_as in self._index:
             shared = p.stats[self._index[same_stats_as]]
@@ -365,14 +408,18 @@ class Recorder:
             extra["storage"] = prep.storage
         if prep.skipped:
             extra["skipped"] = prep.skipped
-            self._say_once(f"skipped {prep.skipped}", f"tdinspect: {key} not stored: "
-                                                        f"{prep.skipped} (the sidecar says so)")
-        self._append(key, None, copy, prep.stats, module_type, extra, digest,
-                     shape=prep.shape, dtype=prep.dtype)
+            self._say_once(
+                f"skipped {prep.skipped}",
+                f"tdinspect: {key} not stored: {prep.skipped} (the sidecar says so)",
+            )
+        self._append(
+            key, None, copy, prep.stats, module_type, extra, digest, shape=prep.shape, dtype=prep.dtype
+        )
         return prep.stats
 
-    def record_unchanged(self, key: str, tensor: torch.Tensor, facts: tuple, *,
-                         of_pass: int, module_type: str, **extra: Any) -> None:
+    def record_unchanged(
+        self, key: str, tensor: torch.Tensor, facts: tuple, *, of_pass: int, module_type: str, **extra: Any
+    ) -> None:
         """Add an entry whose tensor is the one stored under ``key`` in pass ``of_pass``.
 
         Nothing is copied and nothing computed: ``facts`` (the statistics and
@@ -384,8 +431,7 @@ class Recorder:
         ref = {"kind": "same", "of": key, "pass": of_pass}
         with self._lock:
             if self.observer is not None:
-                self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type,
-                                    ref=ref)
+                self.observer.entry(key, tensor, pass_=self.pass_index, module_type=module_type, ref=ref)
             self._append(key, tensor, None, facts[0], module_type, {**extra, "ref": ref}, facts[1])
 
     def facts(self, key: str) -> tuple:
@@ -393,16 +439,19 @@ class Recorder:
         i = self._index.get(key)
         return (None, None) if i is None else (self._pass.stats[i], self._pass.checksums[i])
 
-    def _append(self, key, tensor, copy, stat, module_type, extra, digest=None, *,
-                shape=None, dtype=None) -> None:
+    def _append(
+        self, key, tensor, copy, stat, module_type, extra, digest=None, *, shape=None, dtype=None
+    ) -> None:
         p = self._pass
         if key in self._index:  # never lose an entry to a name recorded twice: next free call
             base, call = split_call(key)
             while key in self._index:
                 call += 1
                 key = make_key(base, call)
-            self._say_once("dup", f"tdinspect: an entry was recorded twice under one name; "
-                                  f"the second is stored as {key!r}")
+            self._say_once(
+                "dup",
+                f"tdinspect: an entry was recorded twice under one name; the second is stored as {key!r}",
+            )
         p.checksums.append(digest)
         if tensor is not None:
             shape, dtype = shape_of(tensor), str(tensor.dtype)
@@ -486,5 +535,6 @@ class Recorder:
 
     def warn_if_empty(self, what: str) -> None:
         if not len(self):
-            warnings.warn(f"tdinspect: pass {self.pass_index} captured nothing: {what}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"tdinspect: pass {self.pass_index} captured nothing: {what}", RuntimeWarning, stacklevel=3
+            )

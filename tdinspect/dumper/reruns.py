@@ -31,9 +31,15 @@ def same_folder(a, b) -> bool:
     return _identity(a) == _identity(b)
 
 
-def close_reruns(earlier: Iterable[Any], dump_dir, what: str, *,
-                 closable: Callable[[Any], bool] = lambda old: True,
-                 unclosable: str = "", stacklevel: int = 2) -> None:
+def close_reruns(
+    earlier: Iterable[Any],
+    dump_dir,
+    what: str,
+    *,
+    closable: Callable[[Any], bool] = lambda old: True,
+    unclosable: str = "",
+    stacklevel: int = 2,
+) -> None:
     """Close each of ``earlier`` (captures still open outside a ``with``) that writes into
     ``dump_dir``, warning once each; warn of the others.
 
@@ -45,15 +51,27 @@ def close_reruns(earlier: Iterable[Any], dump_dir, what: str, *,
     for old in list(earlier):
         folder = old.folder
         if not same_folder(old.config.dump_dir, dump_dir):
-            warnings.warn(f"tdinspect: an earlier {what} into {folder} is still open outside a "
-                          f"`with`: both record (close it with .close() if it is a re-run "
-                          f"cell's)", RuntimeWarning, stacklevel=level)
+            warnings.warn(
+                f"tdinspect: an earlier {what} into {folder} is still open outside a "
+                f"`with`: both record (close it with .close() if it is a re-run "
+                f"cell's)",
+                RuntimeWarning,
+                stacklevel=level,
+            )
         elif not closable(old):
-            warnings.warn(f"tdinspect: an earlier {what} (into {folder}) is still recording "
-                          f"outside a `with`, {unclosable}: close() it, or it records "
-                          f"everything twice", RuntimeWarning, stacklevel=level)
+            warnings.warn(
+                f"tdinspect: an earlier {what} (into {folder}) is still recording "
+                f"outside a `with`, {unclosable}: close() it, or it records "
+                f"everything twice",
+                RuntimeWarning,
+                stacklevel=level,
+            )
         else:
             old.close()
-            warnings.warn(f"tdinspect: closed the earlier {what} still open outside a `with` "
-                          f"(into {folder}; a re-run cell?): it records no more, and what it "
-                          f"had recorded is written", RuntimeWarning, stacklevel=level)
+            warnings.warn(
+                f"tdinspect: closed the earlier {what} still open outside a `with` "
+                f"(into {folder}; a re-run cell?): it records no more, and what it "
+                f"had recorded is written",
+                RuntimeWarning,
+                stacklevel=level,
+            )

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..checksum import checksum_hex
-from ..format import pass_filename, save_pass, sidecar_filename, write_sidecar
-from ..rawpass import layout
+from tdinspect.numerics.checksum import checksum_hex
+from tdinspect.store.format import pass_filename, save_pass, sidecar_filename, write_sidecar
+from tdinspect.store.rawpass import layout
 
 
 class CaptureWriteError(RuntimeError):
@@ -51,15 +51,13 @@ class PendingPass:
         entries = {"key": self.keys, **self.columns, "stats": rows}
         if self.host_checksums is not None:
             digests = iter(self.host_checksums.tolist())
-            entries["checksum"] = [None if c is None else checksum_hex(next(digests))
-                                   for c in self.checksums]
+            entries["checksum"] = [None if c is None else checksum_hex(next(digests)) for c in self.checksums]
         sidecar = self.folder / sidecar_filename(self.index)
         meta = {**self.header, "pass": self.index, "entries": entries}
         if self.header.get("stats_only"):
             write_sidecar(sidecar, meta, fsync=fsync)
         else:
-            stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"])
-                      if keep}
+            stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"]) if keep}
             # where each tensor's bytes lie in the archive: analysis reads them without unpickling
             places = layout(stored)
             if places is not None:
@@ -67,9 +65,12 @@ class PendingPass:
                 entries["raw"] = [where.get(k) for k in self.keys]
             try:
                 # the sidecar, bound to the complete pass file, lands before the pass file does
-                save_pass(self.folder / pass_filename(self.index), stored, fsync=fsync,
-                          before_replace=lambda tmp: write_sidecar(sidecar, meta, fsync=fsync,
-                                                                   pass_file=tmp))
+                save_pass(
+                    self.folder / pass_filename(self.index),
+                    stored,
+                    fsync=fsync,
+                    before_replace=lambda tmp: write_sidecar(sidecar, meta, fsync=fsync, pass_file=tmp),
+                )
             except BaseException:
                 sidecar.unlink(missing_ok=True)  # no sidecar of a pass that was never written
                 raise
@@ -89,10 +90,15 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 def _write_error(item: PendingPass, exc: BaseException) -> CaptureWriteError:
     cause = _os_error(exc)
-    reason = (f"{os.strerror(cause.errno)} ({type(exc).__name__}: {exc})" if cause is not None
-              and cause is not exc else f"{type(exc).__name__}: {exc}")
-    error = CaptureWriteError(f"writing pass {item.index} into {item.folder} failed: {reason}; "
-                              "capture stopped, earlier passes are complete")
+    reason = (
+        f"{os.strerror(cause.errno)} ({type(exc).__name__}: {exc})"
+        if cause is not None and cause is not exc
+        else f"{type(exc).__name__}: {exc}"
+    )
+    error = CaptureWriteError(
+        f"writing pass {item.index} into {item.folder} failed: {reason}; "
+        "capture stopped, earlier passes are complete"
+    )
     error.__cause__ = exc
     return error
 
@@ -132,8 +138,13 @@ class AsyncWriter:
         in ``submit`` itself.
     """
 
-    def __init__(self, max_pending_bytes: int = 2 << 30, fsync: bool = False, on_written=None,
-                 threaded: bool | None = None):
+    def __init__(
+        self,
+        max_pending_bytes: int = 2 << 30,
+        fsync: bool = False,
+        on_written=None,
+        threaded: bool | None = None,
+    ):
         self.max_pending_bytes = max_pending_bytes
         self.threaded = default_threaded() if threaded is None else threaded
         self.on_written = on_written

@@ -18,8 +18,8 @@ import time
 import ipywidgets as W
 from IPython.display import display
 
-from ..terminal import html_text, visible
-from .widgets import DiffExplorer
+from tdinspect.jupyter.widgets import DiffExplorer
+from tdinspect.util.terminal import html_text, visible
 
 ENV_A, ENV_B, ENV_OPTIONS = "TDINSPECT_DASHBOARD_A", "TDINSPECT_DASHBOARD_B", "TDINSPECT_DASHBOARD_OPTIONS"
 
@@ -44,22 +44,34 @@ class Dashboard:
         self.diff = diff
         self.explorer = ex = DiffExplorer(diff, metric=metric, threshold=threshold)
         self.header = W.HTML(layout=W.Layout(padding="0 0 4px 0"))
-        self.entries = W.Select(rows=24, layout=W.Layout(width="98%", height="auto"),
-                                description="")
+        self.entries = W.Select(rows=24, layout=W.Layout(width="98%", height="auto"), description="")
         self.entries.observe(self._on_row, names="value")
         self._labels: dict[str, list[str]] = {}  # per metric: each row's text, without its mark
         self._marked: tuple | None = None  # (metric, divergent rows) the table shows
-        self._values = list(zip(ex.table["key"], ex.table["pass"].astype(int).tolist(),
-                                ex.table["rank"].astype(int).tolist()))
+        self._values = list(
+            zip(ex.table["key"], ex.table["pass"].astype(int).tolist(), ex.table["rank"].astype(int).tolist())
+        )
         ex.on_update.append(self._refresh_rows)  # once per change the explorer acts on
         self._refresh_rows()
-        table = W.VBox([W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)"
-                               "</small>"), self.entries], layout=W.Layout(width="34%"))
-        main = W.VBox([W.HBox([ex.metric, ex.threshold_box, ex.direction]), ex.label, ex.plot.widget,
-                       W.HBox([ex.entry, ex.pass_, ex.rank]), ex.message, ex.view.widget],
-                      layout=W.Layout(width="66%"))
-        self.header.value = (f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
-                             f"<code>{html_text(diff.a.path)}</code> &nbsp; B: <code>{html_text(diff.b.path)}</code>")
+        table = W.VBox(
+            [W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)</small>"), self.entries],
+            layout=W.Layout(width="34%"),
+        )
+        main = W.VBox(
+            [
+                W.HBox([ex.metric, ex.threshold_box, ex.direction]),
+                ex.label,
+                ex.plot.widget,
+                W.HBox([ex.entry, ex.pass_, ex.rank]),
+                ex.message,
+                ex.view.widget,
+            ],
+            layout=W.Layout(width="66%"),
+        )
+        self.header.value = (
+            f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
+            f"<code>{html_text(diff.a.path)}</code> &nbsp; B: <code>{html_text(diff.b.path)}</code>"
+        )
         self.widget = W.VBox([self.header, W.HBox([table, main])])
         self.build_seconds = time.perf_counter() - t0
 
@@ -69,18 +81,23 @@ class Dashboard:
         labels = self._labels.get(name)
         if labels is None:
             t = self.explorer.table
-            texts = [reason if structural else (f"{v:.3g}" if v == v else "-") for v, structural, reason
-                     in zip(t[name].to_numpy(float).tolist(), t["structural"].tolist(),
-                            t["reason"].tolist())]
-            labels = self._labels[name] = [visible(f" p{p} {k}  {text}") for p, k, text
-                                           in zip(t["pass"].tolist(), t["key"].tolist(), texts)]
+            texts = [
+                reason if structural else (f"{v:.3g}" if v == v else "-")
+                for v, structural, reason in zip(
+                    t[name].to_numpy(float).tolist(), t["structural"].tolist(), t["reason"].tolist()
+                )
+            ]
+            labels = self._labels[name] = [
+                visible(f" p{p} {k}  {text}")
+                for p, k, text in zip(t["pass"].tolist(), t["key"].tolist(), texts)
+            ]
         return labels
 
     def _refresh_rows(self) -> None:
         """Mark the divergent rows at the explorer's metric and threshold; the options are
         rebuilt only when a mark or the metric changed."""
-        from ..diff import threshold_fn
-        from ..metrics import metric
+        from tdinspect.compare.diff import threshold_fn
+        from tdinspect.numerics.metrics import metric
 
         ex = self.explorer
         m = metric(ex.metric.value)
@@ -89,8 +106,10 @@ class Dashboard:
         self.entries.unobserve(self._on_row, names="value")
         if marked != self._marked:
             self._marked = marked
-            self.entries.options = [(("⚠" if bad else " ") + label, value) for label, value, bad
-                                    in zip(self._row_labels(m.name), self._values, hits.tolist())]
+            self.entries.options = [
+                (("⚠" if bad else " ") + label, value)
+                for label, value, bad in zip(self._row_labels(m.name), self._values, hits.tolist())
+            ]
         shown = ex.shown_at  # the row on show (the first divergence, when it moved there)
         if shown in self._values:
             self.entries.value = shown
@@ -104,8 +123,9 @@ class Dashboard:
         display(self.widget)
 
 
-def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | str | None = None,
-              **diff_kwargs) -> Dashboard:
+def dashboard(
+    a=None, b=None, *, metric: str | None = None, threshold: float | str | None = None, **diff_kwargs
+) -> Dashboard:
     """One page to find where two runs part: summary, divergence plot, entry table, side by side.
 
     Parameters
@@ -129,8 +149,8 @@ def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | s
     --------
     >>> tdinspect.dashboard("sample_dumps/float32", "sample_dumps/wrong_layer")   # doctest: +SKIP
     """
-    from ..diff import Diff
-    from ..dumpset import DumpSet
+    from tdinspect.compare.diff import Diff
+    from tdinspect.dumpset import DumpSet
 
     if isinstance(a, Diff):
         return Dashboard(a, metric=metric, threshold=threshold)
@@ -147,8 +167,15 @@ def dashboard(a=None, b=None, *, metric: str | None = None, threshold: float | s
     return Dashboard(ref.diff(b, **diff_kwargs), metric=metric, threshold=threshold)
 
 
-def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float | str | None = None,
-          open_browser: bool = True) -> int:
+def serve(
+    a,
+    b,
+    *,
+    port: int = 8866,
+    metric: str | None = None,
+    threshold: float | str | None = None,
+    open_browser: bool = True,
+) -> int:
     """Serve :func:`dashboard` of ``a`` and ``b`` with Voilà on 127.0.0.1 (until Ctrl-C).
 
     The dump paths reach the page through environment variables, never as
@@ -169,7 +196,7 @@ def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float
 
     import nbformat
 
-    from ..dumpset import DumpSet
+    from tdinspect.dumpset import DumpSet
 
     if importlib.util.find_spec("voila") is None:
         raise RuntimeError("tdinspect dashboard needs Voilà: pip install 'tdinspect[dashboard]'")
@@ -180,10 +207,22 @@ def serve(a, b, *, port: int = 8866, metric: str | None = None, threshold: float
     nb.cells = [nbformat.v4.new_code_cell("import tdinspect\ntdinspect.dashboard()")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, folder / "tdinspect_dashboard.ipynb")
-    env = {**os.environ, ENV_A: str(Path(a).resolve()), ENV_B: str(Path(b).resolve()),
-           ENV_OPTIONS: json.dumps({"metric": metric, "threshold": threshold})}
-    cmd = [sys.executable, "-m", "voila", str(folder / "tdinspect_dashboard.ipynb"), f"--port={port}",
-           "--Voila.ip=127.0.0.1", "--strip_sources=True", "--preheat_kernel=True"] + ([] if open_browser else ["--no-browser"])
+    env = {
+        **os.environ,
+        ENV_A: str(Path(a).resolve()),
+        ENV_B: str(Path(b).resolve()),
+        ENV_OPTIONS: json.dumps({"metric": metric, "threshold": threshold}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "voila",
+        str(folder / "tdinspect_dashboard.ipynb"),
+        f"--port={port}",
+        "--Voila.ip=127.0.0.1",
+        "--strip_sources=True",
+        "--preheat_kernel=True",
+    ] + ([] if open_browser else ["--no-browser"])
     print(f"tdinspect: serving the dashboard of {a} vs {b} on http://127.0.0.1:{port}/ (Ctrl-C stops)")
     try:
         return subprocess.call(cmd, env=env, cwd=folder)

@@ -31,8 +31,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from ..cli import threshold_arg
-from ..terminal import visible
+from tdinspect.cli import threshold_arg
+from tdinspect.util.terminal import visible
 
 _NAMES = ("tdi_open", "tdi_diff", "tdi_capture")
 _MISSING = object()
@@ -53,8 +53,8 @@ class TdinspectMagics(Magics):
         return value
 
     def _open(self, path: str):
-        from ..dumpset import DumpSet
-        from ..format import DumpFormatError
+        from tdinspect.dumpset import DumpSet
+        from tdinspect.store.format import DumpFormatError
 
         try:
             return DumpSet.open(path)
@@ -63,7 +63,7 @@ class TdinspectMagics(Magics):
 
     def _dumpset(self, ref: str):
         """A DumpSet variable, else a dump folder; a clear error when it is neither."""
-        from ..dumpset import DumpSet
+        from tdinspect.dumpset import DumpSet
 
         value = self.shell.user_ns.get(ref, _MISSING)
         if isinstance(value, DumpSet):
@@ -71,10 +71,12 @@ class TdinspectMagics(Magics):
         if Path(ref).exists():
             return self._open(ref)
         if value is not _MISSING:
-            raise UsageError(f"`{ref}` is a {type(value).__name__}, not a DumpSet, and no folder "
-                             f"`{ref}` exists")
-        raise UsageError(f"`{ref}` is neither a variable in the notebook nor a folder "
-                         f"(looked in {Path.cwd()})")
+            raise UsageError(
+                f"`{ref}` is a {type(value).__name__}, not a DumpSet, and no folder `{ref}` exists"
+            )
+        raise UsageError(
+            f"`{ref}` is neither a variable in the notebook nor a folder (looked in {Path.cwd()})"
+        )
 
     @magic_arguments()
     @argument("name", help="variable to bind the DumpSet to")
@@ -93,14 +95,24 @@ class TdinspectMagics(Magics):
     @argument("a", help="reference: path or DumpSet variable")
     @argument("b", help="compared: path or DumpSet variable")
     @argument("--metric", default=None, help="rel_diff (default), max_abs, cosine, ...")
-    @argument("--threshold", type=threshold_arg, default="auto",
-              help="divergence threshold: auto (default, from each entry's dtypes) or a number")
-    @argument("--mapping", default=None,
-              help="YAML/JSON rules pairing differently named entries (a port)")
-    @argument("--concat", default=None,
-              help="OVER:DIM, e.g. call:1: decode calls end to end (a decode run vs a forward)")
-    @argument("--structural", default="diverge", choices=["diverge", "report"],
-              help="report: set one-sided and reshaped entries aside")
+    @argument(
+        "--threshold",
+        type=threshold_arg,
+        default="auto",
+        help="divergence threshold: auto (default, from each entry's dtypes) or a number",
+    )
+    @argument("--mapping", default=None, help="YAML/JSON rules pairing differently named entries (a port)")
+    @argument(
+        "--concat",
+        default=None,
+        help="OVER:DIM, e.g. call:1: decode calls end to end (a decode run vs a forward)",
+    )
+    @argument(
+        "--structural",
+        default="diverge",
+        choices=["diverge", "report"],
+        help="report: set one-sided and reshaped entries aside",
+    )
     @argument("--as", dest="as_", default=None, help="bind the Diff to this variable")
     @line_magic
     def tdi_diff(self, line):
@@ -109,14 +121,15 @@ class TdinspectMagics(Magics):
         The summary's first divergence uses ``--metric`` and ``--threshold``;
         ``--as d`` keeps the Diff (``d.first_divergence(...)``, ``explore(d)``).
         """
-        from ..report import DiffSummary
+        from tdinspect.report import DiffSummary
 
         args = parse_argstring(self.tdi_diff, line)
         a, b = self._dumpset(args.a), self._dumpset(args.b)
         try:
             diff = a.diff(b, mapping=args.mapping, concat=args.concat)
-            summary = DiffSummary(diff, threshold=args.threshold, metric=args.metric,
-                                  structural=args.structural)
+            summary = DiffSummary(
+                diff, threshold=args.threshold, metric=args.metric, structural=args.structural
+            )
         except (ValueError, TypeError, OSError) as exc:  # a bad metric, mapping file, concat
             raise _usage(exc) from exc
         if args.as_:
@@ -124,16 +137,29 @@ class TdinspectMagics(Magics):
         display(summary)
 
     @magic_arguments()
-    @argument("dir", nargs="?", default=None,
-              help="dump directory (with --compare-to: where the evidence goes, optional)")
+    @argument(
+        "dir",
+        nargs="?",
+        default=None,
+        help="dump directory (with --compare-to: where the evidence goes, optional)",
+    )
     @argument("--model", default=None, help="variable holding the nn.Module")
     @argument("--ops", action="store_true", help="op-level capture (TorchDispatchMode)")
     @argument("--filter", nargs="*", default=None, help="regexes on names")
     @argument("--overwrite", action="store_true", help="remove earlier runs in DIR")
-    @argument("--compare-to", dest="compare_to", default=None,
-              help="reference dump: compare every entry with it while the cell runs")
-    @argument("--on-divergence", dest="on_divergence", default="raise",
-              choices=["raise", "warn", "record"], help="with --compare-to (default raise)")
+    @argument(
+        "--compare-to",
+        dest="compare_to",
+        default=None,
+        help="reference dump: compare every entry with it while the cell runs",
+    )
+    @argument(
+        "--on-divergence",
+        dest="on_divergence",
+        default="raise",
+        choices=["raise", "warn", "record"],
+        help="with --compare-to (default raise)",
+    )
     @cell_magic
     def tdi_capture(self, line, cell):
         """Capture what the cell runs as a new run in DIR (one pass)."""
@@ -143,17 +169,20 @@ class TdinspectMagics(Magics):
         model = self._variable(args.model) if args.model else None
         if args.dir is None and args.compare_to is None:
             raise UsageError("give a dump directory (or --compare-to REF)")
-        live = {} if args.compare_to is None else {"compare_to": args.compare_to,
-                                                    "on_divergence": args.on_divergence}
+        live = (
+            {}
+            if args.compare_to is None
+            else {"compare_to": args.compare_to, "on_divergence": args.on_divergence}
+        )
         try:
             if args.ops:
-                cap = tdinspect.capture_ops(args.dir, model=model, filter=args.filter,
-                                            overwrite=args.overwrite, **live)
+                cap = tdinspect.capture_ops(
+                    args.dir, model=model, filter=args.filter, overwrite=args.overwrite, **live
+                )
             else:
                 if model is None:
                     raise UsageError("module-level capture needs --model VAR (or use --ops)")
-                cap = tdinspect.capture(model, args.dir, filter=args.filter,
-                                        overwrite=args.overwrite, **live)
+                cap = tdinspect.capture(model, args.dir, filter=args.filter, overwrite=args.overwrite, **live)
         except (ValueError, TypeError, OSError) as exc:
             raise _usage(exc) from exc
         with cap:
@@ -163,14 +192,21 @@ class TdinspectMagics(Magics):
             path = cap.step(failed=failed)
         if live:
             first = cap.live.first
-            print(visible(f"tdinspect: no divergence from {args.compare_to}" if first is None else
-                          f"tdinspect: first divergence from {args.compare_to}: {first.key} (call "
-                          f"{first.call}, pass {first.pass_}): {first.reason}"))
+            print(
+                visible(
+                    f"tdinspect: no divergence from {args.compare_to}"
+                    if first is None
+                    else f"tdinspect: first divergence from {args.compare_to}: {first.key} (call "
+                    f"{first.call}, pass {first.pass_}): {first.reason}"
+                )
+            )
         elif failed is None:
             print(f"tdinspect: wrote {path}")
         else:
-            print(f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before the "
-                  f"error to {path}, marked failed in its sidecar")
+            print(
+                f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before the "
+                f"error to {path}, marked failed in its sidecar"
+            )
 
 
 _TENSOR_CALL = re.compile(r"([A-Za-z_]\w*)\.tensor\(\s*(?:op\s*=\s*)?(['\"])([^'\"]*)$")
@@ -182,7 +218,7 @@ def _entry_matcher(shell):
 
     @context_matcher()
     def tdinspect_entries(context):
-        from ..dumpset import DumpSet
+        from tdinspect.dumpset import DumpSet
 
         found = _TENSOR_CALL.search(context.text_until_cursor)
         ds = shell.user_ns.get(found.group(1)) if found else None
@@ -190,8 +226,12 @@ def _entry_matcher(shell):
             return {"completions": []}
         prefix = found.group(3)
         names = [o for o in ds.ops if o.startswith(prefix)]
-        return {"completions": [SimpleCompletion(o, type="entry") for o in names],
-                "matched_fragment": prefix, "suppress": bool(names), "ordered": True}
+        return {
+            "completions": [SimpleCompletion(o, type="entry") for o in names],
+            "matched_fragment": prefix,
+            "suppress": bool(names),
+            "ordered": True,
+        }
 
     return tdinspect_entries
 
@@ -200,8 +240,9 @@ def load_ipython_extension(ipython) -> None:
     """Register the magics and the entry-name completer (loading twice changes nothing)."""
     ipython.register_magics(TdinspectMagics)
     completer = getattr(ipython, "Completer", None)
-    if completer is not None and not any(getattr(m, "__qualname__", "").endswith(
-            "tdinspect_entries") for m in completer.custom_matchers):
+    if completer is not None and not any(
+        getattr(m, "__qualname__", "").endswith("tdinspect_entries") for m in completer.custom_matchers
+    ):
         completer.custom_matchers.append(_entry_matcher(ipython))
 
 
@@ -213,5 +254,8 @@ def unload_ipython_extension(ipython) -> None:
             table.pop(name, None)
     completer = getattr(ipython, "Completer", None)
     if completer is not None:
-        completer.custom_matchers[:] = [m for m in completer.custom_matchers if not getattr(
-            m, "__qualname__", "").endswith("tdinspect_entries")]
+        completer.custom_matchers[:] = [
+            m
+            for m in completer.custom_matchers
+            if not getattr(m, "__qualname__", "").endswith("tdinspect_entries")
+        ]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..terminal import visible
+from tdinspect.util.terminal import visible
 
 
 def _plt():
@@ -74,7 +74,7 @@ def _plain(text: str) -> str:
 
 def _group(op: str) -> str:
     """The label of an entry's group on the x axis: its layer, else its leaf module."""
-    from ..naming import split_module_path
+    from tdinspect.naming import split_module_path
 
     _, layer, leaf = split_module_path(op.split("/")[0])
     return f"L{layer}" if layer >= 0 else _plain(leaf)
@@ -92,15 +92,17 @@ class DivergencePlot:
         n = len(table)
         self.x = np.arange(n, dtype=float)
         band = ax.get_xaxis_transform()  # x in data, y in axes: a band that never meets the data
-        self.line, = ax.plot([], [], ".-", lw=0.8, ms=3)
-        self.zeros, = ax.plot([], [], "o", ms=3.5, mfc="none", color="C2", transform=band,
-                              label="exactly 0 (identical)")
-        self.inf, = ax.plot([], [], "^", ms=4, color="C2", transform=band, label="identical (inf)")
-        self.struct, = ax.plot([], [], "x", ms=5, color="C3", transform=band,
-                               label="structural (only one side, shape, NaN)")
-        self.missing, = ax.plot([], [], "|", ms=8, color="0.5", transform=band, label="not compared")
+        (self.line,) = ax.plot([], [], ".-", lw=0.8, ms=3)
+        (self.zeros,) = ax.plot(
+            [], [], "o", ms=3.5, mfc="none", color="C2", transform=band, label="exactly 0 (identical)"
+        )
+        (self.inf,) = ax.plot([], [], "^", ms=4, color="C2", transform=band, label="identical (inf)")
+        (self.struct,) = ax.plot(
+            [], [], "x", ms=5, color="C3", transform=band, label="structural (only one side, shape, NaN)"
+        )
+        (self.missing,) = ax.plot([], [], "|", ms=8, color="0.5", transform=band, label="not compared")
         self.thr = ax.axhline(np.nan, color="C1", ls="--", lw=1)
-        self.thr_rows, = ax.plot([], [], ls="--", lw=1, color="C1", drawstyle="steps-mid")
+        (self.thr_rows,) = ax.plot([], [], ls="--", lw=1, color="C1", drawstyle="steps-mid")
         self.first = ax.axvline(np.nan, color="C3", lw=1.2, label="first divergence")
         self.selected = ax.axvline(np.nan, color="C0", lw=3, alpha=0.25, label="selected entry")
         self._label_x()
@@ -131,12 +133,15 @@ class DivergencePlot:
         if div is None:
             return math.nan
         df = self.table
-        hit = np.flatnonzero((df["pass"].to_numpy() == div.pass_) & (df["rank"].to_numpy() == div.rank)
-                             & (df["key"].to_numpy() == div.key))
+        hit = np.flatnonzero(
+            (df["pass"].to_numpy() == div.pass_)
+            & (df["rank"].to_numpy() == div.rank)
+            & (df["key"].to_numpy() == div.key)
+        )
         return float(hit[0]) if len(hit) else math.nan
 
     def draw(self, metric, threshold, div, selected: float = math.nan) -> None:
-        """Show ``metric`` (a :class:`~tdinspect.metrics.Metric`) at ``threshold``: one
+        """Show ``metric`` (a :class:`~tdinspect.numerics.metrics.Metric`) at ``threshold``: one
         number (a line across), or one per row (``"auto"``: a step line along the rows)."""
         ax, df, x = self.ax, self.table, self.x
         sc = scale(metric.name)
@@ -150,8 +155,12 @@ class DivergencePlot:
         ax.set_yscale("log" if sc.log else "linear")
         self.line.set_data(x, np.where(shown, y, np.nan))
         self.line.set_label(metric.name)
-        for artist, mask, at in ((self.zeros, zero, 0.03), (self.inf, inf, 0.97),
-                                 (self.struct, structural, bad_band), (self.missing, nan, bad_band)):
+        for artist, mask, at in (
+            (self.zeros, zero, 0.03),
+            (self.inf, inf, 0.97),
+            (self.struct, structural, bad_band),
+            (self.missing, nan, bad_band),
+        ):
             artist.set_data(x[mask], np.full(mask.sum(), at))
             artist.set_visible(bool(mask.any()))
         per_row = np.ndim(threshold) > 0
@@ -165,13 +174,13 @@ class DivergencePlot:
         else:
             self.thr.set_ydata([threshold, threshold])
             text = sc.text(threshold)
-        thr_line.set_label(f"threshold {text} ({'above' if metric.higher_is_worse else 'below'}"
-                           " diverges)")
+        thr_line.set_label(f"threshold {text} ({'above' if metric.higher_is_worse else 'below'} diverges)")
         self.first.set_xdata([self.row(div)] * 2)
         self.selected.set_xdata([selected, selected])
         thr_values = np.atleast_1d(threshold)
-        values = np.append(y[shown], thr_values[np.isfinite(thr_values) & (
-            (thr_values > 0) if sc.log else True)])
+        values = np.append(
+            y[shown], thr_values[np.isfinite(thr_values) & ((thr_values > 0) if sc.log else True)]
+        )
         if sc.log:
             lo, hi = values[values > 0].min() / 5, values.max() * 5
         else:
@@ -179,18 +188,39 @@ class DivergencePlot:
             lo, hi = values.min() - pad, values.max() + pad
         ax.set_ylim(lo, hi)
         ax.set_ylabel(metric.name)
-        handles = [a for a in (self.line, self.zeros, self.inf, self.struct, self.missing, self.thr,
-                               self.thr_rows, self.first, self.selected) if a.get_visible() and not (
-            a in (self.first, self.selected) and np.isnan(a.get_xdata()[0]))]
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
-                  frameon=False)
-        title = "no divergence" if div is None else \
-            f"first divergence: {div.key} (pass {div.pass_}) — {div.reason}"
+        handles = [
+            a
+            for a in (
+                self.line,
+                self.zeros,
+                self.inf,
+                self.struct,
+                self.missing,
+                self.thr,
+                self.thr_rows,
+                self.first,
+                self.selected,
+            )
+            if a.get_visible() and not (a in (self.first, self.selected) and np.isnan(a.get_xdata()[0]))
+        ]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+        title = (
+            "no divergence"
+            if div is None
+            else f"first divergence: {div.key} (pass {div.pass_}) — {div.reason}"
+        )
         ax.set_title(_plain(title), fontsize=9, pad=14)
 
 
-def divergence(diff, metric: str | None = None, threshold: float | None = None, *,
-               pass_: int | None = None, rank: int | None = None, ax=None):
+def divergence(
+    diff,
+    metric: str | None = None,
+    threshold: float | None = None,
+    *,
+    pass_: int | None = None,
+    rank: int | None = None,
+    ax=None,
+):
     """A metric along the reference's execution order, threshold line, first divergence marked.
 
     Exact zeros (identical entries) are marked on a band at the bottom,
@@ -205,7 +235,7 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
         Default: the diff's (``rel_diff``).
     threshold : "auto", float or dict, optional
         Default ``"auto"``: each entry's from its dtypes (drawn as a step
-        line); see :meth:`tdinspect.diff.Diff.first_divergence`.
+        line); see :meth:`tdinspect.compare.diff.Diff.first_divergence`.
     pass_, rank : int, optional
         Restrict to one pass / rank (default: all, pass after pass).
     ax : matplotlib Axes, optional
@@ -214,7 +244,7 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
     -------
     matplotlib.figure.Figure
     """
-    from ..metrics import metric as get_metric
+    from tdinspect.numerics.metrics import metric as get_metric
 
     m = get_metric(metric or diff.default_metric)
     df = sorted_table(diff)
@@ -224,15 +254,16 @@ def divergence(diff, metric: str | None = None, threshold: float | None = None, 
         df = df[df["rank"] == rank]
     df = df.reset_index(drop=True)
     fig, ax = (ax.figure, ax) if ax is not None else _plt().subplots(figsize=(11, 3.8))
-    DivergencePlot(df, ax).draw(m, drawn_threshold(threshold, m.name, df),
-                                diff.first_divergence(threshold, m.name))
+    DivergencePlot(df, ax).draw(
+        m, drawn_threshold(threshold, m.name, df), diff.first_divergence(threshold, m.name)
+    )
     fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
     return fig
 
 
 def drawn_threshold(threshold, metric_name: str, table):
     """The threshold as drawn: one number when one was given, else one per row of ``table``."""
-    from ..diff import threshold_fn
+    from tdinspect.compare.diff import threshold_fn
 
     t = threshold_fn(threshold, metric_name)
     return t.fixed if t.fixed is not None else t.of_rows(table)
@@ -264,8 +295,9 @@ def _zero_missing_image(ax, grid: np.ndarray, log_scale: bool, cmap: str = "viri
         shown = np.where(zero, vmin - 1, shown)  # below the colour range: drawn in the "under" colour
     ax.patch.set_hatch("///")
     ax.patch.set_edgecolor("0.6")
-    im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap=cm, vmin=vmin, vmax=vmax,
-                   interpolation="nearest")
+    im = ax.imshow(
+        np.ma.masked_invalid(shown), aspect="auto", cmap=cm, vmin=vmin, vmax=vmax, interpolation="nearest"
+    )
     handles = [Patch(facecolor="none", edgecolor="0.6", hatch="///", label="missing")]
     if log_scale and zero.any():
         handles.insert(0, Patch(facecolor="black", label="exactly 0"))
@@ -280,8 +312,8 @@ def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 
     zeros are drawn in black ("exactly 0") and missing cells hatched
     ("missing"), each in the legend.
     """
-    from ..diff import Diff
-    from ..naming import split_module_path
+    from tdinspect.compare.diff import Diff
+    from tdinspect.naming import split_module_path
 
     plt = _plt()
     if isinstance(source, Diff):
@@ -303,8 +335,11 @@ def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 
     grid = np.full((len(layers), len(leaves)), np.nan)
     for (layer, leaf), v in cells.items():
         grid[layers.index(layer), leaves.index(leaf)] = v
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(max(5, 0.5 * len(leaves) + 3.5), max(2.5, 0.35 * len(layers) + 1.5)))
+    fig, ax = (
+        (ax.figure, ax)
+        if ax is not None
+        else plt.subplots(figsize=(max(5, 0.5 * len(leaves) + 3.5), max(2.5, 0.35 * len(layers) + 1.5)))
+    )
     log_scale = variable in ("absmax", "l2") or (variable in _SCALES and scale(variable).log)
     im = _zero_missing_image(ax, grid, log_scale)
     ax.set_xticks(range(len(leaves)), [_plain(v) for v in leaves], rotation=60, ha="right", fontsize=8)
@@ -322,8 +357,7 @@ def _as_2d(t, limit: int = 256) -> tuple[np.ndarray, bool]:
     t = t.detach()
     if t.is_complex():
         t = t.abs()
-    t = t.reshape(1, 1) if t.dim() == 0 else (t.reshape(-1, t.shape[-1]) if t.dim() > 1
-                                              else t.reshape(1, -1))
+    t = t.reshape(1, 1) if t.dim() == 0 else (t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1))
     sr, sc = max(1, -(-t.shape[0] // limit)), max(1, -(-t.shape[1] // limit))
     return t[::sr, ::sc].to(dtype=torch.float32).numpy(), sr * sc > 1
 
@@ -349,9 +383,11 @@ class SideBySide:
         self.axes = axes
         empty = np.zeros((1, 1))
         self.images = []
-        for ax, name, cmap, label in ((axes[0, 0], "A (reference)", "RdBu_r", "value"),
-                                      (axes[0, 1], "B", "RdBu_r", "value"),
-                                      (axes[0, 2], "|A - B|", "magma", "|A - B|")):
+        for ax, name, cmap, label in (
+            (axes[0, 0], "A (reference)", "RdBu_r", "value"),
+            (axes[0, 1], "B", "RdBu_r", "value"),
+            (axes[0, 2], "|A - B|", "magma", "|A - B|"),
+        ):
             im = ax.imshow(empty, aspect="auto", cmap=cmap, interpolation="nearest")
             ax.set_title(name, fontsize=9)
             fig.colorbar(im, ax=ax, label=label)
@@ -374,7 +410,7 @@ class SideBySide:
 
     def update(self, a, b, title: str = "") -> None:
         """Show reference ``a`` and compared ``b`` (same shape)."""
-        from ..metrics import compare_tensors
+        from tdinspect.numerics.metrics import compare_tensors
 
         xa, strided = _as_2d(a)
         xb, _ = _as_2d(b)
@@ -390,33 +426,38 @@ class SideBySide:
             im.set_clim(lo, hi)
         for ax in self.axes[0]:
             _label_image(ax, strided)
-        self.axes[0, 2].set_title("|A - B|" + (" (identical: 0 everywhere)" if identical else ""),
-                                  fontsize=9)
+        self.axes[0, 2].set_title("|A - B|" + (" (identical: 0 everywhere)" if identical else ""), fontsize=9)
         finite = np.isfinite(xa.ravel()) & np.isfinite(xb.ravel())
         va, vb = xa.ravel()[finite], xb.ravel()[finite]
         edges = np.histogram_bin_edges(np.concatenate([va, vb]) if va.size else [0.0, 1.0], bins=60)
         self.hist_a.set_data(np.histogram(va, edges)[0], edges)
         self.hist_b.set_data(np.histogram(vb, edges)[0], edges)
-        self._fit(self.axes[1, 0], edges, max(self.hist_a.get_data().values.max(),
-                                              self.hist_b.get_data().values.max()))
+        self._fit(
+            self.axes[1, 0],
+            edges,
+            max(self.hist_a.get_data().values.max(), self.hist_b.get_data().values.max()),
+        )
         ax = self.axes[1, 1]
         nonzero = dd[dd > 0]
         if nonzero.size:
             counts, edges = np.histogram(np.log10(nonzero), bins=60)
             self.hist_d.set_data(counts, edges)
             self._fit(ax, edges, counts.max())
-            ax.set_title(f"log10 |A - B| ({nonzero.size} of {dd.size} shown elements differ)",
-                         fontsize=9)
+            ax.set_title(f"log10 |A - B| ({nonzero.size} of {dd.size} shown elements differ)", fontsize=9)
             self.same.set_text("")
         else:  # nothing to draw: say so, no made-up bar
             self.hist_d.set_data([0], [0, 1])
             ax.set_title("log10 |A - B|", fontsize=9)
-            self.same.set_text("A and B are identical\n(|A - B| = 0 everywhere)" if identical else
-                               "no element differs as a number\n(only the dtypes differ)")
+            self.same.set_text(
+                "A and B are identical\n(|A - B| = 0 everywhere)"
+                if identical
+                else "no element differs as a number\n(only the dtypes differ)"
+            )
         ax.axis("on" if nonzero.size else "off")
         m = compare_tensors(b, a) if a.shape == b.shape else {}
-        self.metrics.set_text("\n".join(f"{k}: {v:.3g}" for k, v in m.items()
-                                        if isinstance(v, float) and not math.isnan(v)))
+        self.metrics.set_text(
+            "\n".join(f"{k}: {v:.3g}" for k, v in m.items() if isinstance(v, float) and not math.isnan(v))
+        )
         self.title.set_text(_plain(title))
 
     @staticmethod
@@ -478,7 +519,7 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
     -------
     matplotlib.figure.Figure
     """
-    from ..metrics import metric as get_metric
+    from tdinspect.numerics.metrics import metric as get_metric
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
@@ -491,8 +532,11 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
     for (r, p), row in by.iterrows():
         grid[ranks.index(r), passes.index(p)] = row["worst"]
         bad[ranks.index(r), passes.index(p)] = row["n_divergent"] > 0
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(max(5, 0.4 * len(passes) + 3.5), max(2, 0.4 * len(ranks) + 1.5)))
+    fig, ax = (
+        (ax.figure, ax)
+        if ax is not None
+        else plt.subplots(figsize=(max(5, 0.4 * len(passes) + 3.5), max(2, 0.4 * len(ranks) + 1.5)))
+    )
     log_scale = scale(m.name).log
     im = _zero_missing_image(ax, grid, log_scale)
     lo, hi = im.get_clim()
@@ -513,18 +557,20 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
         if lo <= t <= hi:
             cb.ax.axhline(t, color="C1", lw=1.5)
     first = by[by["n_divergent"] > 0].sort_index(level=["pass", "rank"])
-    title = "no divergence" if first.empty else (
-        f"first: rank {first.index[0][0]}, pass {first.index[0][1]}: {first.iloc[0]['first']}")
+    title = (
+        "no divergence"
+        if first.empty
+        else (f"first: rank {first.index[0][0]}, pass {first.index[0][1]}: {first.iloc[0]['first']}")
+    )
     ax.set_title(_plain(title), fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
-                 threshold=None, *, ax=None):
+def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None, threshold=None, *, ax=None):
     """Entries × positions: the metric of each entry along ``dim``, first divergent position marked.
 
-    Each row is :meth:`tdinspect.diff.Diff.per_position` of one entry, reduced
+    Each row is :meth:`tdinspect.compare.diff.Diff.per_position` of one entry, reduced
     over passes and calls (and ranks) to its worst value; each row's first
     position past the threshold is marked, and the earliest of them is drawn
     as a line and written in the title ("diverges from position 16 on"), so a
@@ -551,7 +597,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
     --------
     >>> fig = tdinspect.plot.per_position(full.diff(decode, concat="call:1"), dim=1)  # doctest: +SKIP
     """
-    from ..metrics import metric as get_metric
+    from tdinspect.numerics.metrics import metric as get_metric
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
@@ -574,13 +620,16 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
     npos = max(len(r) for r in rows)
     grid = np.full((len(rows), npos), np.nan)
     for i, r in enumerate(rows):
-        grid[i, :len(r)] = r
+        grid[i, : len(r)] = r
     thr = np.asarray(thrs, float)[:, None]  # each entry's own ("auto": from its dtypes)
     with np.errstate(invalid="ignore"):
         over = grid > thr if m.higher_is_worse else grid < thr
     log = scale(m.name).log
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(min(14, 5 + 0.25 * npos), 1.5 + 0.22 * len(rows)))
+    fig, ax = (
+        (ax.figure, ax)
+        if ax is not None
+        else plt.subplots(figsize=(min(14, 5 + 0.25 * npos), 1.5 + 0.22 * len(rows)))
+    )
     im = _zero_missing_image(ax, grid, log)
     fig.colorbar(im, ax=ax, label=f"log10 {m.name}" if log else m.name)
     firsts = [int(np.flatnonzero(o)[0]) if o.any() else -1 for o in over]
@@ -595,7 +644,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
         verdict = "no position past the threshold"
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel(f"position along dim {dim}")
-    from ..diff import threshold_fn
+    from tdinspect.compare.diff import threshold_fn
 
     given = _plain(threshold_fn(threshold, m.name).given())  # a dict's regexes are the user's
     ax.set_title(f"{m.name} per position (threshold {given}): {verdict}")

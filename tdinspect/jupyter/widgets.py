@@ -27,8 +27,8 @@ import ipywidgets as W
 import numpy as np
 from IPython.display import display
 
-from ..terminal import html_text, visible
-from . import plots
+from tdinspect.jupyter import plots
+from tdinspect.util.terminal import html_text, visible
 
 
 def _labelled(names) -> list[tuple[str, str]]:
@@ -120,11 +120,16 @@ class DiffExplorer:
         Seconds the last build and the last callback of each kind took.
     """
 
-    def __init__(self, diff, metric: str | None = None, threshold: float | str | None = None,
-                 positions: int | str | None = None):
+    def __init__(
+        self,
+        diff,
+        metric: str | None = None,
+        threshold: float | str | None = None,
+        positions: int | str | None = None,
+    ):
         import time
 
-        from ..metrics import METRICS
+        from tdinspect.numerics.metrics import METRICS
 
         t0 = time.perf_counter()
         self.diff = diff
@@ -132,22 +137,36 @@ class DiffExplorer:
         names = ["stats_rel"] if diff.mode == "stats" else [m for m in METRICS if m != "stats_rel"]
         metric = metric or diff.default_metric
         self.metric = W.Dropdown(options=names, value=metric, description="metric")
-        self._log_slider = W.FloatLogSlider(base=10, min=-12, max=0, step=0.25, value=1e-3,
-                                            description="threshold", continuous_update=False,
-                                            readout_format=".1e")
-        self._lin_slider = W.FloatSlider(min=0, max=1, step=1e-3, value=0.5, description="threshold",
-                                         continuous_update=False)
-        self.auto = W.Checkbox(value=True, description="auto", indent=False,
-                               tooltip="each entry's threshold from its two dtypes",
-                               layout=W.Layout(width="70px"))
+        self._log_slider = W.FloatLogSlider(
+            base=10,
+            min=-12,
+            max=0,
+            step=0.25,
+            value=1e-3,
+            description="threshold",
+            continuous_update=False,
+            readout_format=".1e",
+        )
+        self._lin_slider = W.FloatSlider(
+            min=0, max=1, step=1e-3, value=0.5, description="threshold", continuous_update=False
+        )
+        self.auto = W.Checkbox(
+            value=True,
+            description="auto",
+            indent=False,
+            tooltip="each entry's threshold from its two dtypes",
+            layout=W.Layout(width="70px"),
+        )
         self.direction = W.HTML()
         self.table = plots.sorted_table(diff)
         self._keys = list(dict.fromkeys(self.table["key"]))
         self.entry = W.Dropdown(options=_labelled(self._keys), description="entry")
         self.pass_ = W.Dropdown(options=sorted(set(self.table["pass"].tolist())), description="pass")
-        self.rank = W.Dropdown(options=sorted(set(self.table["rank"].tolist())), description="rank",
-                               layout=W.Layout(display="" if self.table["rank"].nunique() > 1
-                                               else "none"))
+        self.rank = W.Dropdown(
+            options=sorted(set(self.table["rank"].tolist())),
+            description="rank",
+            layout=W.Layout(display="" if self.table["rank"].nunique() > 1 else "none"),
+        )
         self.label = W.HTML()
         self.message = W.HTML()
         self.plot = FigureView((11, 3.8))
@@ -174,11 +193,17 @@ class DiffExplorer:
             w.observe(self._on_pick, names="value")
         self.fig.canvas.mpl_connect("button_press_event", self._on_click)
         self.position_dim, self.positions, self.positions_fig = positions, W.Output(), None
-        self.widget = W.VBox([W.HBox([self.metric, self.threshold_box, self.direction]), self.label,
-                              self.plot.widget,
-                              *([self.positions] if positions is not None else []),
-                              W.HBox([self.entry, self.pass_, self.rank]),
-                              self.message, self.view.widget])
+        self.widget = W.VBox(
+            [
+                W.HBox([self.metric, self.threshold_box, self.direction]),
+                self.label,
+                self.plot.widget,
+                *([self.positions] if positions is not None else []),
+                W.HBox([self.entry, self.pass_, self.rank]),
+                self.message,
+                self.view.widget,
+            ]
+        )
         self.update(follow=True)
         self.timings["build"] = time.perf_counter() - t0
 
@@ -198,7 +223,7 @@ class DiffExplorer:
         to most entries (each row's from its dtypes and upstream dtype, as drawn)."""
         values = plots.drawn_threshold("auto", name, self.table)
         if not len(values):
-            from ..diff import threshold_fn
+            from tdinspect.compare.diff import threshold_fn
 
             return threshold_fn("auto", name).lookup("", "", "")[0]
         distinct, counts = np.unique(values, return_counts=True)
@@ -214,7 +239,7 @@ class DiffExplorer:
             self._quiet = quiet
 
     def _configure_slider(self, name: str, threshold: float | None = None) -> None:
-        from ..metrics import metric
+        from tdinspect.numerics.metrics import metric
 
         m, sc = metric(name), plots.scale(name)
         auto = threshold is None or (isinstance(threshold, str) and threshold == "auto")
@@ -226,7 +251,7 @@ class DiffExplorer:
             self.auto.value = auto
             if sc.log:  # float64's "auto" (2.8e-17) widens the range below 1e-12
                 lo = min(sc.lo, math.floor(math.log10(value))) if value > 0 else sc.lo
-                value = max(value, 10.0 ** lo)
+                value = max(value, 10.0**lo)
                 slider.min, slider.max = lo, max(sc.hi, math.ceil(math.log10(value)))
             else:
                 slider.min, slider.max = sc.lo, max(sc.hi, value)
@@ -234,8 +259,10 @@ class DiffExplorer:
             slider.value = value
             slider.disabled = name == "equal"  # bitwise equality has one threshold: 1
         self.threshold_box.children = [slider, self.auto]
-        self.direction.value = (f"<small>diverges {'above' if m.higher_is_worse else 'below'}"
-                                f"{' (0 = not bitwise equal)' if name == 'equal' else ''}</small>")
+        self.direction.value = (
+            f"<small>diverges {'above' if m.higher_is_worse else 'below'}"
+            f"{' (0 = not bitwise equal)' if name == 'equal' else ''}</small>"
+        )
 
     # -- callbacks ---------------------------------------------------------------------------
     def _timed(self, kind: str, fn, *args) -> None:
@@ -299,9 +326,11 @@ class DiffExplorer:
 
     def _selected_row(self) -> float:
         df = self.table
-        hit = np.flatnonzero((df["key"].to_numpy() == self.entry.value)
-                             & (df["pass"].to_numpy() == self.pass_.value)
-                             & (df["rank"].to_numpy() == self.rank.value))
+        hit = np.flatnonzero(
+            (df["key"].to_numpy() == self.entry.value)
+            & (df["pass"].to_numpy() == self.pass_.value)
+            & (df["rank"].to_numpy() == self.rank.value)
+        )
         return float(hit[0]) if len(hit) else math.nan
 
     def _show_picked(self) -> None:
@@ -314,25 +343,27 @@ class DiffExplorer:
         With ``follow``, the side-by-side view moves to the new first
         divergence (drawn only if it is not the entry already shown).
         """
-        from ..metrics import metric
+        from tdinspect.numerics.metrics import metric
 
         m, thr = metric(self.metric.value), self.threshold_value
         div = self.diff.first_divergence(thr, m.name)
         self.divergence = div
         sc = plots.scale(m.name)
         if div is None:
-            from ..diff import threshold_fn
+            from tdinspect.compare.diff import threshold_fn
 
             text = threshold_fn(thr, m.name).describe(self.table) if thr == "auto" else sc.text(thr)
             near = self.diff.nearest(thr, m.name, progress=False)
-            self.label.value = (f"<b>no divergence</b> at {html_text(m.name)} threshold "
-                                f"{html_text(text)}"
-                                + (f"<br>nearest: {html_text(near['text'])}" if near else ""))
+            self.label.value = f"<b>no divergence</b> at {html_text(m.name)} threshold {html_text(text)}" + (
+                f"<br>nearest: {html_text(near['text'])}" if near else ""
+            )
         else:
-            self.label.value = (f"first divergence: <b>{html_text(div.key)}</b> (pass {div.pass_}, "
-                                f"call {div.call}"
-                                + (f", rank {div.rank}" if self.table['rank'].nunique() > 1 else "")
-                                + f") — {html_text(div.reason)}")
+            self.label.value = (
+                f"first divergence: <b>{html_text(div.key)}</b> (pass {div.pass_}, "
+                f"call {div.call}"
+                + (f", rank {div.rank}" if self.table["rank"].nunique() > 1 else "")
+                + f") — {html_text(div.reason)}"
+            )
         if follow and div is not None and div.key in self._keys:
             self.select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
         elif follow and self.shown is None:
@@ -350,18 +381,22 @@ class DiffExplorer:
 
         self.positions.clear_output(wait=True)
         with self.positions:
-            self.positions_fig = plots.per_position(self.diff, dim=self.position_dim,
-                                                    metric=self.metric.value,
-                                                    threshold=self.threshold_value)
+            self.positions_fig = plots.per_position(
+                self.diff, dim=self.position_dim, metric=self.metric.value, threshold=self.threshold_value
+            )
             display(self.positions_fig)
             plt.close(self.positions_fig)
 
     def _redraw_plot(self) -> None:
-        from ..metrics import metric
+        from tdinspect.numerics.metrics import metric
 
         name = self.metric.value
-        self.artists.draw(metric(name), plots.drawn_threshold(self.threshold_value, name, self.table),
-                          self.divergence, self._selected_row())
+        self.artists.draw(
+            metric(name),
+            plots.drawn_threshold(self.threshold_value, name, self.table),
+            self.divergence,
+            self._selected_row(),
+        )
         self.plot.refresh()
 
     def show_entry(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
@@ -389,14 +424,19 @@ class DiffExplorer:
                 return
         a, b = sides
         if a.shape != b.shape:
-            self.message.value = (f"{html_text(key)}: shapes differ ({list(a.shape)} vs "
-                                  f"{list(b.shape)}); nothing to show side by side")
+            self.message.value = (
+                f"{html_text(key)}: shapes differ ({list(a.shape)} vs "
+                f"{list(b.shape)}); nothing to show side by side"
+            )
             return
         self.message.value = ""
         if self._sbs is None:
             self._sbs = plots.SideBySide(self.view_fig)
-        self._sbs.update(a, b, title=f"{key}  (pass {pass_}" + (f", rank {rank}" if len(
-            self.rank.options) > 1 else "") + ")")
+        self._sbs.update(
+            a,
+            b,
+            title=f"{key}  (pass {pass_}" + (f", rank {rank}" if len(self.rank.options) > 1 else "") + ")",
+        )
         png = None if self.view.interactive else self.view.png()
         if png is not None:
             self._views[where] = png
@@ -430,8 +470,9 @@ class DumpSetExplorer:
         self.search.observe(self._on_search, names="value")
         for w in (self.op, self.call, self.pass_):
             w.observe(self._on_change, names="value")
-        self.widget = W.VBox([W.HBox([self.search, self.op]), W.HBox([self.call, self.pass_]),
-                              self.stats, self.view.widget])
+        self.widget = W.VBox(
+            [W.HBox([self.search, self.op]), W.HBox([self.call, self.pass_]), self.stats, self.view.widget]
+        )
         self.update()
 
     def _on_search(self, change) -> None:
@@ -455,16 +496,20 @@ class DumpSetExplorer:
         """Show the picked op's statistics and tensor."""
         import pandas as pd
 
-        from ..report import styled
+        from tdinspect.report import styled
 
         if self.op.value is None:
             self.stats.value = f"no op matches {html_text(repr(self.search.value))}"
             return
-        rows = self.entries[(self.entries["op"] == self.op.value) & (self.entries["call"] == self.call.value)
-                            & (self.entries["pass"] == self.pass_.value)]
+        rows = self.entries[
+            (self.entries["op"] == self.op.value)
+            & (self.entries["call"] == self.call.value)
+            & (self.entries["pass"] == self.pass_.value)
+        ]
         if rows.empty:
-            self.stats.value = (f"{html_text(self.op.value)} has no call {self.call.value} in pass "
-                                f"{self.pass_.value}")
+            self.stats.value = (
+                f"{html_text(self.op.value)} has no call {self.call.value} in pass {self.pass_.value}"
+            )
             return
         r = rows.iloc[0]
         cols = ["key", "dtype", "shape", "min", "max", "mean", "std", "nan", "inf"]
@@ -479,8 +524,13 @@ class DumpSetExplorer:
         display(self.widget)
 
 
-def explore(obj, *, metric: str | None = None, threshold: float | str | None = None,
-            positions: int | str | None = None):
+def explore(
+    obj,
+    *,
+    metric: str | None = None,
+    threshold: float | str | None = None,
+    positions: int | str | None = None,
+):
     """An interactive explorer for a DumpSet or a Diff.
 
     Parameters
@@ -509,14 +559,13 @@ def explore(obj, *, metric: str | None = None, threshold: float | str | None = N
     >>> tdinspect.explore(DumpSet.open("sample_dumps/float32"))   # doctest: +SKIP
     >>> tdinspect.explore(diff, metric="cosine", threshold=0.9999)  # doctest: +SKIP
     """
-    from ..diff import Diff
-    from ..dumpset import DumpSet
+    from tdinspect.compare.diff import Diff
+    from tdinspect.dumpset import DumpSet
 
     if isinstance(obj, Diff):
         return DiffExplorer(obj, metric=metric, threshold=threshold, positions=positions)
     if isinstance(obj, DumpSet):
         if metric is not None or threshold is not None or positions is not None:
-            raise TypeError("explore(DumpSet) takes no metric, threshold or positions (those are "
-                            "for a Diff)")
+            raise TypeError("explore(DumpSet) takes no metric, threshold or positions (those are for a Diff)")
         return DumpSetExplorer(obj)
     raise TypeError(f"explore() takes a DumpSet or a Diff, not {type(obj).__name__}")

@@ -1,0 +1,1 @@
+"""Per-tensor statistics, checksums and the divergence metrics (numpy/numba kernels)."""

@@ -1,0 +1,641 @@
+"""The fused metric loop of :mod:`tdinspect.numerics.kernels`, compiled by numba, one kernel per codec.
+
+Imported only when a pair is big enough for the compiled loop (numba is slow to load).
+A codec says how the loop reads an element:
+
+``"value"``
+    float32/float64 arrays, widened to float64 in registers.
+``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``
+    unsigned-integer views of the raw bits, decoded in registers, then widened to float64:
+    bfloat16 as a float32's top half (read two a 32-bit word); float16 and e5m2 (a
+    float16's top byte) by the CPU's own conversion where :func:`has_f16c`; otherwise, and
+    for e4m3fn, re-biased into a float32 in 32-bit lanes, zero and subnormals by one exact
+    subtraction of two normals (no subnormal operand, so the flush-to-zero mode cannot
+    change the result).
+``"table"``
+    raw bits looked up in a float64 table of every bit pattern (the other float8 formats).
+
+Every decoding is exact: the kernels of one pair give the same numbers whatever the codec
+that decoded it (tested over every bit pattern against torch's own conversion). float16
+and e5m2 run ``max_rel``'s filter and the mismatch compare in float32 lanes, with margins
+that keep them exact (:func:`_float32_lanes`).
+
+The loop (:func:`_loop`) keeps its 16 lanes of accumulators in registers (stack arrays, see
+:func:`_lanes`), adds squares by fused multiply-add, and divides for ``max_rel`` only in the
+rare blocks where a quotient may beat the largest so far (a bound checked by one
+multiply-add an element; the result is bit for bit that of a division per element). It
+runs at 2.5 G float32 and bfloat16 elements/s on one core of the development machine (1.6
+for both before, when the stores of the accumulators and the divisions bound it; bfloat16
+2.1 before it was read a word at a time).
+
+Examples
+--------
+>>> import numpy as np
+>>> k = compile_kernels(cache=False)["bfloat16"]
+>>> one, two = np.full(16, 0x3F80, np.uint16), np.full(16, 0x4000, np.uint16)
+>>> k(two, one, 0.0, 0.5, 1e-12, None)[4]  # max |x - y|
+1.0
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+LANES = 16  # lanes of accumulators; 4 and 8 did not vectorise here, 16 and 32 ran alike
+BLOCK = 1024  # elements between two looks at max_rel's filter (256: 5% slower)
+
+
+def _minifloat(exp_bits: int, man_bits: int, ieee: bool):
+    """An intrinsic decoding the bits of a small float (unsigned integer) to float32 (exact).
+
+    ``ieee``: the top exponent is Inf/NaN (float16, e5m2); otherwise only the all-ones
+    code is NaN and the top exponent holds numbers (e4m3fn).
+    Written in LLVM IR so the arithmetic stays in 32-bit lanes (numba widens integer
+    arithmetic to 64 bits, which halved the vector width).
+    """
+    bias = (1 << (exp_bits - 1)) - 1
+    top = 1 + exp_bits + man_bits
+    magnitude, shift = (1 << (top - 1)) - 1, 23 - man_bits
+    exponent = ((1 << exp_bits) - 1) << 23  # of the shifted bits
+    rebias = (127 - bias) << 23
+    smallest_normal = 2.0 ** (1 - bias)
+
+    @intrinsic
+    def decode(typingctx, code):
+        if not isinstance(code, types.Integer) or code.bitwidth > 16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32, f32 = ir.IntType(32), ir.FloatType()
+
+            def c(v):
+                return ir.Constant(i32, v)
+
+            h = builder.zext(args[0], i32)
+            u = builder.shl(builder.and_(h, c(magnitude)), c(shift))
+            e = builder.and_(u, c(exponent))
+            u = builder.add(u, c(rebias))
+            if ieee:  # Inf/NaN: exponent to 255, payload kept
+                special = builder.icmp_unsigned("==", e, c(exponent))
+                u = builder.select(special, builder.add(u, c((128 - 1 - bias) << 23)), u)
+            # zero/subnormal: 1.m · 2^(1-bias) minus 2^(1-bias), both normal, exact
+            low = builder.fsub(
+                builder.bitcast(builder.add(u, c(1 << 23)), f32), ir.Constant(f32, smallest_normal)
+            )
+            f = builder.select(builder.icmp_unsigned("==", e, c(0)), low, builder.bitcast(u, f32))
+            if not ieee:
+                nan = builder.icmp_unsigned("==", builder.and_(h, c(magnitude)), c(magnitude))
+                f = builder.select(nan, ir.Constant(f32, float("nan")), f)
+            sign = builder.shl(builder.and_(h, c(1 << (top - 1))), c(32 - top))
+            return builder.bitcast(builder.or_(builder.bitcast(f, i32), sign), f32)
+
+        return types.float32(code), codegen
+
+    return decode
+
+
+def _shifted(code_bits: int, width: int, shift: int, float_type):
+    """An intrinsic reading ``code_bits``-bit codes as the top bits of a ``width``-bit float
+    (``float_type``), as float32 (exact): bfloat16 is a float32's top half, float8_e5m2 a
+    float16's top byte."""
+
+    @intrinsic
+    def decode(typingctx, code):
+        if not isinstance(code, types.Integer) or code.bitwidth != code_bits:
+            return None
+
+        def codegen(context, builder, signature, args):
+            iw = ir.IntType(width)
+            bits = builder.shl(builder.zext(args[0], iw), ir.Constant(iw, shift)) if shift else args[0]
+            value = builder.bitcast(bits, float_type)
+            return value if width == 32 else builder.fpext(value, ir.FloatType())
+
+        return types.float32(code), codegen
+
+    return decode
+
+
+_bfloat16 = _shifted(16, 32, 16, ir.FloatType())
+
+
+@intrinsic
+def _word(typingctx, codes, i):
+    """The 32 bits of ``codes`` (a contiguous 16-bit array) from element ``2·i``: elements
+    ``2·i`` and ``2·i + 1`` in one load (the caller keeps ``2·i + 1`` inside the array). A
+    strided array does not compile (its words are not its elements')."""
+    if not (
+        isinstance(codes, types.Array)
+        and isinstance(codes.dtype, types.Integer)
+        and codes.dtype.bitwidth == 16
+        and codes.layout == "C"
+        and isinstance(i, types.Integer)
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        words = builder.bitcast(data, ir.IntType(32).as_pointer())
+        return builder.load(builder.gep(words, [args[1]]), align=2)
+
+    return types.uint32(codes, i), codegen
+
+
+def _bfloat16_of_word(high: bool):
+    """An intrinsic taking one bfloat16 of a :func:`_word` to float64: its low half moved up
+    by one shift, its high half kept by one AND (the bits of a float32 either way, so exact
+    as :data:`_bfloat16`). Which half is which element does not matter: both are read."""
+
+    @intrinsic
+    def decode(typingctx, word):
+        if not isinstance(word, types.Integer) or word.bitwidth != 32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            bits = (
+                builder.and_(args[0], ir.Constant(i32, 0xFFFF0000))
+                if high
+                else builder.shl(args[0], ir.Constant(i32, 16))
+            )
+            return builder.fpext(builder.bitcast(bits, ir.FloatType()), ir.DoubleType())
+
+        return types.float64(word), codegen
+
+    return decode
+
+
+_bfloat16_low, _bfloat16_high = _bfloat16_of_word(False), _bfloat16_of_word(True)
+# float16 and e5m2 by the CPU's own conversion (F16C's vcvtph2ps): only where has_f16c()
+# (without it LLVM calls a runtime helper the JIT does not link)
+_half = _shifted(16, 16, 0, ir.HalfType())
+_e5m2_half = _shifted(8, 16, 8, ir.HalfType())
+_float16 = _minifloat(5, 10, ieee=True)
+_e4m3fn = _minifloat(4, 3, ieee=False)
+_e5m2 = _minifloat(5, 2, ieee=True)
+
+
+def _decoder(convert):
+    """``decode(code, lut)`` for :func:`_loop` (float64) from an intrinsic of the code alone
+    (float32)."""
+
+    @numba.njit(inline="always")
+    def decode(code, lut):
+        return np.float64(convert(code))
+
+    return decode
+
+
+@numba.njit(inline="always")
+def _value(v, lut):
+    return np.float64(v)
+
+
+@numba.njit(inline="always")
+def _lookup(code, lut):
+    return lut[code]
+
+
+(_decode_bfloat16, _decode_float16, _decode_half, _decode_e4m3fn, _decode_e5m2, _decode_e5m2_half) = (
+    _decoder(f) for f in (_bfloat16, _float16, _half, _e4m3fn, _e5m2, _e5m2_half)
+)
+
+
+@intrinsic
+def _lanes(typingctx, dtype):
+    """A zeroed ``[LANES x dtype]`` on the stack, as a pointer (:func:`_zeros` makes it an
+    array). Accumulators in numba's heap arrays stayed in memory (a store and a reload per
+    element group: the stores were the loop's bottleneck); on the stack LLVM keeps them in
+    registers."""
+    if not isinstance(dtype, (types.DType, types.NumberClass)):
+        return None
+    nb = dtype.dtype
+
+    def codegen(context, builder, signature, args):
+        ty = ir.ArrayType(context.get_value_type(nb), LANES)
+        arr = cgutils.alloca_once(builder, ty)
+        builder.store(ir.Constant(ty, None), arr)
+        return builder.bitcast(arr, context.get_value_type(nb).as_pointer())
+
+    return types.CPointer(nb)(dtype), codegen
+
+
+@intrinsic
+def _muladd(typingctx, a, b, c):
+    """``a * b + c``: one fused multiply-add where the CPU has one (``llvm.fmuladd``), else a
+    product and a sum (no library call on CPUs without FMA). In float32 where all three are
+    float32, else in float64."""
+    if not all(isinstance(t, types.Float) for t in (a, b, c)):
+        return None
+    single = all(t == types.float32 for t in (a, b, c))
+    out = types.float32 if single else types.float64
+
+    def codegen(context, builder, signature, args):
+        ty = context.get_value_type(out)
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ty, [ty] * 3),
+            "llvm.fmuladd.f32" if single else "llvm.fmuladd.f64",
+        )
+        return builder.call(fn, [context.cast(builder, v, t, out) for v, t in zip(args, signature.args)])
+
+    return out(a, b, c), codegen
+
+
+@numba.njit(inline="always")
+def _zeros(dtype):
+    return numba.carray(_lanes(dtype), LANES)
+
+
+@numba.njit(inline="always")
+def _floor_ratio(r, small):
+    """The filter's threshold when the largest quotient so far is ``r``: a little below it
+    (0 where ``r`` is tiny), see :func:`_loop`."""
+    return r * (1.0 - 2.0**-50) if r >= small else 0.0
+
+
+@numba.njit(inline="always")
+def _lowest_bit(v):
+    j = 0
+    while not v & 1:
+        v >>= 1
+        j += 1
+    return j
+
+
+@numba.njit(inline="always")
+def _popcount(v):
+    c = 0
+    while v:
+        v &= v - 1
+        c += 1
+    return c
+
+
+@numba.njit(inline="always")
+def _element(xi, yi, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit, mis, count):
+    """One element's share of its lane's sums, maxima, ``max_rel`` filter and mismatch count
+    (of type ``count``): the lane's new values (scalars in and out: array arguments kept LLVM
+    from vectorising)."""
+    d = xi - yi
+    ad = abs(d)
+    ay = abs(yi)
+    return (
+        _muladd(xi, xi, sxx),
+        _muladd(yi, yi, syy),
+        _muladd(d, d, sdd),
+        sab + ad,
+        max(mxa, ad),
+        max(hit, _muladd(low, max(ay, eps), ad)),
+        mis + (count(1) if ad > atol + rtol * ay else count(0)),
+    )
+
+
+@numba.njit(inline="always")
+def _elements(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit, mis):
+    """A block's elements: lane j takes elements ``blk + j + LANES·i``; the mismatch count in
+    float64 lanes (exact below 2^53): a masked add, where int64 lanes cost a mask-to-vector
+    move and a subtraction."""
+    for start in range(blk, end, LANES):
+        for j in range(LANES):
+            sxx[j], syy[j], sdd[j], sab[j], mxa[j], hit[j], mis[j] = _element(
+                decode(x[start + j], lut),
+                decode(y[start + j], lut),
+                low,
+                rtol,
+                atol,
+                eps,
+                sxx[j],
+                syy[j],
+                sdd[j],
+                sab[j],
+                mxa[j],
+                hit[j],
+                mis[j],
+                np.float64,
+            )
+
+
+@numba.njit(inline="always")
+def _bfloat16_pairs(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit, mis):
+    """A block of bfloat16 read as 32-bit words (:func:`_word`): lane j takes elements
+    ``blk + 2·j + 2·LANES·i`` and the next. A shift or an AND makes float32s of 8 elements
+    (a zero-extension and a shift did before: 10% of the loop); the lanes hold other
+    elements than :func:`_elements` would give them, which changes only the order of the
+    sums' terms (reassociated anyway). The mismatch count in int32 lanes (at most 2·BLOCK/LANES
+    each), added to ``mis`` at the end: a vector subtraction of the compare's mask, 3-5% faster
+    here than float64 lanes (float16 by F16C ran 3-4% slower with it: :func:`_elements` keeps
+    float64)."""
+    mic = _zeros(np.int32)  # zeroed at each call (the stack slot is the function's own)
+    for start in range(blk >> 1, end >> 1, LANES):
+        for j in range(LANES):
+            wx, wy = _word(x, start + j), _word(y, start + j)
+            sxx[j], syy[j], sdd[j], sab[j], mxa[j], hit[j], mic[j] = _element(
+                _bfloat16_low(wx),
+                _bfloat16_low(wy),
+                low,
+                rtol,
+                atol,
+                eps,
+                sxx[j],
+                syy[j],
+                sdd[j],
+                sab[j],
+                mxa[j],
+                hit[j],
+                mic[j],
+                np.int32,
+            )
+            sxx[j], syy[j], sdd[j], sab[j], mxa[j], hit[j], mic[j] = _element(
+                _bfloat16_high(wx),
+                _bfloat16_high(wy),
+                low,
+                rtol,
+                atol,
+                eps,
+                sxx[j],
+                syy[j],
+                sdd[j],
+                sab[j],
+                mxa[j],
+                hit[j],
+                mic[j],
+                np.int32,
+            )
+    for j in range(LANES):
+        mis[j] += mic[j]
+
+
+@numba.njit(inline="always")
+def _element32(x32, y32, low32, rhi, ahi, rlo, alo, eps32, sxx, syy, sdd, sab, mxa, hit32, above, maybe):
+    """:func:`_element` for values exact in float32 whose differences are close to it
+    (:func:`_float32_lanes`): the sums and ``max_abs`` in float64 as there; the ``max_rel``
+    filter and the mismatch compare in float32 (half the vector width), the compare against
+    a threshold just above and one just below float64's: ``above`` counts sure mismatches,
+    ``maybe`` those and the ones too close to call."""
+    xi, yi = np.float64(x32), np.float64(y32)
+    d = xi - yi
+    ad = abs(d)
+    ad32 = abs(x32 - y32)
+    ay32 = abs(y32)
+    return (
+        _muladd(xi, xi, sxx),
+        _muladd(yi, yi, syy),
+        _muladd(d, d, sdd),
+        sab + ad,
+        max(mxa, ad),
+        max(hit32, _muladd(low32, max(ay32, eps32), ad32)),
+        above + (np.int32(1) if ad32 > _muladd(rhi, ay32, ahi) else np.int32(0)),
+        maybe + (np.int32(1) if ad32 > _muladd(rlo, ay32, alo) else np.int32(0)),
+    )
+
+
+def _float32_lanes(convert):
+    """A block function for :func:`_loop` (as :func:`_elements`) for codes that ``convert``
+    (an intrinsic) decodes to float32 and whose values stay within float16's range
+    (magnitudes at most 65504, a difference 0 or at least 2^-24): float16 and float8_e5m2.
+    The ``max_rel`` filter and the mismatch compare run in float32 lanes, 16 to a 512-bit
+    operation where float64 takes 8: float16 10% faster (2.64-2.65 vs 2.41 G elements/s,
+    one thread, 4M elements), e5m2 7%. (float8_e4m3fn's values qualify too; with its longer
+    decode it ran 3% slower this way.) The block's mismatch count goes to ``mis[0]``: the
+    16 lanes of ``mis`` kept in registers through the block made LLVM spill an accumulator
+    (2.53 G elements/s). Both give float64's exact answers:
+
+    - ``ad32 = fl32(|x - y|)`` is within 2^-24 of the exact ``|x - y|`` (a difference of two
+      float32s, correctly rounded; never subnormal); ``|y|`` is exact.
+    - Filter: with ``r32 <= r·(1 - 2^-22)`` (``r`` the largest quotient so far) and
+      ``m32 = max(|y|, eps32) <= max(|y|, eps)`` (``eps32`` is 0 for an ``eps`` below 2^-126,
+      where float32's subnormal spacing could round it up), a quotient above ``r`` gives
+      ``ad32 >= r32·m32·(1 + 2^-23)``: ``ad32 - r32·m32`` is positive fused or not (at least
+      2^-48, never rounded to 0). ``r32`` is 0 (every nonzero difference passes) when ``r`` is
+      below 2^-100 or beyond float32.
+    - Mismatch: float64's threshold ``T = atol + rtol·|y|`` (two roundings) is within
+      2^-52 of the exact one; the float32 thresholds from tolerances 2^-19 above and below
+      (rounded to float32, then two roundings of 2^-24 each) stay more than 2^-21 above and
+      below the exact one, beyond ``T`` and ``ad32``'s rounding. So
+      ``ad32 > T_hi`` means ``|x - y| > T``, and ``ad32 <= T_lo`` means not. A block with an
+      element between the two is counted again in float64, element by element; so is every
+      block when a tolerance is negative (the margins would point the wrong way), NaN, between
+      0 and 2^-90 or above 2^100 (products then leave float32's normal range; rtol = 1e39 is
+      inf in float32, and inf·0 NaN where y = 0).
+    """
+
+    @numba.njit(inline="always")
+    def block(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit, mis):
+        f4 = np.float32
+        r = -low * (1.0 - 2.0**-21)
+        low32 = -f4(r) if 2.0**-100 <= r <= 3e38 else f4(0.0)
+        # below float32's normal range rounding to float32 can raise eps (by up to 2x): 0 then
+        eps32 = f4(min(eps, 3e38) * (1.0 - 2.0**-23)) if eps >= 2.0**-126 else f4(0.0)
+        rhi, ahi = f4(rtol * (1.0 + 2.0**-19)), f4(atol * (1.0 + 2.0**-19))
+        rlo, alo = f4(rtol * (1.0 - 2.0**-19)), f4(atol * (1.0 - 2.0**-19))
+        hit32, above, maybe = _zeros(np.float32), _zeros(np.int32), _zeros(np.int32)
+        for start in range(blk, end, LANES):
+            for j in range(LANES):
+                sxx[j], syy[j], sdd[j], sab[j], mxa[j], hit32[j], above[j], maybe[j] = _element32(
+                    convert(x[start + j]),
+                    convert(y[start + j]),
+                    low32,
+                    rhi,
+                    ahi,
+                    rlo,
+                    alo,
+                    eps32,
+                    sxx[j],
+                    syy[j],
+                    sdd[j],
+                    sab[j],
+                    mxa[j],
+                    hit32[j],
+                    above[j],
+                    maybe[j],
+                )
+        sure = close = 0
+        for j in range(LANES):
+            hit[j] = np.float64(hit32[j])
+            sure += above[j]
+            close += maybe[j] - above[j]
+        if close == 0 and _tolerances_fit(rtol) and _tolerances_fit(atol):
+            mis[0] += sure
+            return
+        for k in range(blk, end):
+            yk = decode(y[k], lut)
+            ad = abs(decode(x[k], lut) - yk)
+            mis[0] += 1.0 if ad > atol + rtol * abs(yk) else 0.0
+
+    return block
+
+
+@numba.njit(inline="always")
+def _tolerances_fit(tol):
+    """Whether a tolerance keeps :func:`_float32_lanes`' thresholds in float32's normal range."""
+    return tol == 0.0 or 2.0**-90 <= tol <= 2.0**100
+
+
+@numba.njit(inline="always")
+def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread):
+    # Elements are taken to float64 in registers (as fast here as float32). LLVM vectorises
+    # the fixed inner trip of LANES (the caller's length need not be a multiple).
+    # ``elements`` runs a block (_elements, or _bfloat16_pairs with spread 2: lane j then
+    # holds ``spread`` neighbours in each stretch of spread·LANES elements).
+    #
+    # max_rel without a division per element (a vdivpd was the costliest instruction): the
+    # largest of the rounded quotients is the rounded quotient of the largest exact ratio,
+    # and a quotient can raise the largest so far, r, only if ad/m > r (m = max(ay, eps)).
+    # Each lane keeps z = max(ad - r'·m) over a block, r' = r·(1 - 2^-50) (0 when
+    # r < 2^-1020/eps); where z > 0 (or NaN) the block is divided: all of it, vectorised,
+    # when more than 3 lanes are (the first blocks), else those lanes element by element.
+    # Never misses one: fl(ad/m) > r implies ad > r·m > r'·m exactly. Fused, z rounds the
+    # exact ad - r'·m > (r - r')·m > 2^-51·r·m >= 2^-1071: positive. Unfused, fl(r'·m) <=
+    # r'·m·(1 + 2^-53) < r·m < ad, and a difference of two floats never rounds to 0. One r
+    # for all lanes: a lane's own maximum made the first blocks of a 64 KB pair slower than
+    # dividing everything (each lane sets records for a while). The maxima are the numbers a
+    # division of every element gives (tested bit for bit, on an FMA and a generic build).
+    n = x.shape[0]
+    f8 = numba.float64
+    sxx, syy, sdd, sab = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
+    mxa, mis, hit, mxr = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
+    best = 0.0  # max_rel so far: the lanes' mxr, and the quotients divided one at a time
+    small = 2.0**-1020 / eps
+    # whole blocks only: a last, shorter block (a variable bound) ran 9x slower
+    whole = n - n % BLOCK
+    for blk in range(0, whole, BLOCK):
+        end = blk + BLOCK
+        low = -_floor_ratio(best, small)
+        for j in range(LANES):
+            hit[j] = 0.0
+        elements(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit, mis)
+        lanes = 0
+        for j in range(LANES):  # unrolled: constant indices keep ``hit`` in registers
+            lanes |= (0 if hit[j] <= 0.0 else 1) << j
+        if not lanes:
+            continue
+        if _popcount(lanes) > 3:  # the first blocks: every quotient, vectorised
+            for start in range(blk, end, LANES):
+                for j in range(LANES):
+                    xi = decode(x[start + j], lut)
+                    yi = decode(y[start + j], lut)
+                    mxr[j] = max(mxr[j], abs(xi - yi) / max(abs(yi), eps))
+            for j in range(LANES):
+                best = max(best, mxr[j])
+            continue
+        while lanes:  # a few lanes: their elements one at a time
+            j = _lowest_bit(lanes)
+            lanes &= lanes - 1
+            for k in range(blk + spread * j, end, spread * LANES):
+                yk = decode(y[k], lut)
+                best = max(best, abs(decode(x[k], lut) - yk) / max(abs(yk), eps))
+                if spread == 2:
+                    yk = decode(y[k + 1], lut)
+                    best = max(best, abs(decode(x[k + 1], lut) - yk) / max(abs(yk), eps))
+    for k in range(whole, n):  # the < BLOCK-element tail (one call, no numpy tail)
+        xi = decode(x[k], lut)
+        yi = decode(y[k], lut)
+        d = xi - yi
+        ad = abs(d)
+        ay = abs(yi)
+        sxx[0] = _muladd(xi, xi, sxx[0])
+        syy[0] = _muladd(yi, yi, syy[0])
+        sdd[0] = _muladd(d, d, sdd[0])
+        sab[0] += ad
+        mxa[0] = max(mxa[0], ad)
+        best = max(best, ad / max(ay, eps))
+        mis[0] += 1.0 if ad > atol + rtol * ay else 0.0
+    return (sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), max(best, mxr.max()), np.int64(mis.sum()))
+
+
+_float16_lanes, _half_lanes, _e5m2_lanes, _e5m2_half_lanes = (
+    _float32_lanes(f) for f in (_float16, _half, _e5m2, _e5m2_half)
+)
+
+
+# One entry point per codec, each a plain module-level function so numba's disk cache finds
+# it again (a kernel built in a closure over its decoder missed the cache in every process).
+def _fused_value(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _value, _elements, 1)
+
+
+def _fused_table(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _lookup, _elements, 1)
+
+
+def _fused_bfloat16(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _decode_bfloat16, _bfloat16_pairs, 2)
+
+
+def _fused_float16(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _decode_float16, _float16_lanes, 1)
+
+
+def _fused_half(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _decode_half, _half_lanes, 1)
+
+
+def _fused_e5m2_half(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2_half, _e5m2_half_lanes, 1)
+
+
+def _fused_e4m3fn(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e4m3fn, _elements, 1)
+
+
+def _fused_e5m2(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2, _e5m2_lanes, 1)
+
+
+_ENTRIES = {
+    "value": _fused_value,
+    "table": _fused_table,
+    "bfloat16": _fused_bfloat16,
+    "float16": _fused_float16,
+    "float8_e4m3fn": _fused_e4m3fn,
+    "float8_e5m2": _fused_e5m2,
+}
+
+
+def has_f16c() -> bool:
+    """Whether numba compiles for this very CPU and it converts half floats itself (F16C).
+
+    A CPU named by ``NUMBA_CPU_NAME`` (a portable build) does not count: LLVM then lowered
+    the conversion to a helper call that crashed the process (measured with ``generic``).
+    """
+    from llvmlite import binding
+    from numba.core import config
+
+    if config.CPU_NAME is not None:
+        return False
+    if config.CPU_FEATURES is not None:
+        return "+f16c" in config.CPU_FEATURES.split(",")
+    try:
+        return bool(binding.get_host_cpu_features().get("f16c"))
+    except RuntimeError:  # LLVM cannot tell
+        return False
+
+
+def compile_kernels(cache: bool = True, f16c: bool | None = None) -> dict:
+    """``{codec: kernel}``; each kernel is compiled on its first call (from numba's disk cache
+    when ``cache``) and called as ``kernel(x, y, rtol, atol, eps, lut)`` -> the seven sums.
+
+    ``f16c``: decode float16 and float8_e5m2 (a float16's top byte) by the CPU's conversion
+    (float16: 1.6 vs 1.0 G elements/s measured) rather than by bit arithmetic; default
+    :func:`has_f16c`. Both are exact.
+
+    error_model="numpy": no ZeroDivisionError check, which stops vectorisation. fastmath for
+    reassociated sums (the lanes) only: without "arcp", "afn" and "contract", max_abs, max_rel
+    and the mismatch count round exactly as the numpy backend's do, so the two agree bit for
+    bit on them; without "nnan" and "ninf", a NaN/Inf element still makes the sums non-finite
+    (the caller's signal). The sums of squares alone add each product by ``llvm.fmuladd``
+    (one rounding instead of two where the CPU has FMA: 12-18% faster, never less accurate;
+    their last bits then differ between an FMA CPU and a ``NUMBA_CPU_NAME=generic`` build,
+    never between threads or processes on one machine). Raises ``RuntimeError`` when
+    ``cache`` and no cache directory is writable.
+    """
+    options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"}, cache=cache)
+    entries = dict(_ENTRIES)
+    if has_f16c() if f16c is None else f16c:
+        entries["float16"], entries["float8_e5m2"] = _fused_half, _fused_e5m2_half
+    return {codec: numba.njit(**options)(fn) for codec, fn in entries.items()}

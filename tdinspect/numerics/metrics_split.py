@@ -1,0 +1,223 @@
+"""The divergence metrics of a pair held in parts: several pieces, or one value per position.
+
+Both compute exactly what :func:`tdinspect.numerics.metrics.compare_tensors` defines,
+from the same float64 sums (``Σx²``, ``Σy²``, ``Σ(x-y)²``, ``Σ|x-y|``, the
+maxima and the mismatch count, which add up or take the larger across parts,
+as the kernel's own chunks do) and the same final formulas
+(:func:`tdinspect.numerics.metrics._from_sums`). Where the one-call path would take a
+special road (a NaN or Inf to mask, float64 sums out of range to rescale,
+``Σxy`` to sum directly, integers, complex numbers or two dtypes), the part
+falls back to it: :func:`compare_pieces` returns ``None`` (the caller then
+assembles the tensor), :func:`compare_positions` calls ``compare_tensors`` on
+that position's slices.
+
+- :func:`compare_pieces`: a concatenated (or unsharded) pair compared piece by
+  piece against the matching slices of the other side, with no assembled copy.
+- :func:`compare_positions`: one metric per position along the first dim in one
+  vectorised pass (``Diff.per_position`` on long sequences).
+
+Examples
+--------
+>>> import torch
+>>> x, y = torch.arange(6.0), torch.arange(6.0) + 0.5
+>>> parts = compare_pieces([(x[:2], y[:2]), (x[2:], y[2:])])
+>>> parts["max_abs"], parts["mean_abs"]
+(0.5, 0.5)
+>>> compare_positions(x.reshape(3, 2), y.reshape(3, 2), "max_abs").tolist()
+[0.5, 0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from tdinspect.numerics.kernels import EPS, NUMBA_MIN_BYTES, UINT_OF, PairSums, decode_table
+from tdinspect.numerics.metrics import (
+    _CODED,
+    _IDENTICAL,
+    TENSOR_METRICS,
+    _compute_dtype,
+    _sums,
+    compare_tensors,
+    metric,
+    same_bits,
+    settled,
+    tolerances,
+)
+
+
+def _plain_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and not dtype.is_complex
+
+
+def compare_pieces(
+    pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *, chunk: int = 1 << 18
+) -> dict[str, float] | None:
+    """The metrics of ``x`` against ``y`` given as matching ``(x_piece, y_piece)`` pairs.
+
+    The pieces together hold every element of both tensors once (any order:
+    the metrics are sums and maxima over elements). The result is
+    ``compare_tensors(cat(x pieces), cat(y pieces))`` without the copies, to
+    the rounding of the float64 sums; ``equal`` is 1 only when every piece is
+    bitwise equal.
+
+    Returns
+    -------
+    dict or None
+        ``None`` where only the whole pair can be exact: dtypes that differ
+        (across sides or pieces), integers, complex numbers, a NaN or Inf, float64
+        sums out of range, norms far apart (``Σxy`` summed directly).
+    """
+    pieces = list(pieces)
+    if not pieces:
+        return None
+    dtype = pieces[0][0].dtype
+    if not _plain_float(dtype) or any(
+        x.dtype != dtype or y.dtype != dtype or x.shape != y.shape for x, y in pieces
+    ):
+        return None
+    out = {k: math.nan for k in TENSOR_METRICS}
+    out["nonfinite_mismatch"] = 0.0
+    if all(same_bits(x, y) for x, y in pieces):
+        out.update(_IDENTICAL)
+        return out
+    rtol, atol = tolerances(dtype, dtype)
+    dt = _compute_dtype(pieces[0][0], pieces[0][1])
+    # numba or numpy as the whole pair's size decides (never by piece: a pair's sums must not
+    # depend on how it was stored)
+    total = sum(x.numel() * x.element_size() for x, _ in pieces)  # bytes a side
+    min_numba = 0 if total >= NUMBA_MIN_BYTES else 1 << 62  # every piece, or none
+    s = PairSums()
+    for x, y in pieces:
+        s += _sums(x.detach().reshape(-1), y.detach().reshape(-1), dt, rtol, atol, chunk, min_numba=min_numba)
+    row = settled(s, dt == torch.float64)
+    if row is None:
+        return None
+    out.update(row)
+    return out
+
+
+def compare_positions(x: torch.Tensor, y: torch.Tensor, name: str, *, chunk: int = 1 << 18) -> np.ndarray:
+    """``compare_tensors(x[j], y[j])[name]`` for every position ``j`` of dim 0, in one pass.
+
+    Parameters
+    ----------
+    x, y : torch.Tensor
+        Compared and reference, one shape; positions along dim 0.
+    name : str
+        A tensor metric (:data:`tdinspect.numerics.metrics.TENSOR_METRICS`).
+    chunk : int
+        About how many elements are taken to float64 at a time.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, one value per position. Positions with a NaN or Inf on a
+        side (unless bitwise equal), float64 sums out of range or ``Σxy``
+        needing a direct sum, and every position of integer, complex or
+        mixed-dtype pairs, are computed by ``compare_tensors`` itself.
+    """
+    metric(name)
+    if name not in TENSOR_METRICS:
+        raise ValueError(f"{name!r} is not a tensor metric ({', '.join(TENSOR_METRICS)})")
+    if x.shape != y.shape or x.dim() == 0:
+        raise ValueError(
+            f"compare_positions needs two tensors of one shape with a position dim, "
+            f"got {list(x.shape)} and {list(y.shape)}"
+        )
+    npos = x.shape[0]
+    values = np.full(npos, math.nan)
+    width = math.prod(x.shape[1:])
+    slow = np.ones(npos, bool)
+    if x.dtype == y.dtype and _plain_float(x.dtype) and 0 < width <= chunk:
+        (xs, lut), (ys, _) = (_as_numpy(t.detach().reshape(npos, width)) for t in (x, y))
+        rtol, atol = tolerances(x.dtype, y.dtype)
+        step = min(npos, max(1, chunk // width))
+        work = _Work(step, width)  # reused by every block: no page faults after the first
+        for start in range(0, npos, step):
+            stop = min(npos, start + step)
+            work.block(
+                xs[start:stop],
+                ys[start:stop],
+                lut,
+                name,
+                rtol,
+                atol,
+                x.dtype,
+                values[start:stop],
+                slow[start:stop],
+            )
+    elif width == 0:
+        slow[:] = False  # empty slices are bitwise equal
+        values[:] = _IDENTICAL[name]
+    for j in np.flatnonzero(slow):
+        values[j] = compare_tensors(x[j], y[j], chunk=chunk)[name]
+    return values
+
+
+def _as_numpy(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(array, decode table)``: float32/float64 as they are, narrow floats as their raw bits
+    with the table of their float64 values (torch's conversions run on its thread pool)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return t.contiguous().numpy(), None
+    return t.contiguous().view(_CODED[t.dtype]).numpy(), decode_table(t.dtype)
+
+
+class _Work:
+    """float64 buffers for one block of positions."""
+
+    def __init__(self, rows: int, width: int):
+        self.xf, self.yf, self.d, self.ay, self.tmp = (np.empty((rows, width)) for _ in range(5))
+        self.flag = np.empty((rows, width), bool)
+
+    def block(self, xa, ya, lut, name, rtol, atol, dtype, values, slow) -> None:
+        """Fill ``values`` for the rows of one block (values, or raw bits decoded by ``lut``)
+        that the vectorised sums settle exactly, clearing their ``slow`` flag."""
+        k = xa.shape[0]
+        xf, yf, d, ay, tmp, flag = (b[:k] for b in (self.xf, self.yf, self.d, self.ay, self.tmp, self.flag))
+        same = (xa.view(UINT_OF[xa.itemsize]) == ya.view(UINT_OF[ya.itemsize])).all(1)
+        if lut is None:
+            np.copyto(xf, xa)
+            np.copyto(yf, ya)
+        else:
+            np.take(lut, xa, out=xf)
+            np.take(lut, ya, out=yf)
+        with np.errstate(all="ignore"):
+            sxx = np.square(xf, out=tmp).sum(1)
+            syy = np.square(yf, out=tmp).sum(1)
+            np.subtract(xf, yf, out=d)
+            sdd = np.square(d, out=tmp).sum(1)
+            np.abs(d, out=d)
+            sabs = d.sum(1)
+            max_abs = d.max(1)
+            np.abs(yf, out=ay)
+            np.maximum(ay, EPS, out=tmp)
+            max_rel = np.divide(d, tmp, out=tmp).max(1)
+            np.multiply(ay, rtol, out=tmp)
+            tmp += atol
+            mismatch = np.count_nonzero(np.greater(d, tmp, out=flag), axis=1)
+        wide = dtype == torch.float64
+        n = xa.shape[1]
+        for j in range(k):
+            if same[j]:
+                values[j], slow[j] = _IDENTICAL[name], False
+                continue
+            row = settled(
+                PairSums(
+                    n,
+                    float(sxx[j]),
+                    float(syy[j]),
+                    float(sdd[j]),
+                    float(sabs[j]),
+                    float(max_abs[j]),
+                    float(max_rel[j]),
+                    int(mismatch[j]),
+                ),
+                wide,
+            )
+            if row is not None:
+                values[j], slow[j] = row[name], False

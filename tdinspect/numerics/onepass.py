@@ -1,0 +1,159 @@
+"""Statistics and checksum of a big CPU tensor in one read of its memory (compiled loops).
+
+With torch alone, the statistics of a float32 tensor take several passes over
+it (min/max, a float64 copy, sums) and its checksum three more (an int64 copy,
+a multiply, a sum): 0.7 + 0.9 ms for 4 MB on one core of the development
+machine. Here one loop over each block of 2^16 words (:data:`BLOCK`, which stays
+in the L2 cache) computes
+
+* the checksum's sum of products ``w·K`` (:mod:`tdinspect.numerics.checksum`: the same
+  definition, the same value bit for bit),
+* min and max, on order-preserving integer keys of the float32 bits,
+* the count of non-finite elements (exponent bits all ones),
+* the float64 sums of the elements and of their squares (a float32's square is
+  exact in float64);
+
+0.5 ms for the same 4 MB (:func:`float32_sums`). :mod:`tdinspect.numerics.stats` takes
+``M2 = Σx² - n·mean²`` from it when ``mean² <= std²/7`` (no cancellation), else
+reads once more for the centred sum ``Σ(x - mean)²`` (:func:`centred_squares`,
+the two-pass method). Other dtypes get the checksum loop alone
+(:func:`word_checksum`, 0.15 ms for 4 MB).
+
+Rounding: each chunk of :data:`CHUNK` = 64 elements is summed in whatever order
+the compiler vectorises it into (at most 63 roundings deep: error at most
+``31.5·eps·Σ|x|`` over the chunk, ``eps`` = 2⁻⁵²), and the chunk sums are added
+with Knuth's TwoSum compensation (error about ``eps/2`` of the total), whatever
+the tensor's length. Hence, first order: ``mean`` within ``32.5·eps·mean(|x|)``;
+``l2`` within ``16.5·eps·l2``; ``std`` within ``19·eps·(std + mean(|x|))`` by
+``Σx² - n·mean²`` under its condition (``Σx² <= 8/7·M2``), and within
+``17·eps·std`` plus the second-order effect of the mean's error by the centred
+sum: inside the bounds of docs/reliability.md, "Numbers" (tested against exact
+references on both ways).
+
+Used for contiguous CPU tensors of at least :data:`MIN_ELEMENTS` elements when
+numba is installed: the first use in a process imports numba and loads the
+compiled loops from numba's on-disk cache (about 0.8 s; 4 s the very first time,
+to compile), not worth it for small tensors, which keep torch's reductions.
+``TDINSPECT_ONEPASS=0`` turns the loops off.
+
+Examples
+--------
+>>> import torch
+>>> x = torch.randn(1 << 17)
+>>> s = float32_sums(x, checksum=True)
+>>> s.numel, s.nonfinite, s.minimum == float(x.min()), s.maximum == float(x.max())
+(131072, 0, True, True)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import struct
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tdinspect.numerics.checksum import _SEED_K, _SEED_R, BLOCK, _multipliers
+
+CHUNK = 64  # elements per partial sum: bounds the rounding (see above); each costs a reduction
+MIN_ELEMENTS = 1 << 16
+_KERNELS = None
+_COMPILE_LOCK = threading.Lock()
+
+
+@dataclass
+class Float32Sums:
+    """What one read of a float32 tensor gives (``digest`` is ``None`` unless asked)."""
+
+    numel: int
+    nonfinite: int
+    minimum: float
+    maximum: float
+    total: float  # float64 sums of the elements and of their squares (meaningless when
+    squares: float  # nonfinite > 0)
+    digest: int | None
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes through the compiled loops (CPU, contiguous, big, numba loads)."""
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.numel() >= max(MIN_ELEMENTS, 1)
+        and t.is_contiguous()
+        and os.environ.get("TDINSPECT_ONEPASS", "1") != "0"
+        and _kernels() is not None
+    )
+
+
+def _kernels():
+    """The compiled loops, or ``None`` where numba is missing or fails to load (then torch's
+    reductions serve, and a numba that fails says so once). Loaded on first use."""
+    global _KERNELS, _UNAVAILABLE
+    if _KERNELS is not None or _UNAVAILABLE:
+        return _KERNELS
+    with _COMPILE_LOCK:
+        if _KERNELS is None and not _UNAVAILABLE:
+            if importlib.util.find_spec("numba") is None:
+                _UNAVAILABLE = True
+                return None
+            try:
+                from tdinspect.numerics import onepass_loops
+            except Exception as exc:  # noqa: BLE001 - e.g. a numba built for another numpy
+                _UNAVAILABLE = True
+                warnings.warn(
+                    f"tdinspect: numba failed to load ({type(exc).__name__}: {exc}); "
+                    "statistics and checksums use torch's reductions (slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return None
+            _KERNELS = onepass_loops.sweep, onepass_loops.centred
+    return _KERNELS
+
+
+_UNAVAILABLE = False
+
+
+def _float_of_key(key: int) -> float:
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)  # the key map is its own inverse
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def _multipliers_for(n_words: int):
+    k = _multipliers(_SEED_K, min(n_words, BLOCK), torch.device("cpu")).numpy()
+    r = _multipliers(_SEED_R, n_words // BLOCK + 1, torch.device("cpu")).numpy()
+    return k, r
+
+
+def float32_sums(t: torch.Tensor, *, checksum: bool) -> Float32Sums:
+    """Min, max, non-finite count, float64 sum (and the checksum) of a float32 tensor
+    for which :func:`enabled` holds, in one read."""
+    v = t.detach().reshape(-1).numpy()
+    w = v.view("int32")
+    k, r = _multipliers_for(w.shape[0]) if checksum else (None, None)
+    h, lo, hi, bad, total, squares = _kernels()[0](v, w, k, r)
+    return Float32Sums(
+        int(v.shape[0]),
+        int(bad),
+        _float_of_key(int(lo)),
+        _float_of_key(int(hi)),
+        float(total),
+        float(squares),
+        int(h) if checksum else None,
+    )
+
+
+def centred_squares(t: torch.Tensor, mean: float) -> float:
+    """``Σ(x - mean)²`` in float64 over a float32 tensor for which :func:`enabled` holds."""
+    return float(_kernels()[1](t.detach().reshape(-1).numpy(), mean))
+
+
+def word_checksum(words: torch.Tensor) -> int:
+    """The checksum of contiguous CPU int32 words (see :mod:`tdinspect.numerics.checksum`), in one read."""
+    w = words.numpy()
+    k, r = _multipliers_for(w.shape[0])
+    return int(_kernels()[0](None, w, k, r)[0])

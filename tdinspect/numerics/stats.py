@@ -1,0 +1,341 @@
+"""Per-tensor statistics: the one definition used by capture and by the loader.
+
+Capture computes them when it writes a pass (into the sidecar); the loader
+computes them for dumps written by other tools. Both call :func:`tensor_stats`,
+so a statistic means the same thing whoever wrote the dump.
+
+Definitions (over the *finite* elements; complex tensors use their magnitude,
+bool and integer tensors their numeric value):
+
+========  ===========================================================
+min/max   smallest / largest finite value
+mean      arithmetic mean
+std       population standard deviation (``correction=0``)
+absmax    ``max(|min|, |max|)``
+l2        Euclidean norm, ``sqrt(sum(x**2))``
+nan       number of NaN elements
+inf       number of +/-Inf elements
+numel     number of elements (all of them)
+========  ===========================================================
+
+Accuracy: every sum is accumulated in float64 (narrow floats and integers are
+widened a chunk at a time, never as a whole copy), the variance is the
+stable combination of per-chunk centred sums (Chan, Golub and LeVeque), and
+float64 tensors whose magnitudes would overflow or underflow when squared
+are scaled by a power of two first (exact). ``mean``, ``std`` and ``l2`` are
+right to a few float64 ulps of ``mean(|x|)``, ``std`` and ``l2`` for any
+finite input of any size (docs/reliability.md, "Numbers", states the bound
+the property test checks); ``min``, ``max`` and ``absmax`` are exact.
+
+A big contiguous float32 CPU tensor is read once by a compiled loop instead
+(:mod:`tdinspect.numerics.onepass`: chunked float64 sums added with compensation, within
+the same bounds), which :func:`stats_and_checksum` shares with the checksum.
+
+Examples
+--------
+>>> import torch
+>>> from tdinspect.numerics.stats import tensor_stats, stats_to_dict
+>>> stats_to_dict(tensor_stats(torch.tensor([1.0, -3.0, float("nan")])))["absmax"]
+3.0
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from tdinspect.numerics import onepass
+from tdinspect.numerics.checksum import tensor_checksum
+
+STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
+
+_NAN_ROW = [math.nan] * 6
+# Elements widened to float64 at a time on CPU: large enough that the per-op cost of
+# torch's parallel regions stays small (smaller chunks ran 2-10x slower on 2 busy
+# cores, measured), small enough to bound memory (8 MB a capturing thread).
+CHUNK = 1 << 20
+# Squares of values within [2**-400, 2**400] neither overflow nor lose bits in float64
+# (even summed over 2**200 elements); only float64 tensors can lie outside.
+_SAFE_EXP = 400
+_local = threading.local()
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor with the values the statistics describe (no copy for real dtypes).
+
+    Complex tensors give their magnitudes (in float64, so nothing is lost to rounding),
+    bool their 0/1 bytes, float8 formats float32 (exact).
+    """
+    if t.is_complex():
+        return t.to(torch.complex128).abs()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_floating_point() and t.element_size() == 1:  # float8: few kernels (exact in float32)
+        return t.to(torch.float32)
+    if t.dtype in _FEW_KERNELS:  # uint16/32/64 have no min, max or abs on CPU
+        return t.to(_FEW_KERNELS[t.dtype])
+    return t
+
+
+# unsigned integers wider than a byte, and the dtype their statistics are computed in
+# (int64 holds uint16/uint32 exactly; uint64 beyond 2^53 rounds, as any float64 statistic)
+_FEW_KERNELS = {
+    d: torch.int64 if d != torch.uint64 else torch.float64
+    for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
+    if d is not None
+}
+
+
+def broadcast_dims(t: torch.Tensor) -> set[int]:
+    """Dims that repeat one slice (stride 0, size > 1, as ``expand`` makes): a huge-shaped
+    tensor may hold few distinct values, and is reduced as those."""
+    return {dim for dim, (size, stride) in enumerate(zip(t.shape, t.stride())) if stride == 0 and size > 1}
+
+
+def first_slice(t: torch.Tensor, dims) -> torch.Tensor:
+    """``t`` narrowed to index 0 along ``dims``."""
+    for dim in dims:
+        t = t.narrow(dim, 0, 1)
+    return t
+
+
+def _unexpand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Undo broadcasting: the stored elements and how many times each appears."""
+    dims = broadcast_dims(t)
+    return first_slice(t, dims), math.prod(t.shape[d] for d in dims)
+
+
+def power_of_two_scale(absmax: float) -> float:
+    """An exact power of two that brings ``absmax`` near 1 when squaring it in float64
+    would overflow or lose bits; 1.0 otherwise."""
+    if absmax == 0 or not math.isfinite(absmax):
+        return 1.0
+    exponent = math.frexp(absmax)[1]
+    return math.ldexp(1.0, -exponent) if abs(exponent) > _SAFE_EXP else 1.0
+
+
+def _pieces(v: torch.Tensor, limit: int):
+    """Sub-tensors of ``v`` of at most ``limit`` elements (whole rows where possible),
+    covering it once, without copying a strided view."""
+    if v.is_contiguous():
+        flat = v.view(-1)
+        for i in range(0, flat.numel(), limit):
+            yield flat[i : i + limit]
+        return
+    per_row = math.prod(v.shape[1:])
+    if per_row <= limit:
+        step = max(1, limit // max(per_row, 1))
+        for i in range(0, v.shape[0], step):
+            yield v[i : i + step]
+    else:
+        for i in range(v.shape[0]):
+            yield from _pieces(v[i], limit)
+
+
+def _buffer(k: int) -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < k:
+        buf = _local.buf = torch.empty(max(k, min(CHUNK, 1 << 16)), dtype=torch.float64)
+    return buf[:k]
+
+
+def _load(piece: torch.Tensor, scale: float) -> torch.Tensor:
+    """``piece·scale`` widened into this thread's float64 buffer (flat)."""
+    b = _buffer(piece.numel())
+    b.view(piece.shape).copy_(piece)
+    if scale != 1.0:
+        b.mul_(scale)
+    return b
+
+
+def _moments(v: torch.Tensor, scale: float) -> tuple[float, float, float]:
+    """``(mean, M2, Σx²)`` of ``v·scale`` in float64, by the two-pass method.
+
+    Pass one: the mean ``m`` (pairwise float64 sums). Pass two: ``M2 = Σ(x - m)²``
+    and ``Σx² = M2 + n·m²``: centred, so nothing cancels whatever ``mean / std``.
+    The correction term ``Σ(x - m)`` is left out: it is ``n`` times the mean's own
+    rounding error, which changes ``M2`` by a relative ``(δm)²/var`` and ``Σx²`` by
+    ``2·δm/m`` (a few ulps), at the price of a pass. A tensor of one chunk (the
+    usual case) is widened once and used by both passes.
+    """
+    n = v.numel()
+    pieces = list(_pieces(v, CHUNK))
+    if len(pieces) == 1:
+        b = _load(pieces[0], scale)
+        mean = float(b.sum()) / n
+        loaded = [b]
+    else:
+        mean = math.fsum(float(_load(piece, scale).sum()) for piece in pieces) / n
+        loaded = (_load(piece, scale) for piece in pieces)
+    m2 = math.fsum(float(b.sub_(mean).square_().sum()) for b in loaded)
+    return mean, m2, m2 + n * mean * mean
+
+
+def _finite_row_cpu(v: torch.Tensor, n: int) -> list[float] | None:
+    """The statistics row in plain floats when ``v`` is all finite, else ``None``."""
+    lo, hi = (float(x) for x in torch.aminmax(v))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    absmax = max(abs(lo), abs(hi))
+    scale = power_of_two_scale(absmax)
+    mean, m2, sq = _moments(v, scale)
+    return [
+        lo,
+        hi,
+        mean / scale,
+        math.sqrt(m2 / n) / scale,
+        absmax,
+        math.sqrt(sq) / scale,
+        0.0,
+        0.0,
+        float(n),
+    ]
+
+
+def _row_sync_free(v: torch.Tensor, n: int) -> torch.Tensor:
+    """The statistics row without a host round trip (masked float64 reductions, two passes)."""
+    f64 = torch.float64
+    if not v.is_floating_point():
+        v = v.to(f64)
+    finite = torch.isfinite(v)
+    n_finite = finite.sum()
+    n_nan = torch.isnan(v).sum()
+    n_inf = (n - n_finite - n_nan).double()
+    inf = torch.tensor(math.inf, dtype=v.dtype, device=v.device)
+    lo = torch.where(finite, v, inf).min().double()
+    hi = torch.where(finite, v, -inf).max().double()
+    absmax = torch.maximum(lo.abs(), hi.abs())
+    # an exact power of two near 1/absmax (frexp) when squares would overflow or underflow
+    exponent = torch.frexp(
+        torch.where(torch.isfinite(absmax) & (absmax > 0), absmax, torch.ones((), dtype=f64, device=v.device))
+    )[1]
+    exponent = torch.where(exponent.abs() > _SAFE_EXP, exponent, torch.zeros_like(exponent))
+    scale = torch.ldexp(torch.ones((), dtype=f64, device=v.device), -exponent)
+    zero = torch.zeros((), dtype=f64, device=v.device)
+    x = torch.where(finite, v.to(f64) * scale, zero)
+    cnt = n_finite.double()
+    mean = x.sum() / cnt  # the two-pass method, as _moments
+    m2 = torch.where(finite, x - mean, zero).square().sum()
+    std = (m2 / cnt).sqrt() / scale
+    l2 = (m2 + cnt * mean * mean).sqrt() / scale
+    mean = mean / scale
+    empty = n_finite == 0
+    nan = torch.tensor(math.nan, dtype=f64, device=v.device)
+    lo, hi, mean, std, l2 = (torch.where(empty, nan, x) for x in (lo, hi, mean, std, l2))
+    return torch.stack(
+        [
+            lo,
+            hi,
+            mean,
+            std,
+            torch.maximum(lo.abs(), hi.abs()),
+            l2,
+            n_nan.double(),
+            n_inf,
+            torch.tensor(float(n), dtype=f64, device=v.device),
+        ]
+    )
+
+
+def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Tensor:
+    """Statistics of ``t`` as a float64 vector ordered like :data:`STAT_NAMES`.
+
+    The result stays on ``t``'s device, so a caller on CUDA can gather many of
+    them and copy to the host once.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        Any dtype, any shape, any device; empty tensors give NaN statistics.
+    sync_free : bool, optional
+        Compute without a host round trip (branch-free masked reductions).
+        Defaults to ``True`` on accelerators and ``False`` on CPU, where the
+        fast path (chunked float64 sums when everything is finite) is cheaper.
+
+    Examples
+    --------
+    >>> tensor_stats(torch.ones(4))[:3].tolist()
+    [1.0, 1.0, 1.0]
+    """
+    t = t.detach()
+    n = t.numel()
+    if n == 0:
+        return torch.tensor(_NAN_ROW + [0.0, 0.0, 0.0], dtype=torch.float64, device=t.device)
+    t, copies = _unexpand(t)
+    if copies > 1:  # every stored element appears `copies` times: same min/max/mean/std
+        row = tensor_stats(t, sync_free=sync_free)
+        return row * torch.tensor(
+            [1, 1, 1, 1, 1, math.sqrt(copies), copies, copies, copies], dtype=torch.float64, device=row.device
+        )
+    v = _as_real(t)  # full reductions need no reshape (which would copy a strided view)
+    if sync_free is None:
+        sync_free = v.device.type != "cpu"
+    if sync_free:
+        return _row_sync_free(v, n)
+    if not v.is_floating_point():  # integers are finite
+        return torch.tensor(_finite_row_cpu(v, n), dtype=torch.float64)
+    if v.dtype == torch.float32 and onepass.enabled(v):
+        return _float32_row(v, onepass.float32_sums(v, checksum=False))
+    fast = _finite_row_cpu(v, n)
+    if fast is not None:
+        return torch.tensor(fast, dtype=torch.float64)
+    return _masked_row_cpu(v, n)
+
+
+def _masked_row_cpu(v: torch.Tensor, n: int) -> torch.Tensor:
+    """The statistics row of a CPU float tensor holding NaN or Inf (over its finite elements)."""
+    finite = torch.isfinite(v)
+    n_nan = int(torch.isnan(v).sum())
+    kept = v[finite]
+    row = _finite_row_cpu(kept, kept.numel()) if kept.numel() else _NAN_ROW + [0.0] * 3
+    row[6:9] = [float(n_nan), float(n - kept.numel() - n_nan), float(n)]
+    return torch.tensor(row, dtype=torch.float64)
+
+
+def _float32_row(v: torch.Tensor, sums: onepass.Float32Sums) -> torch.Tensor:
+    """The statistics row from one read of a float32 tensor (:mod:`tdinspect.numerics.onepass`).
+
+    ``M2 = Σx² - n·mean²`` when ``mean² <= std²/7`` (so ``Σx² <= 8/7·M2``: no
+    cancellation), else the second, centred pass. float32 squares never overflow
+    or lose bits in float64: no scaling.
+    """
+    n = sums.numel
+    if sums.nonfinite:
+        return _masked_row_cpu(v, n)
+    mean = sums.total / n
+    if 8 * n * mean * mean <= sums.squares:
+        m2, sq = max(sums.squares - n * mean * mean, 0.0), sums.squares
+    else:
+        m2 = onepass.centred_squares(v, mean)
+        sq = m2 + n * mean * mean
+    lo, hi = sums.minimum, sums.maximum
+    return torch.tensor(
+        [lo, hi, mean, math.sqrt(m2 / n), max(abs(lo), abs(hi)), math.sqrt(sq), 0.0, 0.0, float(n)],
+        dtype=torch.float64,
+    )
+
+
+def stats_and_checksum(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tensor_stats` and :func:`tdinspect.numerics.checksum.tensor_checksum` of ``t``, in one
+    read of its memory where :mod:`tdinspect.numerics.onepass` applies (a big contiguous float32
+    CPU tensor); the same values as the two calls.
+
+    Examples
+    --------
+    >>> row, digest = stats_and_checksum(torch.arange(4.0))
+    >>> row[2].item(), digest.dtype
+    (1.5, torch.int64)
+    """
+    t = t.detach()
+    if t.dtype == torch.float32 and onepass.enabled(t):
+        sums = onepass.float32_sums(t, checksum=True)
+        return _float32_row(t, sums), torch.tensor(sums.digest, dtype=torch.int64)
+    return tensor_stats(t), tensor_checksum(t)
+
+
+def stats_to_dict(vec: torch.Tensor | list[float]) -> dict[str, float]:
+    """Name the entries of a statistics vector (see :data:`STAT_NAMES`)."""
+    values = vec.tolist() if isinstance(vec, torch.Tensor) else list(vec)
+    return dict(zip(STAT_NAMES, values))

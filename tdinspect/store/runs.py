@@ -1,0 +1,363 @@
+"""Runs: every capture has an identity, and a new run never merges into an old one.
+
+Each capture creates its own rank folder and writes a manifest, ``run.json``,
+beside the passes before the first of them::
+
+    <dump_dir>/rank0_pid1/run.json          {"format": "tdinspect.run", "run_id", "started", ...}
+              rank0_pid1/pass00000.pt       (layout unchanged: plain torch.load still reads it)
+              rank0_pid1_run2/run.json      the same pid again (PID 1 in a container, a re-run
+              rank0_pid1_run2/pass00000.pt  cell in one kernel): a new folder, numbered from 0
+
+Rank folders are grouped into runs: the folders of one launch (one per rank)
+share a group (``$TDINSPECT_RUN_ID``, or torchrun's master address, port, run id
+and restart count) or, without one, started within :data:`SAME_RUN_SECONDS` of
+each other; a rank seen twice always starts a new run. Folders written before
+manifests existed are grouped the same way by the time of their first file.
+
+:func:`list_runs` lists the runs of a dump folder, oldest first;
+``DumpSet.open(path)`` opens the newest and says so when there are several;
+``DumpSet.open(path, run=-2)`` opens the one before.
+
+Examples
+--------
+>>> [r.describe() for r in list_runs("dumps/run_a")]       # doctest: +SKIP
+['rank0_pid1 (started 2026-11-30 17:31:02, 2 passes)', 'rank0_pid1_run2 (started ..., 2 passes)']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tdinspect.store.format import RANK_DIR_RE, DumpFormatError, RankFolder, atomic_write, scan_rank_folder
+from tdinspect.util.regularfile import open_regular
+from tdinspect.util.terminal import warn
+
+RUN_FILENAME = "run.json"
+_MANIFEST_BYTES = 1 << 16  # a manifest is ~300 bytes; a longer run.json is not one
+RUN_FORMAT = "tdinspect.run"
+RUN_VERSION = 1
+SAME_RUN_SECONDS = 300.0  # ranks of one launch without a shared group start within this
+
+
+class RunWarning(UserWarning):
+    """A dump folder holds several runs, or a capture added or removed one (one line each)."""
+
+
+@dataclass
+class Run:
+    """One run: its identity and its rank folders (one per rank)."""
+
+    id: str
+    started: float
+    folders: list[RankFolder]
+
+    @property
+    def name(self) -> str:
+        """The first rank folder's name (``rank0_pid1_run2``)."""
+        return self.folders[0].path.name
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(f.rank for f in self.folders)
+
+    @property
+    def n_passes(self) -> int:
+        return len({i for f in self.folders for i in f.passes})
+
+    def describe(self) -> str:
+        """One line: folders, start time, passes."""
+        names = ", ".join(f.path.name for f in self.folders)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return f"{names} (started {when}, {self.n_passes} passes)"
+
+
+def _group_and_world(grid: int | None = None) -> tuple[str | None, int | None]:
+    """What the processes of one launch share, and how many there are (``grid``: the
+    size of the capture's parallel grid, the count when nothing else gives one)."""
+    env = os.environ
+    group = env.get("TDINSPECT_RUN_ID") or None
+    if group is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        group = "/".join(
+            env.get(k, "")
+            for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+        )
+    world = None
+    import torch
+
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    elif env.get("WORLD_SIZE", "").isdigit():
+        world = int(env["WORLD_SIZE"])
+    elif "RANK" not in env:
+        world = grid or 1  # no sign of other processes: one process, or one emulating ranks
+    return group, world
+
+
+def new_run_folder(
+    dump_dir: str | os.PathLike, rank: int, *, overwrite: bool = False, world: int | None = None
+) -> tuple[Path, dict]:
+    """Create this capture's own rank folder and its manifest; say what else is there.
+
+    The folder is ``rank<R>_pid<P>``, or ``rank<R>_pid<P>_run<N>`` when that
+    name is taken (created with ``mkdir``, which fails if it exists, so two
+    processes never share one). Earlier runs of this rank are kept, and a
+    :class:`RunWarning` says so; ``overwrite=True`` removes them (and, from
+    rank 0, folders of ranks this run does not have) and says which, but keeps, and
+    says so, those whose manifest names another process of this host still running. ``world``: the
+    size of the capture's parallel grid, the run's rank count when neither
+    ``torch.distributed`` nor ``$WORLD_SIZE`` / ``$RANK`` give one.
+    """
+    dump_dir = Path(dump_dir)
+    pid = os.getpid()
+    folder = new_folder(dump_dir, f"rank{rank}_pid{pid}")
+    group, world = _group_and_world(world)
+    started = time.time()
+    manifest = {
+        "format": RUN_FORMAT,
+        "version": RUN_VERSION,
+        "run_id": secrets.token_hex(8),
+        "started": started,
+        "started_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "rank": rank,
+        "pid": pid,
+        "host": socket.gethostname(),
+        "world_size": world,
+        "group": group,
+    }
+    data = json.dumps(manifest, indent=1).encode()
+    atomic_write(folder / RUN_FILENAME, lambda f: f.write(data))
+    _older_runs(dump_dir, folder, rank, world, overwrite)
+    return folder, manifest
+
+
+def new_folder(parent: Path, name: str) -> Path:
+    """``parent/name``, or ``name_run2``, ``name_run3``... when taken: a folder this call
+    created (``mkdir`` fails if it exists), so no two writers, nor a re-run in the same
+    process (a notebook cell: same pid), ever write into one.
+
+    Raises
+    ------
+    ConfigError
+        When ``parent``, or a folder above it, is a file.
+    """
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        from tdinspect.config import ConfigError
+
+        raise ConfigError(f"dump_dir {parent}: not a folder (it, or a folder above it, is a file)") from None
+    n = 1
+    while True:
+        folder = parent / (name + (f"_run{n}" if n > 1 else ""))
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
+
+
+def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, overwrite: bool) -> None:
+    others = []
+    for p in sorted(dump_dir.iterdir()):
+        m = RANK_DIR_RE.match(p.name)
+        if p == folder or not m or not p.is_dir():
+            continue
+        other_rank = int(m.group(1))
+        if other_rank == rank or (overwrite and rank == 0 and world is not None and other_rank >= world):
+            others.append(p)
+    if overwrite:
+        live = [p for p in others if _running_elsewhere(p)]
+        if live:
+            warn(
+                f"tdinspect: overwrite=True kept {len(live)} run folder(s) in {dump_dir} whose "
+                f"process is still running on this host: {', '.join(p.name for p in live)} "
+                "(removing them lost what that capture had written, and its next pass)",
+                RunWarning,
+                stacklevel=6,
+            )
+        others = [p for p in others if p not in live]
+    if not others:
+        return
+    names = ", ".join(p.name for p in others)
+    if overwrite:
+        for p in others:
+            if p.is_symlink():
+                p.unlink()  # the link, never what it points to (rmtree refused it: kept, unsaid)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        left = [p for p in others if os.path.lexists(p)]
+        gone = [p.name for p in others if p not in left]
+        if gone:
+            warn(
+                f"tdinspect: overwrite=True removed {len(gone)} earlier run folder(s) from "
+                f"{dump_dir}: {', '.join(gone)}",
+                RunWarning,
+                stacklevel=6,
+            )
+        if left:
+            warn(
+                f"tdinspect: overwrite=True could not remove {len(left)} earlier run folder(s) "
+                f"from {dump_dir}: {', '.join(p.name for p in left)} (DumpSet.open still sees "
+                "them)",
+                RunWarning,
+                stacklevel=6,
+            )
+    else:
+        warn(
+            f"tdinspect: {dump_dir} already holds {len(others)} earlier run(s) of rank "
+            f"{rank} ({names}); this capture is a new run in {folder.name}, kept apart "
+            "(DumpSet.open opens the newest run, run=-2 the one before; overwrite=True "
+            "replaces earlier runs)",
+            RunWarning,
+            stacklevel=6,
+        )
+
+
+def _running_elsewhere(folder: Path) -> bool:
+    """Whether ``folder``'s manifest names another process of this host that is still alive
+    (a capture that may be writing there). A pid reused since reads as alive: the folder is
+    then kept, the safe side."""
+    doc = read_manifest(folder)
+    pid = doc.get("pid") if doc else None
+    if type(pid) is not int or pid <= 0 or pid == os.getpid() or doc.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except (ProcessLookupError, OverflowError, OSError):
+        return False
+    return True
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The folder's ``run.json``, or ``None`` (a dump written before manifests, or damaged)."""
+    try:
+        with open_regular(folder / RUN_FILENAME) as f:
+            doc = json.loads(f.read(_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None  # unreadable, not JSON, cut at _MANIFEST_BYTES, nested past the stack
+    if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT:
+        return None
+    started = doc.get("started")
+    if type(started) not in (int, float) or not isinstance(doc.get("run_id"), str):
+        return None
+    try:  # a time the runs can be ordered by and shown with (not NaN, not 1e300)
+        time.localtime(started)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return doc
+
+
+def _first_write(folder: RankFolder) -> float:
+    times = [_mtime(p) for pf in folder.passes.values() for p in (pf.tensors, pf.sidecar) if p is not None]
+    return min((t for t in times if t is not None), default=folder.path.stat().st_mtime)
+
+
+def _mtime(path: Path) -> float | None:
+    """When ``path`` was written; ``None`` for a dangling link or a file gone since the folder
+    was listed (its pass then fails to open, naming it)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def group_runs(folders: list[RankFolder]) -> list[Run]:
+    """Split rank folders into runs, oldest first (rules in the module docstring)."""
+    items = []
+    for f in folders:
+        doc = read_manifest(f.path)
+        items.append((float(doc["started"]) if doc else _first_write(f), f.path.name, f, doc))
+    items.sort(key=lambda it: (it[0], it[1]))
+    runs: list[tuple[Run, dict | None]] = []
+    for started, _, folder, doc in items:
+        if runs and _joins(runs[-1], started, folder, doc):
+            runs[-1][0].folders.append(folder)
+            continue
+        run_id = doc["run_id"] if doc else f"legacy-{folder.path.name}"
+        runs.append((Run(run_id, started, [folder]), doc))
+    for run, _ in runs:
+        run.folders.sort(key=lambda f: f.rank)
+    return [run for run, _ in runs]
+
+
+def _joins(current: tuple[Run, dict | None], started: float, folder: RankFolder, doc: dict | None) -> bool:
+    run, first = current
+    if folder.rank in run.ranks or (first is None) != (doc is None):
+        return False
+    if first is None:  # folders without manifests: one run per rank, as before manifests
+        return True
+    world = first.get("world_size")
+    if isinstance(world, int) and len(run.folders) >= world:
+        return False
+    if first.get("group") or doc.get("group"):
+        return first.get("group") == doc.get("group")
+    return started - run.started <= SAME_RUN_SECONDS
+
+
+def rank_folders(path: Path) -> list[RankFolder] | None:
+    """The ``rank*_pid*`` folders directly under ``path`` (``None`` when it has none)."""
+    dirs = sorted(
+        (p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)), key=lambda p: p.name
+    )
+    if not dirs:
+        return None
+    out = []
+    for p in dirs:
+        m = RANK_DIR_RE.match(p.name)
+        folder = scan_rank_folder(p, int(m.group(1)), int(m.group(2)))
+        if folder.passes:
+            out.append(folder)
+    return out
+
+
+def list_runs(path: str | os.PathLike) -> list[Run]:
+    """The runs in a dump folder, oldest first (one run for a rank folder or a pass file).
+
+    Examples
+    --------
+    >>> runs = list_runs("dumps/run_a")                 # doctest: +SKIP
+    >>> runs[-1].describe()                             # doctest: +SKIP
+    'rank0_pid1_run2 (started 2026-11-30 17:40:01, 1 passes)'
+    """
+    from tdinspect.store.format import discover_folders
+
+    path = Path(path)
+    folders = discover_folders(path)
+    if path.is_dir() and any(RANK_DIR_RE.match(f.path.name) and f.path.parent == path for f in folders):
+        return group_runs(folders)
+    doc = read_manifest(folders[0].path)
+    run_id = doc["run_id"] if doc else f"legacy-{folders[0].path.name}"
+    started = float(doc["started"]) if doc else _first_write(folders[0])
+    return [Run(run_id, started, folders)]
+
+
+def select_run(path: str | os.PathLike, run: int | str | None = None) -> tuple[Run, list[Run]]:
+    """``(chosen run, all runs)``: the newest by default, else ``runs[run]`` (``-2``: the one
+    before the newest) or the run with that id or folder name."""
+    runs = list_runs(path)
+    if run is None:
+        return runs[-1], runs
+    if isinstance(run, int) and not isinstance(run, bool):
+        try:
+            return runs[run], runs
+        except IndexError:
+            raise DumpFormatError(
+                f"{path}: run={run}, but it holds {len(runs)} run(s): "
+                + "; ".join(r.describe() for r in runs)
+            ) from None
+    for r in runs:
+        if run == r.id or run in (f.path.name for f in r.folders):
+            return r, runs
+    raise DumpFormatError(
+        f"{path}: no run {run!r}; runs: " + "; ".join(f"{r.id} = {r.describe()}" for r in runs)
+    )
