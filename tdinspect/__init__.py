@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import importlib as _importlib
 
-from tdinspect.config import ConfigError, DumpConfig
-from tdinspect.dumper.checks import DivergenceError, NonFinite, NonFiniteError
+from tdinspect.config import DumpConfig
 from tdinspect.dumper.modules import ModuleCapture, capture
-from tdinspect.dumper.writer import CaptureWriteError
+from tdinspect.errors import (
+    CaptureWriteError,
+    ConfigError,
+    DivergenceError,
+    DumpFormatError,
+    NonFinite,
+    NonFiniteError,
+    RunWarning,
+)
 from tdinspect.naming import KeyParts, parse_key
-from tdinspect.store.format import DumpFormatError, load_pass
-from tdinspect.store.runs import RunWarning, list_runs
+from tdinspect.store.format import load_pass
+from tdinspect.store.runs import list_runs
 
 __version__ = "0.1.0"
 

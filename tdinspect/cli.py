@@ -560,8 +560,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from tdinspect.config import ConfigError
-    from tdinspect.store.format import DumpFormatError
+    from tdinspect.errors import ConfigError, DumpFormatError
 
     try:
         return COMMANDS[args.command](args)

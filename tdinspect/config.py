@@ -37,15 +37,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
+from tdinspect.errors import ConfigError
+
 FilterSpec = Union[None, str, "re.Pattern[str]", Sequence[str], Callable[[str, Any], bool]]
 Predicate = Callable[[str, Any], bool]
 
 _FAMILIES = ("PHYAI_DEBUG_TENSOR_DUMP_", "TDINSPECT_DUMP_")
 RECORD_KINDS = ("inputs", "outputs", "params", "grads")
-
-
-class ConfigError(ValueError):
-    """A capture setting (argument, config field or environment variable) is invalid."""
 
 
 def _env(environ: Mapping[str, str], suffix: str) -> tuple[str, str] | None:

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tdinspect.errors import DumpFormatError, RunWarning
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
-from tdinspect.store.format import DumpFormatError
 from tdinspect.store.passindex import PassIndex
-from tdinspect.store.runs import RunWarning, list_runs, select_run
+from tdinspect.store.runs import list_runs, select_run
 from tdinspect.util.parallel import map_in_waves
 from tdinspect.util.terminal import warn
 

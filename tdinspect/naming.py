@@ -44,6 +44,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from tdinspect.errors import KeyGrammarError
+
 CALL_SEP = "::call"
 INPUT_PREFIX = "[in]"  # module-level inputs: name[in][0], name[in][kwarg]
 _KEY_RE = re.compile(r"^(?P<base>.*?)(?:::call(?P<call>[1-9]\d*))?$", re.S)
@@ -79,10 +81,6 @@ class KeyParts(NamedTuple):
     def level(self) -> str:
         """``"op"`` for dispatch-level entries, ``"module"`` otherwise."""
         return "module" if self.op is None else "op"
-
-
-class KeyGrammarError(ValueError):
-    """A key that does not follow the grammar."""
 
 
 def parse_key(key: str) -> KeyParts:

@@ -27,9 +27,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from tdinspect.align.args import describe_args
+from tdinspect.errors import DumpFormatError
 from tdinspect.naming import make_key, parse_key, split_call
 from tdinspect.numerics.metrics import compare_tensors
-from tdinspect.store.format import DumpFormatError
 from tdinspect.util.terminal import visible
 
 

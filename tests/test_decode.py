@@ -222,7 +222,7 @@ def test_op_level_decode_calls_of_fewer_dims_are_a_reason_not_a_crash(tmp_path):
         with tdinspect.capture_ops(tmp_path / "forward", model=model) as dump:
             model(tokens[:, :-1])
             dump.step()
-    from tdinspect.align.logical import AlignError
+    from tdinspect.errors import AlignError
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # module calls recorded: nothing mixed

@@ -465,7 +465,7 @@ def test_fuzzed_sidecars_only_ever_raise_dump_format_error(tmp_path_factory):
 # -- filter_fn is trusted code; exiting at import is a ConfigError -------------------------
 @pytest.mark.parametrize("how", ["file", "env"])
 def test_filter_fn_exiting_at_import_is_a_config_error(tmp_path, monkeypatch, how):
-    from tdinspect.config import ConfigError
+    from tdinspect.errors import ConfigError
 
     exiting = tmp_path / "exiting.py"
     exiting.write_text("import sys\nsys.exit(3)\ndef keep(name, module):\n    return True\n")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tdinspect.align.dims import DimsError, parse_dims
+from tdinspect.align.dims import parse_dims
+from tdinspect.errors import DimsError
 
 
 @pytest.mark.parametrize("tail", ["a", "x(qq)", "y(tp,partial,partial)", "%" * 10_000])

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tdinspect import DumpSet
-from tdinspect.align.mapping import Mapping, MappingError
+from tdinspect.align.mapping import Mapping
 from tdinspect.cli import main
+from tdinspect.errors import MappingError
 
 from .recorded import record_dump
 from .test_hostile_files import _within

@@ -12,8 +12,9 @@ from torch import nn
 
 import tdinspect
 from tdinspect import DumpSet
-from tdinspect.align import Mapping, MappingError, TransformError, parse_transform
+from tdinspect.align import Mapping, parse_transform
 from tdinspect.cli import main
+from tdinspect.errors import MappingError, TransformError
 
 D = 16
 

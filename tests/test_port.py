@@ -289,7 +289,7 @@ def test_live_comparison_of_the_port_sets_one_sided_entries_aside(port, suggesti
     entries the port lacks (rotary_emb, act_fn) are set aside, as offline; before, a correct
     port always stopped with ``only in A`` at the end of its first pass."""
     import tdinspect
-    from tdinspect.dumper.checks import DivergenceError
+    from tdinspect.errors import DivergenceError
     from tdinspect.examples.port import LlamaPort, make_hf_llama, port_tokens
 
     def live(rope, **options):

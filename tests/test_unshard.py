@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import tdinspect
-from tdinspect.align.dims import DimsError, DimsRules, parse_dims, zigzag_chunks
+from tdinspect.align.dims import DimsRules, parse_dims, zigzag_chunks
 from tdinspect.dumper.recorder import Recorder
+from tdinspect.errors import DimsError
 
 from .conftest import ROOT
 from .tp_block import run

@@ -9,8 +9,9 @@ tensors are read.
 from __future__ import annotations
 
 from tdinspect.align.args import arg_difference, describe_args
-from tdinspect.align.mapping import Mapping, MappingError, Rule
-from tdinspect.align.transforms import Transform, TransformError, as_transform, parse_transform
+from tdinspect.align.mapping import Mapping, Rule
+from tdinspect.align.transforms import Transform, as_transform, parse_transform
+from tdinspect.errors import MappingError, TransformError
 
 __all__ = [
     "Mapping",

@@ -19,8 +19,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from tdinspect.align.dims import DimsError, parse_dims
+from tdinspect.align.dims import parse_dims
 from tdinspect.align.logical import LogicalPass, error, read
+from tdinspect.errors import DimsError
 from tdinspect.naming import make_key, split_call
 from tdinspect.store.passindex import PassIndex
 

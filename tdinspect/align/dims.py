@@ -29,13 +29,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tdinspect.errors import DimsError
+
 AXES = ("tp", "cp", "ep", "sp")
 FLAGS = ("partial", "zigzag")
 _TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\(([^()]*)\))?$")
-
-
-class DimsError(ValueError):
-    """A dims spec that does not parse; the message names the spec."""
 
 
 @dataclass(frozen=True)

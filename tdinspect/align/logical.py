@@ -25,12 +25,9 @@ from typing import Any
 
 import torch
 
+from tdinspect.errors import AlignError
 from tdinspect.numerics.metrics import same_bits
 from tdinspect.store.passindex import PassIndex
-
-
-class AlignError(ValueError):
-    """A logical entry that cannot be assembled; the message says why (and names ranks)."""
 
 
 def read(src: Any, key: str) -> dict:

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tdinspect.align.transforms import Transform, TransformError, as_transform
+from tdinspect.align.transforms import Transform, as_transform
+from tdinspect.errors import (
+    MappingError,
+    TransformError,
+)
 from tdinspect.util.regularfile import open_regular
 
 MAX_FILE_BYTES = 16 << 20  # a mapping file is rules: kilobytes (a FIFO or /dev/zero: refused)
@@ -35,10 +39,6 @@ _SHOWN = reprlib.Repr()  # values quoted in messages, cut short (Python 3.11 tak
 _SHOWN.maxstring = _SHOWN.maxother = 80
 _SHOWN.maxlist = _SHOWN.maxdict = 4
 _SHOWN.maxlevel = 2
-
-
-class MappingError(ValueError):
-    """A mapping file or rule that cannot be used (the message names the rule)."""
 
 
 @functools.cache

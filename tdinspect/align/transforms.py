@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tdinspect.errors import TransformError
+
 MAX_SPEC_CHARS = 500
 MAX_STEPS = 16
 MAX_INT = 1 << 31
@@ -51,10 +53,6 @@ _ARITY = {
     "float": (0, 0),
 }
 _TUPLE_OK = {"permute", "reshape", "unflatten"}  # the only methods that take a tuple
-
-
-class TransformError(ValueError):
-    """A transform spec outside the language, or one that does not fit a tensor."""
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdinspect.align.dims import DimsError, parse_dims
+from tdinspect.align.dims import parse_dims
 from tdinspect.align.logical import LogicalPass, error, read
-from tdinspect.store.format import DumpFormatError
+from tdinspect.errors import DimsError, DumpFormatError
 from tdinspect.store.passindex import PassIndex
 
 

@@ -35,13 +35,18 @@ import pandas as pd
 import torch
 
 from tdinspect.align.args import arg_difference
-from tdinspect.align.logical import AlignError, LogicalPass, describe, matching_slices, slices_of
+from tdinspect.align.logical import LogicalPass, describe, matching_slices, slices_of
 from tdinspect.align.mapping import Mapping
-from tdinspect.align.transforms import TransformError
 from tdinspect.compare.passframes import PassFrames, typed_columns
 from tdinspect.compare.plainpairs import compare_plain, plain_dtypes
 from tdinspect.compare.smallpairs import compare_batch, pass_spans, small_plain
 from tdinspect.dumpset import DumpSet, call_axis
+from tdinspect.errors import (
+    AlignError,
+    DumpFormatError,
+    TransformError,
+    UncomparedWarning,
+)
 from tdinspect.naming import make_key, parse_key, split_call
 from tdinspect.numerics.metrics import (
     AUTO,
@@ -56,7 +61,6 @@ from tdinspect.numerics.metrics import (
     unit_roundoff,
 )
 from tdinspect.numerics.metrics_split import compare_pieces, compare_positions
-from tdinspect.store.format import DumpFormatError
 from tdinspect.store.passindex import PassIndex
 from tdinspect.util.gcpause import paused
 from tdinspect.util.parallel import default_wave, map_in_waves
@@ -675,11 +679,6 @@ def _same_partials(pi: LogicalPass, node: dict) -> bool:
     return len(parts) == len(node["parts"]) > 1 and all(
         t.shape == parts[0].shape and same_bits(parts[0], t) for t in parts[1:]
     )
-
-
-class UncomparedWarning(UserWarning):
-    """``first_divergence(structural="report")`` found no divergence, but A entries after
-    the last one compared were set aside: the answer covers the run only up to there."""
 
 
 class Diff:

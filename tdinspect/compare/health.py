@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from tdinspect.dumper.checks import NonFinite
+from tdinspect.errors import NonFinite
 from tdinspect.naming import split_call
 from tdinspect.numerics.stats import STAT_NAMES
 

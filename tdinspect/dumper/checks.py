@@ -27,111 +27,14 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tdinspect.config import ConfigError
 from tdinspect.dumper.kinds import flat_values, holds_no_data
+from tdinspect.errors import CaptureCheckError, ConfigError, NonFinite, NonFiniteError
 from tdinspect.naming import split_call
 from tdinspect.numerics.stats import broadcast_dims, first_slice
-from tdinspect.util.terminal import visible
-
-
-class CaptureCheckError(RuntimeError):
-    """Base of the errors a check raises while the model runs; the capture is closed first."""
-
-
-@dataclass
-class NonFinite:
-    """The first entry holding NaN or Inf.
-
-    Attributes
-    ----------
-    key : str
-        The entry's key (``model.layers.2.mlp.down``, ``model.ln/aten.sqrt.default[out0]``).
-    op : str
-        The key without ``::callN``.
-    call, pass_, rank : int
-        Where it is (0-based call).
-    nan, inf, numel : int or None
-        Counts (``None`` where they could not be taken: an accelerator tensor
-        already freed when the step's flags were read).
-    inherited : bool or None
-        Op level: whether the op's inputs already held NaN/Inf. ``None`` at
-        module level or when the inputs are unknown.
-    order : int
-        Position in its pass.
-    """
-
-    key: str
-    op: str
-    call: int
-    pass_: int
-    rank: int = 0
-    nan: int | None = None
-    inf: int | None = None
-    numel: int | None = None
-    inherited: bool | None = None
-    order: int = -1
-
-    def describe(self) -> str:
-        where = f"call {self.call}, pass {self.pass_}" + (f", rank {self.rank}" if self.rank else "")
-        counts = (
-            "NaN/Inf (counts unavailable)"
-            if self.nan is None
-            else f"{self.nan} NaN and {self.inf} Inf of {self.numel} elements"
-        )
-        origin = (
-            ""
-            if self.inherited is None
-            else "; its inputs already held NaN/Inf (inherited)"
-            if self.inherited
-            else "; its inputs were finite: this op created them"
-        )
-        return f"{self.key} ({where}): {counts}{origin}"
-
-    def __repr__(self) -> str:
-        return f"NonFinite({self.describe()})"
-
-
-class NonFiniteError(CaptureCheckError):
-    """An output held NaN or Inf (``on_nonfinite="raise"``); ``.nonfinite`` says where.
-
-    Examples
-    --------
-    >>> try:                                                   # doctest: +SKIP
-    ...     with tdinspect.capture(model, on_nonfinite="raise") as cap:
-    ...         model(x); cap.step()
-    ... except tdinspect.NonFiniteError as e:
-    ...     print(e.nonfinite.key, e.nonfinite.pass_)
-    """
-
-    def __init__(self, nonfinite: NonFinite):
-        super().__init__(f"first non-finite output: {nonfinite.describe()}")
-        self.nonfinite = nonfinite
-
-
-class DivergenceError(CaptureCheckError):
-    """An entry passed the threshold against the reference (``on_divergence="raise"``).
-
-    ``.divergence`` is the :class:`tdinspect.Divergence` that
-    ``DumpSet.open(ref).diff(run).first_divergence()`` answers for a full dump
-    of the same run.
-    """
-
-    def __init__(self, divergence: Any, evidence: Any = None):
-        where = f"; evidence in {evidence}" if evidence else ""
-        super().__init__(
-            visible(
-                f"live comparison: first divergence at {divergence.key} "
-                f"(call {divergence.call}, pass {divergence.pass_}): "
-                f"{divergence.reason}{where}"
-            )
-        )  # names from the files
-        self.divergence = divergence
-        self.evidence = evidence
 
 
 def _checkable(t: torch.Tensor) -> torch.Tensor | None:

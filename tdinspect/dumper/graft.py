@@ -34,18 +34,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from tdinspect.config import ConfigError, FilterSpec, resolve_filter
+from tdinspect.config import FilterSpec, resolve_filter
 from tdinspect.dumper.modules import _unwrap_compiled, map_tensors, select_modules
 from tdinspect.dumper.recorder import current_rank
+from tdinspect.errors import (
+    ConfigError,
+    GraftError,
+)
 from tdinspect.naming import INPUT_PREFIX, make_key, split_call
 from tdinspect.store.format import discover
 from tdinspect.store.passindex import PassIndex
 
 WHAT = ("inputs", "outputs")
-
-
-class GraftError(RuntimeError):
-    """The reference cannot supply what a grafted module needs (the message names both sides)."""
 
 
 class Graft:
@@ -213,7 +213,7 @@ class Graft:
 
 
 def _rank_folder(reference: Path, rank: int):
-    from tdinspect.store.format import DumpFormatError
+    from tdinspect.errors import DumpFormatError
 
     folders = discover(reference)
     by_rank = {f.rank: f for f in folders}

@@ -62,10 +62,10 @@ from tdinspect.compare.diff import (
     threshold_fn,
     upstream_of,
 )
-from tdinspect.dumper.checks import DivergenceError
 from tdinspect.dumper.kinds import is_plain, prepare, restore
 from tdinspect.dumper.writer import PendingPass
 from tdinspect.dumpset import DumpSet
+from tdinspect.errors import DivergenceError
 from tdinspect.numerics.metrics import metric as metric_named
 from tdinspect.numerics.metrics import unit_roundoff
 from tdinspect.numerics.stats import STAT_NAMES, tensor_stats

@@ -42,10 +42,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
 
-from tdinspect.config import ConfigError, DumpConfig, FilterSpec, parse_record
+from tdinspect.config import DumpConfig, FilterSpec, parse_record
 from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, open_live
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
+from tdinspect.errors import ConfigError
 from tdinspect.naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 
 # model -> its captures still open that no ``with`` holds (see ModuleCapture._close_stale)

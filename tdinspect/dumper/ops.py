@@ -50,12 +50,13 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
-from tdinspect.config import ConfigError, DumpConfig, FilterSpec
+from tdinspect.config import DumpConfig, FilterSpec
 from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
 from tdinspect.dumper.kinds import holds_no_data
 from tdinspect.dumper.modules import resolve_config
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
+from tdinspect.errors import ConfigError
 from tdinspect.naming import CALL_SEP, module_key
 from tdinspect.store.format import encode_arg
 

@@ -17,13 +17,10 @@ from typing import Any
 
 import torch
 
+from tdinspect.errors import CaptureWriteError
 from tdinspect.numerics.checksum import checksum_hex
 from tdinspect.store.format import pass_filename, save_pass, sidecar_filename, write_sidecar
 from tdinspect.store.rawpass import layout
-
-
-class CaptureWriteError(RuntimeError):
-    """Writing a pass failed (full disk, permissions...); capture has stopped."""
 
 
 @dataclass

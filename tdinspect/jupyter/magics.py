@@ -54,7 +54,7 @@ class TdinspectMagics(Magics):
 
     def _open(self, path: str):
         from tdinspect.dumpset import DumpSet
-        from tdinspect.store.format import DumpFormatError
+        from tdinspect.errors import DumpFormatError
 
         try:
             return DumpSet.open(path)

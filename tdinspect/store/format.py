@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from tdinspect.errors import DumpFormatError
 from tdinspect.util.gcpause import paused
 from tdinspect.util.regularfile import check_regular, open_regular
 
@@ -59,10 +60,6 @@ SIDECAR_VERSION = 1
 PASS_RE = re.compile(r"^pass(\d{5,})\.pt$")
 SIDECAR_RE = re.compile(r"^pass(\d{5,})\.json$")
 RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:_run(\d+))?$")  # _runN: a later run, same pid
-
-
-class DumpFormatError(ValueError):
-    """A dump file or folder that cannot be read; the message names it."""
 
 
 def pass_number(name: str) -> int | None:

@@ -23,10 +23,10 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from tdinspect.dumper.kinds import restore
+from tdinspect.errors import DumpFormatError
 from tdinspect.naming import parse_key
 from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
 from tdinspect.store.format import (
-    DumpFormatError,
     PassFiles,
     decode_arg,
     load_call_spec,

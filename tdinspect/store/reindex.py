@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tdinspect.store.format import DumpFormatError
+from tdinspect.errors import DumpFormatError
 
 _LIMIT = 1 << 48  # sizes, strides and offsets beyond this are not a real tensor's
 _GATHER_LIMIT = 1 << 28  # distinct elements a non-contiguous base may be re-indexed into

@@ -35,7 +35,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tdinspect.store.format import RANK_DIR_RE, DumpFormatError, RankFolder, atomic_write, scan_rank_folder
+from tdinspect.errors import (
+    DumpFormatError,
+    RunWarning,
+)
+from tdinspect.store.format import RANK_DIR_RE, RankFolder, atomic_write, scan_rank_folder
 from tdinspect.util.regularfile import open_regular
 from tdinspect.util.terminal import warn
 
@@ -44,10 +48,6 @@ _MANIFEST_BYTES = 1 << 16  # a manifest is ~300 bytes; a longer run.json is not 
 RUN_FORMAT = "tdinspect.run"
 RUN_VERSION = 1
 SAME_RUN_SECONDS = 300.0  # ranks of one launch without a shared group start within this
-
-
-class RunWarning(UserWarning):
-    """A dump folder holds several runs, or a capture added or removed one (one line each)."""
 
 
 @dataclass
@@ -151,7 +151,7 @@ def new_folder(parent: Path, name: str) -> Path:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        from tdinspect.config import ConfigError
+        from tdinspect.errors import ConfigError
 
         raise ConfigError(f"dump_dir {parent}: not a folder (it, or a folder above it, is a file)") from None
     n = 1

@@ -48,7 +48,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-from tdinspect.store.format import DumpFormatError
+from tdinspect.errors import DumpFormatError
 from tdinspect.store.zipindex import ZipIndex, read_index
 from tdinspect.util.terminal import warn
 
