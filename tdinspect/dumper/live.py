@@ -69,7 +69,7 @@ from tdinspect.errors import DivergenceError
 from tdinspect.numerics.metrics import metric as metric_named
 from tdinspect.numerics.metrics import unit_roundoff
 from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
-from tdinspect.store.format import _stats_row, atomic_write, rank_dirname
+from tdinspect.store.format import atomic_write, rank_dirname, stats_row
 from tdinspect.store.runs import new_folder
 from tdinspect.util.terminal import visible
 
@@ -113,7 +113,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _stats_as_dumped(stats: torch.Tensor) -> dict[str, float]:
     """The statistics a sidecar would give a reader (rounded as the writer rounds them)."""
-    row = _stats_row(stats.tolist())
+    row = stats_row(stats.tolist())
     return dict(zip(STAT_NAMES, (math.nan if v is None else float(v) for v in row)))
 
 

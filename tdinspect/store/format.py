@@ -128,7 +128,7 @@ def _create_temporary(path: Path) -> tuple[int, str]:
     raise FileExistsError(f"{path.parent}: could not create a temporary file for {path.name}")
 
 
-def _stats_row(row: list[float]) -> list[Any]:
+def stats_row(row: list[float]) -> list[Any]:
     """A statistics row for JSON: 9 significant digits (float32 resolution and then some),
     counts as integers, NaN/Inf as null. Shorter numbers make sidecars faster to parse."""
     out: list[Any] = [None if not math.isfinite(v) else float(f"{v:.9g}") for v in row[:6]]
@@ -144,7 +144,7 @@ def write_sidecar(
     from tdinspect.store.sidecars import seal
 
     entries = dict(meta["entries"])
-    entries["stats"] = [None if s is None else _stats_row(list(s)) for s in entries["stats"]]
+    entries["stats"] = [None if s is None else stats_row(list(s)) for s in entries["stats"]]
     doc = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, **meta, "entries": entries}
     doc.pop("binding", None)
     data = seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), pass_file)
