@@ -14,7 +14,8 @@ import torch
 
 import tdinspect
 from tdinspect import DumpFormatError, DumpSet, load_pass
-from tdinspect.store.format import atomic_write, discover
+from tdinspect.store.format import atomic_write
+from tdinspect.store.runs import discover
 
 from .conftest import ROOT, only_folder
 

@@ -42,8 +42,8 @@ from tdinspect.errors import (
     GraftError,
 )
 from tdinspect.naming import INPUT_PREFIX, make_key, split_call
-from tdinspect.store.format import discover
 from tdinspect.store.passindex import PassIndex
+from tdinspect.store.runs import discover
 
 WHAT = ("inputs", "outputs")
 

@@ -39,7 +39,7 @@ from tdinspect.errors import (
     DumpFormatError,
     RunWarning,
 )
-from tdinspect.store.format import RANK_DIR_RE, RankFolder, atomic_write, scan_rank_folder
+from tdinspect.store.format import RANK_DIR_RE, RankFolder, atomic_write, pass_number, scan_rank_folder
 from tdinspect.util.regularfile import open_regular
 from tdinspect.util.terminal import warn
 
@@ -329,8 +329,6 @@ def list_runs(path: str | os.PathLike) -> list[Run]:
     >>> runs[-1].describe()                             # doctest: +SKIP
     'rank0_pid1_run2 (started 2026-11-30 17:40:01, 1 passes)'
     """
-    from tdinspect.store.format import discover_folders
-
     path = Path(path)
     folders = discover_folders(path)
     if path.is_dir() and any(RANK_DIR_RE.match(f.path.name) and f.path.parent == path for f in folders):
@@ -361,3 +359,47 @@ def select_run(path: str | os.PathLike, run: int | str | None = None) -> tuple[R
     raise DumpFormatError(
         f"{path}: no run {run!r}; runs: " + "; ".join(f"{r.id} = {r.describe()}" for r in runs)
     )
+
+
+def discover(path: str | os.PathLike, run: int | str | None = None) -> list[RankFolder]:
+    """The rank folders and passes of one run under ``path`` (the newest by default).
+
+    ``path`` may be a dump folder (holding ``rank*_pid*`` folders), one rank
+    folder (or any folder of pass files), or one pass file. A dump folder
+    holding several runs gives the newest, or ``run`` (see
+    :func:`tdinspect.store.runs.select_run`).
+
+    Raises
+    ------
+    DumpFormatError
+        If ``path`` does not exist or holds no pass.
+    """
+    return select_run(path, run)[0].folders
+
+
+def discover_folders(path: str | os.PathLike) -> list[RankFolder]:
+    """Every rank folder with passes under ``path``, whatever run wrote it."""
+    path = Path(path)
+    if not path.exists():
+        raise DumpFormatError(f"{path}: no such file or folder")
+    if path.is_file():
+        index = pass_number(path.name)
+        if index is None:
+            raise DumpFormatError(f"{path}: not a pass file (expected passNNNNN.pt)")
+        rm = RANK_DIR_RE.match(path.parent.name)
+        folder = RankFolder(path.parent, int(rm.group(1)) if rm else 0, int(rm.group(2)) if rm else None)
+        full = scan_rank_folder(path.parent, folder.rank, folder.pid)
+        folder.passes = {index: full.passes[index]}
+        return [folder]
+    folders = rank_folders(path)
+    if folders is None:
+        folder = scan_rank_folder(path, 0, None)
+        rm = RANK_DIR_RE.match(path.name)
+        if rm:
+            folder.rank, folder.pid = int(rm.group(1)), int(rm.group(2))
+        if not folder.passes:
+            raise DumpFormatError(f"{path}: no rank*_pid* folders and no pass files: not a dump")
+        return [folder]
+    if not folders:
+        raise DumpFormatError(f"{path}: rank folders hold no pass files")
+    return folders
