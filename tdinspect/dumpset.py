@@ -424,7 +424,7 @@ class DumpSet:
         """
         from tdinspect.align.unshard import unshard
 
-        return unshard(self)
+        return self._derived(unshard(self._passes, self.path, stats_only=self.stats_only), self._op_pattern)
 
     def concat(self, over: str = "call", dim: int | str = 1) -> DumpSet:
         """A logical dump whose entries are put end to end over calls or passes along ``dim``.
@@ -440,7 +440,7 @@ class DumpSet:
         """
         from tdinspect.align.concat import concat
 
-        return concat(self, over, dim)
+        return self._derived(concat(self._passes, over, dim, where=self.path), self._op_pattern)
 
     def narrow(self, dim: int | str, start: int, length: int) -> DumpSet:
         """A logical dump keeping ``length`` positions from ``start`` along ``dim`` of each entry.
@@ -451,7 +451,7 @@ class DumpSet:
         """
         from tdinspect.align.concat import narrow
 
-        return narrow(self, dim, start, length)
+        return self._derived(narrow(self._passes, dim, start, length), self._op_pattern)
 
     # -- comparing ------------------------------------------------------------------------
     def diff(self, other: DumpSet | str | os.PathLike, **kwargs) -> Diff:

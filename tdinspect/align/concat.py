@@ -94,18 +94,26 @@ def _cat(key: str, parts: list[tuple[Any, PassIndex, str, str]], dim) -> dict:
     }
 
 
-def concat(ds, over: str = "call", dim: int | str = 1):
-    """A logical DumpSet whose entries are concatenated over passes or calls along ``dim``.
+def concat(
+    passes: dict[tuple[int, int], PassIndex], over: str = "call", dim: int | str = 1, *, where: Any = "dump"
+) -> dict:
+    """Passes whose entries are concatenated over passes or calls along ``dim``.
+
+    Returns ``{(rank, pass): LogicalPass}``; :meth:`tdinspect.DumpSet.concat` wraps it in
+    a DumpSet.
 
     Parameters
     ----------
-    ds : DumpSet
+    passes : dict
+        ``{(rank, pass): PassIndex}`` of a dump (:attr:`tdinspect.DumpSet.pass_map`).
     over : {"call", "pass"}
         ``"call"``: ``name``, ``name::call1``, ... of each pass become
         ``name``; ``"pass"``: each rank's passes become one pass (numbered
         as its first), entries matched by key.
     dim : int or str
         The dim to concatenate along, or its name in the entries' dims.
+    where : str or Path
+        The dump, named in warnings.
 
     Entries that cannot be concatenated (missing in some pass, shapes that
     do not fit) become structural divergences with the reason.
@@ -117,34 +125,38 @@ def concat(ds, over: str = "call", dim: int | str = 1):
     Op dumps that do not record module calls (written before tdinspect did)
     put every call end to end, and a RuntimeWarning says so.
     """
-    from tdinspect.dumpset import DumpSet
-
     over, dim = parse_concat((over, dim))
     out = {}
     mixed = False  # an op's several runs per forward put end to end (no module calls recorded)
     if over == "pass":
         by_rank: dict[int, dict[int, PassIndex]] = {}
-        for (rank, p), pi in ds._passes.items():
+        for (rank, p), pi in passes.items():
             by_rank.setdefault(rank, {})[p] = pi
-        for rank, passes in by_rank.items():
-            order = dict.fromkeys(k for p in sorted(passes) for k in passes[p].keys)
+        for rank, ranks_passes in by_rank.items():
+            order = dict.fromkeys(k for p in sorted(ranks_passes) for k in ranks_passes[p].keys)
             plans, first, dims = {}, {}, {}
             for key in order:
-                have = [p for p in sorted(passes) if key in passes[p].position]
-                first[key] = (have[0], passes[have[0]].position[key])
-                dims[key] = passes[have[0]].dims[first[key][1]]
-                lost = [p for p in passes if p not in have]
+                have = [p for p in sorted(ranks_passes) if key in ranks_passes[p].position]
+                first[key] = (have[0], ranks_passes[have[0]].position[key])
+                dims[key] = ranks_passes[have[0]].dims[first[key][1]]
+                lost = [p for p in ranks_passes if p not in have]
                 plans[key] = (
-                    error(f"in passes {have} only, not in {lost}")
+                    error(f"in ranks_passes {have} only, not in {lost}")
                     if lost
-                    else _cat(key, [(p, passes[p], key, f"pass {p}") for p in have], dim)
+                    else _cat(key, [(p, ranks_passes[p], key, f"pass {p}") for p in have], dim)
                 )
-            p0 = min(passes)
+            p0 = min(ranks_passes)
             out[(rank, p0)] = LogicalPass.build(
-                rank, p0, passes, plans, first, dims=dims, what=f"passes {sorted(passes)} concatenated"
+                rank,
+                p0,
+                ranks_passes,
+                plans,
+                first,
+                dims=dims,
+                what=f"ranks_passes {sorted(ranks_passes)} concatenated",
             )
     else:
-        for (rank, p), pi in ds._passes.items():
+        for (rank, p), pi in passes.items():
             calls: dict[str, list[tuple[int, str]]] = {}
             for key in pi.keys:
                 base, call = split_call(key)
@@ -182,7 +194,7 @@ def concat(ds, over: str = "call", dim: int | str = 1):
             )
     if mixed:
         warnings.warn(
-            f"tdinspect: {ds.path}: this op-level dump does not say which call of its "
+            f"tdinspect: {where}: this op-level dump does not say which call of its "
             "module ran each op (written before tdinspect recorded it), so an op that "
             "runs several times in one forward (an RMSNorm's two aten.mul) has its "
             "different tensors put end to end: capture it again, or compare a decode "
@@ -190,7 +202,7 @@ def concat(ds, over: str = "call", dim: int | str = 1):
             RuntimeWarning,
             stacklevel=3,
         )
-    return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)
+    return out
 
 
 def _runs(pi: PassIndex, found: list[tuple[int, str]]) -> list[list[tuple[int, str]]] | str | None:
@@ -216,17 +228,17 @@ def _runs(pi: PassIndex, found: list[tuple[int, str]]) -> list[list[tuple[int, s
     return [list(run) for run in zip(*by_call.values())]
 
 
-def narrow(ds, dim: int | str, start: int, length: int):
-    """A logical DumpSet keeping positions ``start .. start+length`` along ``dim`` of every entry.
+def narrow(passes: dict[tuple[int, int], PassIndex], dim: int | str, start: int, length: int) -> dict:
+    """Passes keeping positions ``start .. start+length`` along ``dim`` of every entry.
+
+    Returns ``{(rank, pass): LogicalPass}``; :meth:`tdinspect.DumpSet.narrow` wraps it.
 
     Entries too short, or without the named dim, become structural
     divergences with the reason.
     """
-    from tdinspect.dumpset import DumpSet
-
     dim = as_dim(dim)
     out = {}
-    for (rank, p), pi in ds._passes.items():
+    for (rank, p), pi in passes.items():
         plans, first, dims = {}, {}, {}
         for i, key in enumerate(pi.keys):
             first[key], dims[key] = (0, i), pi.dims[i]
@@ -252,4 +264,4 @@ def narrow(ds, dim: int | str, start: int, length: int):
             dims=dims,
             what=f"positions {start}..{start + length} of dim {dim}",
         )
-    return DumpSet(ds.path, out, op_pattern=ds._op_pattern, client=ds.client)
+    return out

@@ -158,10 +158,23 @@ def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:
     )
 
 
-def unshard(ds) -> Any:
-    """A logical :class:`~tdinspect.dumpset.DumpSet` (one rank, 0) of ``ds``'s ranks reassembled.
+def unshard(passes: dict[tuple[int, int], PassIndex], where: Any, *, stats_only: bool = False) -> dict:
+    """The passes of one logical rank (0): ``passes``' ranks reassembled.
 
-    Tensors are assembled when read; statistics are recomputed from them.
+    Parameters
+    ----------
+    passes : dict
+        ``{(rank, pass): PassIndex}`` of a dump (:attr:`tdinspect.DumpSet.pass_map`).
+    where : str or Path
+        The dump, named in errors.
+    stats_only : bool
+        Whether the dump holds statistics only (refused: there are no shards).
+
+    Returns
+    -------
+    dict
+        ``{(0, pass): LogicalPass}``: tensors are assembled when read, statistics
+        recomputed from them. :meth:`tdinspect.DumpSet.unshard` wraps it in a DumpSet.
 
     Raises
     ------
@@ -169,12 +182,9 @@ def unshard(ds) -> Any:
         For a statistics-only dump (there are no shards to put together) or
         ranks that disagree on an axis's size.
     """
-    from tdinspect.dumpset import DumpSet
-
-    if ds.stats_only:
-        raise DumpFormatError(f"{ds.path}: statistics-only dump: unshard needs the tensors")
+    if stats_only:
+        raise DumpFormatError(f"{where}: statistics-only dump: unshard needs the tensors")
     by_pass: dict[int, dict[int, PassIndex]] = {}
-    for (rank, p), pi in ds._passes.items():
+    for (rank, p), pi in passes.items():
         by_pass.setdefault(p, {})[rank] = pi
-    passes = {(0, p): unshard_pass(group) for p, group in by_pass.items()}
-    return DumpSet(ds.path, passes, op_pattern=ds._op_pattern, client=ds.client)
+    return {(0, p): unshard_pass(group) for p, group in by_pass.items()}
