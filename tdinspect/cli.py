@@ -37,30 +37,12 @@ from typing import Any
 
 from tdinspect.numerics.metrics import METRICS
 from tdinspect.report import text_table
+from tdinspect.util.arguments import number_or_auto, threshold_arg
 from tdinspect.util.terminal import visible, visible_streams
 
 
 class _Fail(Exception):
     pass
-
-
-def _number(text: str) -> float:
-    value = float(text)
-    if math.isnan(value):
-        raise ValueError
-    return value
-
-
-def _number_or_auto(text: str) -> float | str:
-    return "auto" if text.strip() == "auto" else _number(text)
-
-
-def threshold_arg(text: str) -> float | str:
-    """``--threshold`` of the dashboard: ``auto`` or a number (argparse type)."""
-    try:
-        return _number_or_auto(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number (not NaN), got {text!r}") from None
 
 
 def _threshold(values: list[str] | None):
@@ -72,7 +54,7 @@ def _threshold(values: list[str] | None):
     named = [v for v in values if "=" in v]
     try:
         if plain and not named and len(plain) == 1:
-            return _number_or_auto(plain[0])
+            return number_or_auto(plain[0])
         out = {}
         for v in named:
             pattern, _, number = v.rpartition("=")
@@ -80,9 +62,9 @@ def _threshold(values: list[str] | None):
                 re.compile(pattern)
             except re.error as exc:
                 raise _Fail(f"--threshold {v!r}: invalid regular expression {pattern!r} ({exc})") from None
-            out[pattern] = _number_or_auto(number)
+            out[pattern] = number_or_auto(number)
         if plain:
-            out[".*"] = _number_or_auto(plain[-1])
+            out[".*"] = number_or_auto(plain[-1])
         return out
     except ValueError:
         raise _Fail(f"--threshold: expected auto, a number (not NaN) or REGEX=NUMBER, got {values}") from None

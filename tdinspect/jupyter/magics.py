@@ -31,7 +31,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from tdinspect.cli import threshold_arg
+from tdinspect.util.arguments import threshold_arg
 from tdinspect.util.terminal import visible
 
 _NAMES = ("tdi_open", "tdi_diff", "tdi_capture")
