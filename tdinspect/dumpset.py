@@ -73,6 +73,20 @@ class DumpSet:
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
+    def coerce(cls, source: DumpSet | str | os.PathLike, *, client: Any = None) -> DumpSet:
+        """``source`` itself when it is a DumpSet, else :meth:`open` of that path.
+
+        Examples
+        --------
+        >>> ds = DumpSet.coerce("dumps/run_a")                      # doctest: +SKIP
+        >>> DumpSet.coerce(ds) is ds                                 # doctest: +SKIP
+        True
+        """
+        if isinstance(source, cls):
+            return source
+        return cls.open(os.fspath(source), client=client)
+
+    @classmethod
     def open(
         cls,
         path: str | os.PathLike,
@@ -465,9 +479,7 @@ class DumpSet:
         """
         from tdinspect.compare.diff import Diff
 
-        if not isinstance(other, DumpSet):
-            other = DumpSet.open(other, client=self.client)
-        return Diff(self, other, **kwargs)
+        return Diff(self, DumpSet.coerce(other, client=self.client), **kwargs)
 
     def first_nonfinite(self):
         """The first output holding NaN or Inf, in (pass, execution order), or ``None``.

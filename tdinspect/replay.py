@@ -18,7 +18,6 @@ Examples
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,7 +236,7 @@ def replay(
     """
     from tdinspect.dumpset import DumpSet
 
-    ds = source if isinstance(source, DumpSet) else DumpSet.open(os.fspath(source))
+    ds = DumpSet.coerce(source)
     pi = ds.get_pass(pass_, rank)
     out0 = _out0_key(key)
     i = pi.position.get(out0)
@@ -257,7 +256,7 @@ def replay(
     rerun = [t for t in tree_flatten(op(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
     result = ReplayResult(str(op), out0, dtype, args=describe_args(spec))
     if other is not None:
-        ods = other if isinstance(other, DumpSet) else DumpSet.open(os.fspath(other))
+        ods = DumpSet.coerce(other)
         opi = ods.get_pass(pass_, rank)
         j = opi.position.get(_out0_key(other_key or key))
         if j is None:

@@ -240,8 +240,8 @@ def suggest_mapping(
 
     from tdinspect.dumpset import DumpSet
 
-    a = a if isinstance(a, DumpSet) else DumpSet.open(a)
-    b = b if isinstance(b, DumpSet) else DumpSet.open(b, client=a.client)
+    a = DumpSet.coerce(a)
+    b = DumpSet.coerce(b, client=a.client)
     common = sorted(set(a._passes) & set(b._passes), key=lambda k: (k[1], k[0]))
     if pass_ is not None or rank is not None:
         common = [k for k in common if (pass_ is None or k[1] == pass_) and (rank is None or k[0] == rank)]

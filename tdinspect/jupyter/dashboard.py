@@ -163,7 +163,7 @@ def dashboard(
         options = json.loads(os.environ.get(ENV_OPTIONS) or "{}")
         metric = metric or options.get("metric")
         threshold = threshold if threshold is not None else options.get("threshold")
-    ref = a if isinstance(a, DumpSet) else DumpSet.open(a)
+    ref = DumpSet.coerce(a)
     return Dashboard(ref.diff(b, **diff_kwargs), metric=metric, threshold=threshold)
 
 
