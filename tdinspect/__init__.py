@@ -17,17 +17,18 @@ from __future__ import annotations
 import importlib as _importlib
 
 from tdinspect.config import DumpConfig
-from tdinspect.dumper.modules import ModuleCapture, capture
+from tdinspect.dumper.modules import capture
 from tdinspect.errors import (
     CaptureWriteError,
     ConfigError,
     DivergenceError,
     DumpFormatError,
-    NonFinite,
+    GraftError,
     NonFiniteError,
     RunWarning,
+    UncomparedWarning,
 )
-from tdinspect.naming import KeyParts, parse_key
+from tdinspect.naming import parse_key
 from tdinspect.store.format import load_pass
 from tdinspect.store.runs import list_runs
 
@@ -37,52 +38,48 @@ __version__ = "0.1.0"
 # xarray, pandas, matplotlib, IPython or dask.
 _LAZY = {
     "capture_ops": ("tdinspect.dumper.ops", "capture_ops"),
-    "OpCapture": ("tdinspect.dumper.ops", "OpCapture"),
-    "replay": ("tdinspect.replay", "replay"),
     "graft": ("tdinspect.dumper.graft", "graft"),
-    "Graft": ("tdinspect.dumper.graft", "Graft"),
-    "GraftError": ("tdinspect.dumper.graft", "GraftError"),
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.compare.diff", "Diff"),
     "Divergence": ("tdinspect.compare.diff", "Divergence"),
-    "UncomparedWarning": ("tdinspect.compare.diff", "UncomparedWarning"),
+    "replay": ("tdinspect.replay", "replay"),
     "suggest_mapping": ("tdinspect.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
     "dashboard": ("tdinspect.jupyter.dashboard", "dashboard"),
     "plot": ("tdinspect.jupyter.plots", None),
 }
 
+# The curated public API: what a user needs to capture, open, compare and look. Everything
+# else is reachable from its module (tdinspect.dumper.modules.ModuleCapture,
+# tdinspect.naming.KeyParts, tdinspect.errors.NonFinite, ...).
 __all__ = [
+    # capture
     "capture",
     "capture_ops",
-    "ModuleCapture",
-    "OpCapture",
     "DumpConfig",
-    "ConfigError",
-    "CaptureWriteError",
-    "DivergenceError",
-    "NonFiniteError",
-    "NonFinite",
-    "DumpFormatError",
-    "load_pass",
-    "parse_key",
-    "KeyParts",
-    "list_runs",
-    "RunWarning",
-    "replay",
     "graft",
-    "Graft",
-    "GraftError",
+    # read and compare
+    "load_pass",
+    "list_runs",
+    "parse_key",
     "DumpSet",
     "Diff",
     "Divergence",
-    "UncomparedWarning",
+    "replay",
     "suggest_mapping",
+    # look
     "explore",
     "dashboard",
     "plot",
-    "load_ipython_extension",
-    "unload_ipython_extension",
+    # errors and warnings
+    "ConfigError",
+    "DumpFormatError",
+    "CaptureWriteError",
+    "DivergenceError",
+    "NonFiniteError",
+    "GraftError",
+    "RunWarning",
+    "UncomparedWarning",
 ]
 
 

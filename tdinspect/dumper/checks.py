@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from tdinspect.dumper.kinds import flat_values, holds_no_data
+from tdinspect.dumper.kinds import holds_no_data
 from tdinspect.errors import CaptureCheckError, ConfigError, NonFinite, NonFiniteError
 from tdinspect.naming import split_call
 from tdinspect.numerics.stats import broadcast_dims, first_slice
+from tdinspect.store.restore import flat_values
 
 
 def _checkable(t: torch.Tensor) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tdinspect.numerics.stats import broadcast_dims, first_slice, tensor_stats
+from tdinspect.store.restore import flat_values
 
 _SPARSE = {
     torch.sparse_coo: "sparse_coo",
@@ -59,19 +60,6 @@ def holds_no_data(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)
-
-
-def flat_values(t: torch.Tensor) -> torch.Tensor:
-    """The values a sparse or nested tensor holds, as one plain tensor (never made dense);
-    any other tensor as it is."""
-    if t.is_nested:
-        parts = t.unbind()
-        return torch.cat([p.reshape(-1) for p in parts]) if parts else t.new_empty(0)
-    if t.layout == torch.sparse_coo:
-        return t._values()  # duplicates of an uncoalesced tensor are values too
-    if t.layout != torch.strided:
-        return t.values()
-    return t
 
 
 @dataclass
@@ -208,18 +196,3 @@ def _sparse(t: torch.Tensor) -> Prepared:
         str(t.dtype),
         storage={"layout": _SPARSE[t.layout], "nnz": int(t._nnz())},
     )
-
-
-def restore(t: torch.Tensor) -> torch.Tensor:
-    """A stored tensor as analysis reads it: dense, dequantized, nested parts joined.
-
-    Decided from the tensor itself (what ``torch.load`` gave back), never from
-    the sidecar.
-    """
-    if t.is_nested:
-        return flat_values(t)
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_quantized:
-        t = t.dequantize()
-    return t

@@ -62,7 +62,7 @@ from tdinspect.compare.diff import (
     threshold_fn,
     upstream_of,
 )
-from tdinspect.dumper.kinds import is_plain, prepare, restore
+from tdinspect.dumper.kinds import is_plain, prepare
 from tdinspect.dumper.writer import PendingPass
 from tdinspect.dumpset import DumpSet
 from tdinspect.errors import DivergenceError
@@ -70,6 +70,7 @@ from tdinspect.numerics.metrics import metric as metric_named
 from tdinspect.numerics.metrics import unit_roundoff
 from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
 from tdinspect.store.format import atomic_write, rank_dirname, stats_row
+from tdinspect.store.restore import restore
 from tdinspect.store.runs import new_folder
 from tdinspect.util.terminal import visible
 

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from tdinspect.dumper.kinds import restore
 from tdinspect.errors import DumpFormatError
 from tdinspect.naming import parse_key
 from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
@@ -37,6 +36,7 @@ from tdinspect.store.format import (
 )
 from tdinspect.store.rawpass import crc_failure, mapping_files, read_plain, read_raw
 from tdinspect.store.reindex import reindex
+from tdinspect.store.restore import restore
 from tdinspect.store.zipindex import ZipIndex, identity, read_index
 
 
@@ -277,7 +277,7 @@ class PassIndex:
 
     def _as_read(self, i: int, t: torch.Tensor, where: str) -> torch.Tensor:
         """A stored tensor as analysis sees it: sparse, quantized and nested tensors made
-        plain (:func:`tdinspect.dumper.kinds.restore`), an expanded one re-viewed."""
+        plain (:func:`tdinspect.store.restore.restore`), an expanded one re-viewed."""
         t = restore(t)
         storage = self.storage[i] if self.storage else None
         if isinstance(storage, dict) and isinstance(storage.get("expand"), dict):
