@@ -159,3 +159,19 @@ def test_committed_notebooks_show_their_output():
         assert sum(len(c.outputs) for c in code) >= len(code) - 1, path.name
         errors = [o for c in code for o in c.outputs if o.output_type == "error"]
         assert not errors, f"{path.name}: {errors[0].ename}"
+
+
+def test_public_api_is_curated_and_resolves():
+    """``tdinspect`` names a short list of public things (capture, read, compare, look, errors);
+    each resolves, completion lists those alone, and the rest stay in their modules."""
+    import tdinspect
+
+    assert 15 <= len(tdinspect.__all__) <= 25 and len(set(tdinspect.__all__)) == len(tdinspect.__all__)
+    for name in tdinspect.__all__:
+        assert getattr(tdinspect, name) is not None, name
+    assert dir(tdinspect) == sorted([*tdinspect.__all__, "__version__"])
+    assert not hasattr(tdinspect, "ModuleCapture")  # reachable from tdinspect.dumper.modules
+    from tdinspect.dumper.modules import ModuleCapture
+    from tdinspect.errors import NonFinite
+
+    assert ModuleCapture and NonFinite

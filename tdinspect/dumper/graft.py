@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tdinspect.config import FilterSpec, resolve_filter
-from tdinspect.dumper.modules import _unwrap_compiled, map_tensors, select_modules
+from tdinspect.dumper.modules import map_tensors, select_modules, unwrap_compiled
 from tdinspect.dumper.recorder import current_rank
 from tdinspect.errors import (
     ConfigError,
@@ -88,7 +88,7 @@ class Graft:
         self._mapping = _mapping(mapping)
         self._calls: dict[str, int] = {}
         self._current: tuple[PassIndex, dict, dict] | None = None
-        model, _ = _unwrap_compiled(model)
+        model, _ = unwrap_compiled(model)
         chosen = select_modules(model, resolve_filter(modules), root, scope)
         if not chosen:
             raise ConfigError(f"graft: modules={modules!r} selects no module of {type(model).__name__}")

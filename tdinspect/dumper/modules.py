@@ -196,13 +196,13 @@ def flatten_inputs(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[tuple[str
     yield from flatten_output(dict(kwargs), INPUT_PREFIX)
 
 
-def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     """The model to hook, and whether any part of it is compiled: a ``torch.compile(m)``
     wrapper (outside or on a submodule) or an in-place ``m.compile()``. Hooks do not fire
     inside compiled graphs, so capture then runs the model eagerly."""
     inner = getattr(model, "_orig_mod", None)
     if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return _unwrap_compiled(inner)[0], True
+        return unwrap_compiled(inner)[0], True
     compiled = any(
         type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
         for m in model.modules()
@@ -296,7 +296,7 @@ class ModuleCapture(StopsOnCheck):
             return
         if not isinstance(model, nn.Module):
             raise TypeError(f"capture(model=...) needs an nn.Module, got {type(model).__name__}")
-        model, compiled = _unwrap_compiled(model)
+        model, compiled = unwrap_compiled(model)
         chosen = select_modules(model, config.predicate(), root, modules)
         if not chosen:
             sample = [module_key(root, n) for n, _ in list(model.named_modules())[:6]]
