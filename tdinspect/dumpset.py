@@ -20,6 +20,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -173,6 +174,26 @@ class DumpSet:
     # -- what is in it -------------------------------------------------------------------
     def _keep(self, key: str) -> bool:
         return self._op_pattern is None or bool(self._op_pattern.search(split_call(key)[0]))
+
+    def keeps(self, key: str) -> bool:
+        """Whether entry ``key`` (with or without ``::callN``) is in this DumpSet's selection
+        (:meth:`filter`, :meth:`sel` by op); every entry of an unfiltered one is."""
+        return self._keep(key)
+
+    @property
+    def op_pattern(self) -> re.Pattern | None:
+        """The pattern an entry name must ``search``-match to be kept (``None``: every entry)."""
+        return self._op_pattern
+
+    @property
+    def pass_map(self) -> MappingProxyType[tuple[int, int], PassIndex]:
+        """``(rank, pass) -> PassIndex`` of the indexed passes, ordered by (pass, rank); read-only.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/run_a").pass_map.get((0, 3))   # doctest: +SKIP
+        """
+        return MappingProxyType(self._passes)
 
     def pass_indexes(self) -> list[PassIndex]:
         """The indexed passes, ordered by (pass, rank)."""
