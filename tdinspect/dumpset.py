@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tdinspect.compare.cube import call_axis
 from tdinspect.errors import DumpFormatError, RunWarning
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
@@ -624,11 +625,3 @@ def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:
         cols["dtype"].append((pi.dtype[i] or "").removeprefix("torch."))
         cols["shape"].append(_shape_str(pi.shape[i]))
     return {k: ("op", np.asarray(v, dtype=object if k != "layer" else np.int64)) for k, v in cols.items()}
-
-
-def call_axis(calls) -> tuple[np.ndarray, np.ndarray]:
-    """``(the call numbers present, sorted; each of ``calls``' position among them)``: a cube's
-    ``call`` axis. It was every number up to the largest: one key named ``m::call3000000``
-    made a 5-entry dump's cube 1.2 GB (the number is a file's text: any size)."""
-    numbers, where = np.unique(np.asarray(calls, dtype=np.int64), return_inverse=True)
-    return (numbers, where) if len(numbers) else (np.zeros(1, np.int64), where)

@@ -196,9 +196,9 @@ def side_differences(diff) -> list[str]:
         kb = {k for k in b._passes[key].keys if a._keep(k)}
         mapping = getattr(diff, "mapping", None)
         if mapping is not None:  # pairs through the rules: A entries are named by their partners
-            from tdinspect.compare.diff import _mapped_key
+            from tdinspect.align.mapping import mapped_key
 
-            partner = {k: _mapped_key(mapping, k) for k in ka}
+            partner = {k: mapped_key(mapping, k) for k in ka}
             only_a = {k for k, m in partner.items() if m not in b._passes[key].position}
             only_b = kb - set(partner.values())
         else:
