@@ -29,6 +29,7 @@ from tdinspect.compare.cube import call_axis
 from tdinspect.errors import DumpFormatError, RunWarning
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
+from tdinspect.report import human_bytes
 from tdinspect.store.passindex import PassIndex
 from tdinspect.store.runs import list_runs, select_run
 from tdinspect.util.parallel import map_in_waves
@@ -546,7 +547,7 @@ class DumpSet:
         return (
             f"DumpSet({s['path']!r}: {s['level']} level, {s['ops']} ops x up to "
             f"{s['max_calls']} calls x {s['passes']} passes, ranks {s['ranks']}, "
-            f"{s['entries']} entries, {_human(s['bytes'])}"
+            f"{s['entries']} entries, {human_bytes(s['bytes'])}"
             + (", statistics only" if s["stats_only"] else "")
             + (f", {s['skipped']} passes skipped" if s["skipped"] else "")
             + (f", passes {s['failed']} cut short by an error" if s["failed"] else "")
@@ -593,14 +594,6 @@ def _itemsize(dtype: str) -> int:
 
     dt = getattr(torch, dtype.removeprefix("torch."), None)
     return dt.itemsize if isinstance(dt, torch.dtype) else 0
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:

@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
-from tdinspect.align.mapping import Mapping
+from tdinspect.align.mapping import Mapping, mapped_key
 from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
@@ -424,6 +424,60 @@ class Diff:
             }
         return None
 
+    def rank_passes(self) -> list[tuple[int, int]]:
+        """Every ``(rank, pass)`` the diff compares (either side's), in order of pass, then rank:
+        metadata only; :attr:`passes_read` lists those computed so far."""
+        return [(job.rank, job.pass_) for job in self._jobs()]
+
+    def structural_read(self) -> pd.DataFrame:
+        """The structural rows of the passes compared so far (nothing more is read): columns
+        ``pass``, ``rank``, ``key``, ``reason``, in the order the passes were compared."""
+        rows = [
+            r
+            for f in self._results.values()
+            for r in f.loc[f["structural"], ["pass", "rank", "key", "reason"]].values.tolist()
+        ]
+        return pd.DataFrame(rows, columns=["pass", "rank", "key", "reason"])
+
+    def one_sided(self) -> dict[str, dict[str, list]]:
+        """What only one side holds, from metadata only (nothing is read).
+
+        Returns
+        -------
+        dict
+            ``{"ranks": {"A": [...], "B": [...]}, "passes": {...}, "entries": {...}}``: the
+            rank and pass numbers only in A / only in B, sorted, and for entries, per side,
+            ``((rank, pass), sorted names)`` of each (rank, pass) both sides hold where that
+            side has entry names the other lacks (A's named by their partners under the
+            diff's mapping), in order of pass, then rank. All lists empty when both sides
+            hold the same ranks, passes and entry names (the reference's selection).
+
+        Examples
+        --------
+        >>> DumpSet.open("a").diff("b").one_sided()["passes"]   # doctest: +SKIP
+        {'A': [], 'B': [3]}
+        """
+        a, b = self.a, self.b
+        out: dict[str, dict[str, list]] = {}
+        for what, sa, sb in (("ranks", set(a.ranks), set(b.ranks)), ("passes", set(a.passes), set(b.passes))):
+            out[what] = {"A": sorted(sa - sb), "B": sorted(sb - sa)}
+        only: dict[str, list] = {"A": [], "B": []}
+        passes_a, passes_b = a.pass_map, b.pass_map
+        for key in sorted(set(passes_a) & set(passes_b), key=lambda k: (k[1], k[0])):
+            ka = {k for k in passes_a[key].keys if a.keeps(k)}
+            kb = {k for k in passes_b[key].keys if a.keeps(k)}
+            if self.mapping is not None:  # pairs through the rules: A entries are named by their partners
+                partner = {k: mapped_key(self.mapping, k) for k in ka}
+                only_a = {k for k, m in partner.items() if m not in passes_b[key].position}
+                only_b = kb - set(partner.values())
+            else:
+                only_a, only_b = ka - kb, kb - ka
+            for side, extra in (("A", only_a), ("B", only_b)):
+                if extra:
+                    only[side].append((key, sorted(extra)))
+        out["entries"] = only
+        return out
+
     def _where(self, pass_: int, rank: int) -> str:
         """``pass P``, with ``, rank R`` when the reference has several ranks."""
         return f"pass {pass_}" + (f", rank {rank}" if len(self.a.ranks) > 1 else "")
@@ -473,16 +527,29 @@ class Diff:
             When a record the divergence was read from fails its CRC-32 (a
             damaged pass file: the "divergence" may be the damage).
         """
-        div, gap = self._answer(threshold, metric, structural)
+        div, gap = self.verdict(threshold, metric, structural)
         if gap is not None:
             warnings.warn(
                 f"tdinspect: no numerical divergence, but {gap['text']}", UncomparedWarning, stacklevel=2
             )
         return div
 
-    def _answer(self, threshold, metric, structural: str) -> tuple[Divergence | None, dict | None]:
-        """:meth:`first_divergence`'s answer, and with ``structural="report"`` and no
-        divergence, :meth:`uncompared_after` (else ``None``): said once by each caller."""
+    def verdict(
+        self,
+        threshold: float | str | dict | None = None,
+        metric: str | None = None,
+        structural: str = "diverge",
+    ) -> tuple[Divergence | None, dict | None]:
+        """:meth:`first_divergence`'s answer without its warning: ``(divergence, gap)``.
+
+        ``gap`` is :meth:`uncompared_after` when ``structural="report"`` finds no
+        divergence, else ``None``: a caller that shows it (:meth:`summary`, a report)
+        says it once, in its own words. Arguments as for :meth:`first_divergence`.
+
+        Examples
+        --------
+        >>> div, gap = diff.verdict(structural="report")   # doctest: +SKIP
+        """
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
@@ -772,7 +839,7 @@ class Diff:
         return cube.to_xarray(self.table(), attrs)
 
     def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
-        div, gap = self._answer(threshold, metric, structural)  # the gap is in the answer here
+        div, gap = self.verdict(threshold, metric, structural)  # the gap is in the answer here
         name = div.metric if div else (metric or self.default_metric)
         out = {
             "a": str(self.a.path),

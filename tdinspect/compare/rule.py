@@ -1,6 +1,6 @@
 """The per-pair rule: the row of one A entry against one B entry, the one definition.
 
-:func:`compare_pair` fills a row of :data:`COLUMNS` from two :class:`Side` s (the
+:func:`compare_pair` fills a row of :data:`COLUMNS` from two sides (:class:`Side`, the
 reference first): metrics, or the reason the pair is structural (shapes,
 NaN/Inf on one side, arguments, an entry that cannot be assembled) or was
 never compared. A :class:`~tdinspect.Diff` builds its sides from pass files
