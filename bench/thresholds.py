@@ -1,7 +1,7 @@
 """Judging a diff table with per-entry thresholds: a number, ``"auto"`` (from each entry's
 dtypes) and a ``{regex: number}`` dict with ``"auto"`` for the rest, side by side in one run;
 ``"auto"`` with and without the rows' ``upstream`` column, and the cost of computing that column
-(:func:`tdinspect.compare.diff.upstream_of`, once per pass frame).
+(:func:`tdinspect.compare.thresholds.upstream_of`, once per pass frame).
 
     python bench/thresholds.py [--rows 100000] [--names 500] [--rounds 7]
 """
@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pandas as pd
 
-from tdinspect.compare.diff import Diff, threshold_fn, upstream_of
+from tdinspect.compare.diff import Diff
+from tdinspect.compare.thresholds import threshold_fn, upstream_of
 from tdinspect.numerics.metrics import metric
 
 

@@ -41,7 +41,7 @@ _LAZY = {
     "graft": ("tdinspect.dumper.graft", "graft"),
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.compare.diff", "Diff"),
-    "Divergence": ("tdinspect.compare.diff", "Divergence"),
+    "Divergence": ("tdinspect.compare.thresholds", "Divergence"),
     "replay": ("tdinspect.replay", "replay"),
     "suggest_mapping": ("tdinspect.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),

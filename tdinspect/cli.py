@@ -273,7 +273,7 @@ def cmd_diff(args) -> int:
 
 def _value_text(value, thr):
     """A divergent metric value with the digits its reason shows (0.99999773, not 1)."""
-    from tdinspect.compare.diff import digits_apart
+    from tdinspect.compare.thresholds import digits_apart
 
     if not isinstance(value, float) or not math.isfinite(value) or not math.isfinite(thr):
         return value

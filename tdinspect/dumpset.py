@@ -20,13 +20,16 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tdinspect.compare.cube import call_axis
 from tdinspect.errors import DumpFormatError, RunWarning
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
+from tdinspect.report import human_bytes
 from tdinspect.store.passindex import PassIndex
 from tdinspect.store.runs import list_runs, select_run
 from tdinspect.util.parallel import map_in_waves
@@ -187,6 +190,26 @@ class DumpSet:
     # -- what is in it -------------------------------------------------------------------
     def _keep(self, key: str) -> bool:
         return self._op_pattern is None or bool(self._op_pattern.search(split_call(key)[0]))
+
+    def keeps(self, key: str) -> bool:
+        """Whether entry ``key`` (with or without ``::callN``) is in this DumpSet's selection
+        (:meth:`filter`, :meth:`sel` by op); every entry of an unfiltered one is."""
+        return self._keep(key)
+
+    @property
+    def op_pattern(self) -> re.Pattern | None:
+        """The pattern an entry name must ``search``-match to be kept (``None``: every entry)."""
+        return self._op_pattern
+
+    @property
+    def pass_map(self) -> MappingProxyType[tuple[int, int], PassIndex]:
+        """``(rank, pass) -> PassIndex`` of the indexed passes, ordered by (pass, rank); read-only.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/run_a").pass_map.get((0, 3))   # doctest: +SKIP
+        """
+        return MappingProxyType(self._passes)
 
     def pass_indexes(self) -> list[PassIndex]:
         """The indexed passes, ordered by (pass, rank)."""
@@ -536,7 +559,7 @@ class DumpSet:
         return (
             f"DumpSet({s['path']!r}: {s['level']} level, {s['ops']} ops x up to "
             f"{s['max_calls']} calls x {s['passes']} passes, ranks {s['ranks']}, "
-            f"{s['entries']} entries, {_human(s['bytes'])}"
+            f"{s['entries']} entries, {human_bytes(s['bytes'])}"
             + (", statistics only" if s["stats_only"] else "")
             + (f", {s['skipped']} passes skipped" if s["skipped"] else "")
             + (f", passes {s['failed']} cut short by an error" if s["failed"] else "")
@@ -585,14 +608,6 @@ def _itemsize(dtype: str) -> int:
     return dt.itemsize if isinstance(dt, torch.dtype) else 0
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:
     cols: dict[str, list] = {
         k: [] for k in ("module", "aten", "stack", "layer", "leaf", "module_type", "level", "dtype", "shape")
@@ -615,11 +630,3 @@ def _op_coords(ops: list[str], first: dict[str, tuple]) -> dict[str, tuple]:
         cols["dtype"].append((pi.dtype[i] or "").removeprefix("torch."))
         cols["shape"].append(_shape_str(pi.shape[i]))
     return {k: ("op", np.asarray(v, dtype=object if k != "layer" else np.int64)) for k, v in cols.items()}
-
-
-def call_axis(calls) -> tuple[np.ndarray, np.ndarray]:
-    """``(the call numbers present, sorted; each of ``calls``' position among them)``: a cube's
-    ``call`` axis. It was every number up to the largest: one key named ``m::call3000000``
-    made a 5-entry dump's cube 1.2 GB (the number is a file's text: any size)."""
-    numbers, where = np.unique(np.asarray(calls, dtype=np.int64), return_inverse=True)
-    return (numbers, where) if len(numbers) else (np.zeros(1, np.int64), where)

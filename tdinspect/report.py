@@ -88,6 +88,21 @@ def _box(inner: str) -> str:
     return f"{_STYLE}<div class='tdi'>{inner}</div>"
 
 
+def human_bytes(n: float) -> str:
+    """A byte count as people read it: ``512 B``, ``1.5 KB``, ``3.2 GB`` (powers of 1024).
+
+    Examples
+    --------
+    >>> human_bytes(512), human_bytes(1536), human_bytes(3 << 40)
+    ('512 B', '1.5 KB', '3.0 TB')
+    """
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def text_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain aligned table for terminals (cells escaped: :func:`tdinspect.util.terminal.visible`)."""
     cells = [headers] + [[visible(fmt(c)) for c in r] for r in rows]
@@ -100,8 +115,6 @@ def text_table(headers: list[str], rows: list[list[Any]]) -> str:
 def dumpset_html(ds) -> str:
     import pandas as pd
 
-    from tdinspect.dumpset import _human
-
     s = ds.summary()
     facts = [
         ["path", s["path"]],
@@ -111,14 +124,14 @@ def dumpset_html(ds) -> str:
         ["passes", s["passes"]],
         ["ranks", s["ranks"]],
         ["entries", s["entries"]],
-        ["tensor bytes", _human(s["bytes"])],
+        ["tensor bytes", human_bytes(s["bytes"])],
         ["statistics only", s["stats_only"]],
     ]
     first = ds.pass_indexes()[0]
     uninit = sum(sum(pi.uninitialized) for pi in ds.pass_indexes())
     if uninit:
         facts.append(["uninitialised entries (not saved)", uninit])
-    keys = [k for k in first.keys if ds._keep(k)]
+    keys = [k for k in first.keys if ds.keeps(k)]
     pos = [first.position[k] for k in keys]
     rows = pd.DataFrame(
         {
@@ -178,35 +191,18 @@ def _numbers(values) -> str:
 
 
 def side_differences(diff) -> list[str]:
-    """What differs in structure between the two sides, from metadata only (nothing is read).
+    """What differs in structure between the two sides (:meth:`tdinspect.Diff.one_sided`), in words.
 
     Lines such as ``"passes only in B: [3]"``, ``"passes only in B: [1..326] (326)"`` or ``"entries only in A: 2 (pass 0, rank 0: ...)"``;
     empty when both sides hold the same ranks, passes and entry names.
     """
-    a, b = diff.a, diff.b
+    differ = diff.one_sided()
     out = []
-    for what, sa, sb in (("ranks", set(a.ranks), set(b.ranks)), ("passes", set(a.passes), set(b.passes))):
-        if sa - sb:
-            out.append(f"{what} only in A: {_numbers(sa - sb)}")
-        if sb - sa:
-            out.append(f"{what} only in B: {_numbers(sb - sa)}")
-    only = {"A": [], "B": []}
-    for key in sorted(set(a._passes) & set(b._passes), key=lambda k: (k[1], k[0])):
-        ka = {k for k in a._passes[key].keys if a._keep(k)}
-        kb = {k for k in b._passes[key].keys if a._keep(k)}
-        mapping = getattr(diff, "mapping", None)
-        if mapping is not None:  # pairs through the rules: A entries are named by their partners
-            from tdinspect.compare.diff import _mapped_key
-
-            partner = {k: _mapped_key(mapping, k) for k in ka}
-            only_a = {k for k, m in partner.items() if m not in b._passes[key].position}
-            only_b = kb - set(partner.values())
-        else:
-            only_a, only_b = ka - kb, kb - ka
-        for side, extra in (("A", only_a), ("B", only_b)):
-            if extra:
-                only[side].append((key, sorted(extra)))
-    for side, found in only.items():
+    for what in ("ranks", "passes"):
+        for side in ("A", "B"):
+            if differ[what][side]:
+                out.append(f"{what} only in {side}: {_numbers(differ[what][side])}")
+    for side, found in differ["entries"].items():
         if found:
             (rank, p), names = found[0]
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -239,19 +235,18 @@ class DiffSummary:
         self.metric = metric or diff.default_metric
         self.threshold = threshold
         # the summary says where the comparison stopped (self.gap), not a warning
-        self.divergence, self.gap = diff._answer(threshold, self.metric, structural)
+        self.divergence, self.gap = diff.verdict(threshold, self.metric, structural)
         self.nearest = None if self.divergence else diff.nearest(threshold, self.metric, False)
 
     def structural(self) -> Counter:
         """Structural problems by kind, over the passes compared so far."""
         kinds: Counter = Counter()
-        for rows in self.diff._results.values():
-            for reason in rows.loc[rows["structural"], "reason"]:
-                kinds[
-                    reason.split(" (")[0]
-                    if reason.startswith("NaN")
-                    else ("shape mismatch" if reason.startswith("shape") else reason)
-                ] += 1
+        for reason in self.diff.structural_read()["reason"]:
+            kinds[
+                reason.split(" (")[0]
+                if reason.startswith("NaN")
+                else ("shape mismatch" if reason.startswith("shape") else reason)
+            ] += 1
         return kinds
 
     def __repr__(self) -> str:
@@ -305,20 +300,13 @@ class DiffSummary:
         else:
             parts.append(section("first divergence", _divergence_body(self.divergence), open_=True))
         kinds = self.structural()
-        total, read = sum(kinds.values()), len(d._results)
+        total, read = sum(kinds.values()), len(d.passes_read)
         if total:
             body = _table(["kind", "entries"], [[k, n] for k, n in kinds.most_common()])
-            rows = [
-                r
-                for f in d._results.values()
-                for r in f.loc[f["structural"], ["pass", "rank", "key", "reason"]].values.tolist()
-            ]
-            import pandas as pd
-
-            body += styled(pd.DataFrame(rows[:20], columns=["pass", "rank", "key", "reason"]))
+            body += styled(d.structural_read().head(20))
             parts.append(
                 section(
-                    f"structural problems in the {read} of {len(d._jobs())} "
+                    f"structural problems in the {read} of {len(d.rank_passes())} "
                     f"(rank, pass) pairs compared so far",
                     body,
                     count=total,

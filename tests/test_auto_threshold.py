@@ -18,7 +18,7 @@ from torch import nn
 import tdinspect
 from tdinspect import DumpSet
 from tdinspect.cli import main
-from tdinspect.compare.diff import Thresholds
+from tdinspect.compare.thresholds import Thresholds
 from tdinspect.dumper.live import LiveCompare
 from tdinspect.examples.models import make_model, make_tokens
 from tdinspect.numerics.metrics import auto_threshold, unit_roundoff

@@ -10,7 +10,7 @@ import torch
 
 import tdinspect
 from tdinspect import DumpFormatError, DumpSet
-from tdinspect.compare.diff import threshold_fn
+from tdinspect.compare.thresholds import threshold_fn
 from tdinspect.numerics.metrics import compare_tensors
 
 from .conftest import only_folder

@@ -514,7 +514,7 @@ class _Float(__import__("torch").nn.Module):
 def test_auto_slider_readout_is_the_threshold_diff_uses_upstream_included(tmp_path):
     """The slider under "auto" shows the threshold Diff applies to most entries, upstream dtype
     included (it showed float32's 1.49e-08 for float32 entries Diff judges at bfloat16's)."""
-    from tdinspect.compare.diff import threshold_fn
+    from tdinspect.compare.thresholds import threshold_fn
     from tdinspect.numerics.metrics import auto_threshold
 
     diff = _bf16_then_float32_runs(tmp_path)

@@ -397,7 +397,7 @@ def test_equal_means_the_same_bits():
 def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch):
     """Never a silent pass: a NaN metric value diverges, with its reason."""
     from tdinspect import DumpSet
-    from tdinspect.compare import diff as diff_module
+    from tdinspect.compare import passes, rule
     from tdinspect.numerics.metrics import metric
 
     from .test_dumpset_diff import write_dump
@@ -405,7 +405,7 @@ def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch)
     t = torch.arange(6.0)
     a = write_dump(tmp_path / "a", [{"x": t, "y": t * 2}])
     b = write_dump(tmp_path / "b", [{"x": t + 1e-9, "y": t * 2 + 1e-9}])
-    real = diff_module.compare_tensors
+    real = rule.compare_tensors
 
     def nan_for_y(x, y, **kw):
         out = real(x, y, **kw)
@@ -413,11 +413,11 @@ def test_a_metric_that_cannot_be_computed_is_a_divergence(tmp_path, monkeypatch)
             out["rel_diff"] = math.nan
         return out
 
-    monkeypatch.setattr(diff_module, "compare_tensors", nan_for_y)
+    monkeypatch.setattr(rule, "compare_tensors", nan_for_y)
     # pair by pair (small pairs are otherwise compared in one batch, plain ones straight from
     # the files' bytes: not by compare_tensors)
-    monkeypatch.setattr(diff_module, "small_plain", lambda pi, plain=None: [None] * len(pi.keys))
-    monkeypatch.setattr(diff_module, "plain_dtypes", lambda pi: [None] * len(pi.keys))
+    monkeypatch.setattr(passes, "small_plain", lambda pi, plain=None: [None] * len(pi.keys))
+    monkeypatch.setattr(passes, "plain_dtypes", lambda pi: [None] * len(pi.keys))
     div = DumpSet.open(a).diff(DumpSet.open(b)).first_divergence(threshold=1e-3)
     assert div is not None and div.key == "y" and div.reason == "rel_diff could not be computed"
     assert metric("rel_diff").diverges(math.nan, 1e-3)

@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 import tdinspect.compare.diff as diff_module
 from tdinspect import DumpSet
 from tdinspect.compare import passframes
-from tdinspect.compare.diff import COLUMNS, ROW_METRICS, compare_pass, upstream_of
+from tdinspect.compare.passes import compare_pass
 from tdinspect.compare.passframes import frame_of, typed_columns
+from tdinspect.compare.rule import COLUMNS, ROW_METRICS
+from tdinspect.compare.thresholds import upstream_of
 from tdinspect.util import parallel
 
 from .test_dumpset_diff import write_dump

@@ -76,8 +76,8 @@ def _tables(a, b):
     with mock.patch.object(plainpairs, "stored_metrics", spy):
         plain = DumpSet.open(a).diff(b).table(progress=False)
     with (
-        mock.patch("tdinspect.compare.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys)),
-        mock.patch("tdinspect.compare.diff.plain_dtypes", lambda pi: [None] * len(pi.keys)),
+        mock.patch("tdinspect.compare.passes.small_plain", lambda pi, plain=None: [None] * len(pi.keys)),
+        mock.patch("tdinspect.compare.passes.plain_dtypes", lambda pi: [None] * len(pi.keys)),
     ):
         single = DumpSet.open(a).diff(b).table(progress=False)
     return plain, seen, single
@@ -98,7 +98,7 @@ def test_plain_pairs_of_a_recorded_dump_have_the_pair_by_pair_rows(tmp_path, mon
     assert rows.loc[(1, "m.same"), "equal"] == 1.0 and rows.loc[(1, "m.negzero"), "equal"] == 0.0
     assert rows.loc[(0, "m.bfloat16"), "max_abs"] > 0 and rows.loc[(0, "m.shape"), "structural"]
     with monkeypatch.context() as m:  # the pairs left over read the records the road checked
-        m.setattr("tdinspect.compare.diff._open", lambda pi: pytest.fail("pass file read twice"))
+        m.setattr("tdinspect.compare.passes._open", lambda pi: pytest.fail("pass file read twice"))
         _assert_bitwise_equal(DumpSet.open(a).diff(b).table(progress=False), single)
 
 

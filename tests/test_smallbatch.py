@@ -216,8 +216,8 @@ def _tables(a, b, monkeypatch):
     monkeypatch.setattr(smallpairs, "compare_segments", spy)
     batched = DumpSet.open(a).diff(b).table(progress=False)
     with monkeypatch.context() as m:
-        m.setattr("tdinspect.compare.diff.small_plain", lambda pi, plain=None: [None] * len(pi.keys))
-        m.setattr("tdinspect.compare.diff.plain_dtypes", lambda pi: [None] * len(pi.keys))
+        m.setattr("tdinspect.compare.passes.small_plain", lambda pi, plain=None: [None] * len(pi.keys))
+        m.setattr("tdinspect.compare.passes.plain_dtypes", lambda pi: [None] * len(pi.keys))
         single = DumpSet.open(a).diff(b).table(progress=False)
     return batched, single, sum(seen)
 
@@ -239,7 +239,7 @@ def test_rows_of_a_recorded_dump_are_the_pair_by_pair_rows(tmp_path, monkeypatch
     assert count >= 2 * 8  # the float entries and more went through the batch ...
     _assert_bitwise_equal(batched, single)  # ... with the rows compare_pair fills
     with monkeypatch.context() as m:  # the pairs left out read the records the batch checked
-        m.setattr("tdinspect.compare.diff._open", lambda pi: pytest.fail("pass file read twice"))
+        m.setattr("tdinspect.compare.passes._open", lambda pi: pytest.fail("pass file read twice"))
         _assert_bitwise_equal(DumpSet.open(a).diff(b).table(progress=False), single)
     rows = batched.set_index(["pass", "key"])
     assert rows.loc[(0, "m.nan"), "reason"] == "NaN/Inf on one side (1 elements)"

@@ -141,7 +141,7 @@ def concat(
                 dims[key] = ranks_passes[have[0]].dims[first[key][1]]
                 lost = [p for p in ranks_passes if p not in have]
                 plans[key] = (
-                    error(f"in ranks_passes {have} only, not in {lost}")
+                    error(f"in passes {have} only, not in {lost}")
                     if lost
                     else _cat(key, [(p, ranks_passes[p], key, f"pass {p}") for p in have], dim)
                 )
@@ -153,7 +153,7 @@ def concat(
                 plans,
                 first,
                 dims=dims,
-                what=f"ranks_passes {sorted(ranks_passes)} concatenated",
+                what=f"passes {sorted(ranks_passes)} concatenated",
             )
     else:
         for (rank, p), pi in passes.items():

@@ -32,6 +32,7 @@ from tdinspect.errors import (
     MappingError,
     TransformError,
 )
+from tdinspect.naming import make_key, split_call
 from tdinspect.util.regularfile import open_regular
 
 MAX_FILE_BYTES = 16 << 20  # a mapping file is rules: kilobytes (a FIFO or /dev/zero: refused)
@@ -189,6 +190,19 @@ class Mapping:
 
     def __repr__(self) -> str:
         return f"Mapping({len(self.rules)} rules)"
+
+
+def mapped_key(mapping: Mapping, a_key: str) -> str:
+    r"""The B key an A key (with ``::callN``) meets under ``mapping``: its partner's name,
+    same call (the A key itself where no rule covers it).
+
+    Examples
+    --------
+    >>> mapped_key(Mapping({r"a\.(\d+)": r"b.\1"}), "a.3::call2")
+    'b.3::call2'
+    """
+    base, call = split_call(a_key)
+    return make_key(mapping.partner(base)[0], call)
 
 
 def _rule(pattern: Any, target: Any) -> Rule:

@@ -34,13 +34,13 @@ def first_nonfinite(ds) -> NonFinite | None:
     Passes are read in order and the search stops at the first one that has
     such an entry; within a pass the order is the execution order.
     """
-    for (rank, p), pi in ds._passes.items():  # ordered by (pass, rank)
+    for (rank, p), pi in ds.pass_map.items():  # ordered by (pass, rank)
         stats = pi.ensure_stats()
         bad = np.flatnonzero((stats[:, _NAN] > 0) | (stats[:, _INF] > 0))
         for i in bad:
             key = pi.keys[i]
             base, call = split_call(key)
-            if _INPUT.search(base) or not ds._keep(key):
+            if _INPUT.search(base) or not ds.keeps(key):
                 continue
             inherited = None
             if _OUTPUT.search(base):

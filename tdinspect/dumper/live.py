@@ -4,8 +4,8 @@ Made by ``tdinspect.capture(model, compare_to=REF, ...)`` and
 ``tdinspect.capture_ops(..., compare_to=REF)``; loaded only when
 ``compare_to`` is given. Entries meet by key (or through ``mapping=``, as in
 :class:`~tdinspect.Diff`), same call and pass, and each pair goes through
-:func:`tdinspect.compare.diff.compare_pair` and the divergence rule
-:func:`tdinspect.compare.diff.divergent`: the numbers and the verdict are those a
+:func:`tdinspect.compare.rule.compare_pair` and the divergence rule
+:func:`tdinspect.compare.thresholds.divergent`: the numbers and the verdict are those a
 :class:`~tdinspect.Diff` of the reference against a full dump of this run
 gives. The first argument of a diff is the reference, so metrics treat the
 reference as ``y``.
@@ -21,7 +21,7 @@ nothing without ``dump_dir``; with it, at the first divergence, the evidence::
 ``rank<R>_pid<P>_run2``... when an earlier run, such as a re-run cell, wrote there; documented format:
 ``tdinspect diff <dump_dir>/evidence/ref <dump_dir>/evidence/run`` shows them),
 and with ``on_divergence="record"`` one CSV per pass of every entry's row
-(:data:`tdinspect.compare.diff.COLUMNS`) in ``<dump_dir>/live/pass<NNNNN>.csv``.
+(:data:`tdinspect.compare.rule.COLUMNS`) in ``<dump_dir>/live/pass<NNNNN>.csv``.
 
 Known difference from an offline diff: reference entries this run never
 produces are reported when the pass ends (``step()``), so a numeric
@@ -43,25 +43,11 @@ from typing import Any
 
 import torch
 
-from tdinspect.align.mapping import Mapping
-from tdinspect.compare.diff import (
-    _NOT_STORED,
-    BEFORE,
-    COLUMNS,
-    NONFINITE,
-    PassJob,
-    Side,
-    _mapped_key,
-    _missing,
-    compare_pair,
-    divergence_of,
-    divergent,
-    new_row,
-    same_ref_pass,
-    side_of,
-    threshold_fn,
-    upstream_of,
-)
+from tdinspect.align.mapping import Mapping, mapped_key
+from tdinspect.compare.pairing import same_ref_pass
+from tdinspect.compare.passes import PassJob
+from tdinspect.compare.rule import COLUMNS, NONFINITE, NOT_STORED, Side, compare_pair, new_row, side_of
+from tdinspect.compare.thresholds import BEFORE, divergence_of, divergent, threshold_fn, upstream_of
 from tdinspect.dumper.kinds import is_plain, prepare
 from tdinspect.dumper.writer import PendingPass
 from tdinspect.dumpset import DumpSet
@@ -187,7 +173,7 @@ class LiveCompare:
 
     # -- per pass -----------------------------------------------------------------------
     def _open_pass(self, pass_: int) -> None:
-        pi = self.ref._passes.get((self.rank, pass_))
+        pi = self.ref.pass_map.get((self.rank, pass_))
         reason = ""
         if self.rank not in self.ref.ranks:
             reason = f"rank {self.rank} only in B"
@@ -205,7 +191,7 @@ class LiveCompare:
         self._partners: dict[str, list[int]] = {}
         if pi is not None:
             for i, key in enumerate(pi.keys):
-                b_key = key if self.mapping is None else _mapped_key(self.mapping, key)
+                b_key = key if self.mapping is None else mapped_key(self.mapping, key)
                 self._partners.setdefault(b_key, []).append(i)
 
     def _ref_files(self):
@@ -236,7 +222,7 @@ class LiveCompare:
             bool(uninitialized),
             functools.cache(lambda: _stats_as_dumped(tensor_stats(data) if stats is None else stats)),
             host,
-            f"B: {_NOT_STORED}{skipped}" if skipped else "",
+            f"B: {NOT_STORED}{skipped}" if skipped else "",
             call_args=call_args,
             dtype=dtype,
         )
@@ -244,7 +230,7 @@ class LiveCompare:
         partners = self._partners.get(key, [])
         if not partners:
             row = new_row(self.rank, pass_, key, key, self._last + 0.5, "", dtype_b, shape)
-            row.update(structural=True, reason=_missing(self._job, None, 0))
+            row.update(structural=True, reason=self._job.unmatched(None, 0))
             rows = [row]
         else:
             rows = []
@@ -278,7 +264,7 @@ class LiveCompare:
         try:
             for ia in missing:
                 row = new_row(self.rank, pass_, pi.keys[ia], "", float(ia), pi.dtype[ia], "", pi.shape[ia])
-                row.update(structural=True, reason=_missing(self._job, ia, None))
+                row.update(structural=True, reason=self._job.unmatched(ia, None))
                 self._judge(row)
         finally:
             if self.action == "record" and self.evidence_dir is not None:
@@ -318,7 +304,7 @@ class LiveCompare:
 
     def _upstream(self, row: dict[str, Any]) -> str:
         """The coarsest floating dtype either side went through so far in this pass
-        (:func:`tdinspect.compare.diff.upstream_of`, kept as a running maximum)."""
+        (:func:`tdinspect.compare.thresholds.upstream_of`, kept as a running maximum)."""
         for side in ("dtype_a", "dtype_b"):
             u = unit_roundoff(row[side]) if row[side] else None
             if u and u > self._coarsest[side][0]:
@@ -326,7 +312,7 @@ class LiveCompare:
         return max(self._coarsest.values())[1]
 
     def table(self):
-        """The rows compared so far as a ``pandas.DataFrame`` (:data:`~tdinspect.compare.diff.COLUMNS`);
+        """The rows compared so far as a ``pandas.DataFrame`` (:data:`~tdinspect.compare.rule.COLUMNS`);
         every pass with ``on_divergence="record"``, else the current pass."""
         import pandas as pd
 

@@ -96,7 +96,7 @@ class Dashboard:
     def _refresh_rows(self) -> None:
         """Mark the divergent rows at the explorer's metric and threshold; the options are
         rebuilt only when a mark or the metric changed."""
-        from tdinspect.compare.diff import threshold_fn
+        from tdinspect.compare.thresholds import threshold_fn
         from tdinspect.numerics.metrics import metric
 
         ex = self.explorer

@@ -263,7 +263,7 @@ def divergence(
 
 def drawn_threshold(threshold, metric_name: str, table):
     """The threshold as drawn: one number when one was given, else one per row of ``table``."""
-    from tdinspect.compare.diff import threshold_fn
+    from tdinspect.compare.thresholds import threshold_fn
 
     t = threshold_fn(threshold, metric_name)
     return t.fixed if t.fixed is not None else t.of_rows(table)
@@ -644,7 +644,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
         verdict = "no position past the threshold"
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel(f"position along dim {dim}")
-    from tdinspect.compare.diff import threshold_fn
+    from tdinspect.compare.thresholds import threshold_fn
 
     given = _plain(threshold_fn(threshold, m.name).given())  # a dict's regexes are the user's
     ax.set_title(f"{m.name} per position (threshold {given}): {verdict}")

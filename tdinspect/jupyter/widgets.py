@@ -223,7 +223,7 @@ class DiffExplorer:
         to most entries (each row's from its dtypes and upstream dtype, as drawn)."""
         values = plots.drawn_threshold("auto", name, self.table)
         if not len(values):
-            from tdinspect.compare.diff import threshold_fn
+            from tdinspect.compare.thresholds import threshold_fn
 
             return threshold_fn("auto", name).lookup("", "", "")[0]
         distinct, counts = np.unique(values, return_counts=True)
@@ -350,7 +350,7 @@ class DiffExplorer:
         self.divergence = div
         sc = plots.scale(m.name)
         if div is None:
-            from tdinspect.compare.diff import threshold_fn
+            from tdinspect.compare.thresholds import threshold_fn
 
             text = threshold_fn(thr, m.name).describe(self.table) if thr == "auto" else sc.text(thr)
             near = self.diff.nearest(thr, m.name, progress=False)

@@ -1,0 +1,114 @@
+"""Pairing: which A entry meets which B entry of a pass, from metadata alone.
+
+By name (same key), through a :class:`~tdinspect.align.Mapping` (an A entry meets
+the B entry its rule names, same call), or by a sequence alignment of
+``(op, labels, shape)`` signatures; then whether a pair's layouts agree (shapes,
+after a transform), whether both sides say an entry is unchanged since an
+earlier pass (sidecar references), and how an assembled entry is put together.
+Nothing here reads a tensor.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from tdinspect.align.logical import LogicalPass, describe
+from tdinspect.align.mapping import mapped_key
+from tdinspect.errors import TransformError
+from tdinspect.naming import parse_key, split_call
+from tdinspect.store.passindex import PassIndex
+
+
+def _signature(pi: PassIndex, i: int) -> tuple:
+    key = pi.keys[i]
+    try:
+        parts = parse_key(key)
+        name = parts.op or (pi.module_type[i] or parts.module.rsplit(".", 1)[-1])
+        labels = parts.labels
+    except ValueError:
+        name, labels = split_call(key)[0], ()
+    return (name, labels, tuple(pi.shape[i] or ()))
+
+
+def pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str, mapping=None):
+    """``(i_a, i_b, order)`` triples: matched, A-only (i_b None), B-only (i_a None).
+
+    With a :class:`~tdinspect.align.Mapping`, an A entry meets the B entry its
+    rule names (same call); several A entries may meet one B entry.
+    """
+    ka = [i for i, k in enumerate(pa.keys) if keep(k)] if pa else []
+    kb = [j for j, k in enumerate(pb.keys) if keep(k)] if pb else []
+    if pa is None or pb is None:
+        return [(i, None, float(i)) for i in ka] + [(None, j, float(j)) for j in kb]
+    if align == "sequence":
+        sa = [_signature(pa, i) for i in ka]
+        sb = [_signature(pb, j) for j in kb]
+        matcher = difflib.SequenceMatcher(None, sa, sb, autojunk=False)
+        matched = {}
+        for block in matcher.get_matching_blocks():
+            for t in range(block.size):
+                matched[kb[block.b + t]] = ka[block.a + t]
+        out = [(i, None, float(i)) for i in ka if i not in matched.values()]
+        out += [(matched[j], j, float(matched[j])) for j in kb if j in matched]
+    elif mapping is not None:
+        out = [(i, pb.position.get(mapped_key(mapping, pa.keys[i])), float(i)) for i in ka]
+        matched = {}
+        for i, j, _ in out:
+            if j is not None:
+                matched.setdefault(j, i)
+    else:
+        out = [(i, pb.position.get(pa.keys[i]), float(i)) for i in ka]
+        matched = {pb.position[pa.keys[i]]: i for i in ka if pa.keys[i] in pb.position}
+    last = -0.5
+    for j in kb:  # B-only entries go just after the reference entry that precedes them in B
+        if j in matched:
+            last = float(matched[j])
+        else:
+            out.append((None, j, last + 0.5))
+    return sorted(out, key=lambda t: t[2])
+
+
+def layout(pa: PassIndex, ia: int, pb: PassIndex, ib: int, transform) -> tuple[str, Any]:
+    """``(structural reason or "", B shape after the transform)`` for a matched pair."""
+    return layout_shapes(pa.shape[ia], pb.shape[ib], transform)
+
+
+def layout_shapes(shape_a, shape_b, transform) -> tuple[str, Any]:
+    """``(structural reason or "", B shape after the transform)`` of an A and a B shape (lists
+    or ``None``); the reason names the transform when it changed B's shape or refused it."""
+    shape_a, shape_b = list(shape_a or []), list(shape_b or [])
+    if transform is None:
+        return ("" if shape_a == shape_b else f"shape {shape_a} vs {shape_b}"), shape_b
+    try:
+        after = transform.out_shape(shape_b)
+    except TransformError as exc:
+        return str(exc), None
+    if after is not None and after != shape_a:
+        return f"shape {shape_a} vs {after} (B {shape_b} after {transform.spec!r})", after
+    return "", after
+
+
+def unchanged_since(pa: PassIndex, ia: int, pb: PassIndex, ib: int) -> int | None:
+    """The pass both sides say this entry is unchanged since (a parameter), else ``None``."""
+    return same_ref_pass(pa.ref[ia], pb.ref[ib])
+
+
+def same_ref_pass(ra, rb) -> int | None:
+    """The pass two sidecar references both point to (same entry), else ``None``."""
+    if (
+        ra
+        and rb
+        and ra.get("pass") is not None
+        and ra.get("pass") == rb.get("pass")
+        and ra.get("of") == rb.get("of")
+    ):
+        return ra["pass"]
+    return None
+
+
+def assembled(pi: PassIndex | None, i: int | None) -> str:
+    """How an entry of an unsharded / concatenated side is put together (``""`` for a stored one)."""
+    if not isinstance(pi, LogicalPass) or i is None:
+        return ""
+    return describe(pi.plans[pi.keys[i]])
