@@ -467,7 +467,7 @@ class SideBySide:
 
 
 def side_by_side(a, b, *, title: str = "", fig=None):
-    """A, B and |A − B| of one tensor (heatmaps of its 2-D view), and histograms.
+    """A, B and ``|A − B|`` of one tensor (heatmaps of its 2-D view), and histograms.
 
     Identical tensors are said to be identical (no made-up bar for a
     difference that does not exist). Every axis is labelled.
