@@ -125,7 +125,7 @@ class Mapping:
 
         path = Path(path)
         try:
-            with open_regular(path) as f:
+            with open_regular(path, links=True) as f:  # the user's own file
                 data = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             raise MappingError(f"{path}: cannot read the mapping file ({exc.strerror})") from None
