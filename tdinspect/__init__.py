@@ -42,7 +42,7 @@ _LAZY = {
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.compare.diff", "Diff"),
     "Divergence": ("tdinspect.compare.thresholds", "Divergence"),
-    "replay": ("tdinspect.replay", "replay"),
+    "replay": ("tdinspect.rerun", "replay"),
     "suggest_mapping": ("tdinspect.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
     "dashboard": ("tdinspect.jupyter.dashboard", "dashboard"),

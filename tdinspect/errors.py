@@ -22,6 +22,10 @@ class DumpFormatError(ValueError):
     """A dump file or folder that cannot be read; the message names it."""
 
 
+class ReplayRefused(DumpFormatError):
+    """The recorded op is not one ``replay`` runs (it could act outside its own outputs)."""
+
+
 class ConfigError(ValueError):
     """A capture setting (argument, config field or environment variable) is invalid."""
 

@@ -119,7 +119,8 @@ def test_views_are_never_rebuilt_by_running_a_named_operator(tmp_path, canary):
     ],
 )
 def test_replay_runs_only_operators_without_side_effects(op, why):
-    from tdinspect.replay import ReplayRefused, safe_op
+    from tdinspect.errors import ReplayRefused
+    from tdinspect.rerun import safe_op
 
     with pytest.raises(ReplayRefused, match=why):
         safe_op(op, "f.json")

@@ -164,7 +164,7 @@ def test_html_text_is_what_every_view_writes(name):
 
 
 def test_replay_repr_shows_names_from_the_dump_as_escapes():
-    from tdinspect.replay import ReplayResult
+    from tdinspect.rerun import ReplayResult
 
     r = ReplayResult(
         op="aten.add.Tensor",

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import regex  # rules come from files: matched with a time limit (no catastrophic backtracking)
+
 from tdinspect.align.transforms import Transform, as_transform
 from tdinspect.errors import (
     MappingError,
@@ -40,6 +42,12 @@ _SHOWN = reprlib.Repr()  # values quoted in messages, cut short (Python 3.11 tak
 _SHOWN.maxstring = _SHOWN.maxother = 80
 _SHOWN.maxlist = _SHOWN.maxdict = 4
 _SHOWN.maxlevel = 2
+MATCH_SECONDS = 1.0  # one rule against one name: microseconds, unless the pattern backtracks without end
+
+
+def _quoted(pattern: str) -> str:
+    """A rule's pattern as messages quote it: cut short (a file may hold megabytes of one)."""
+    return pattern if len(pattern) <= 120 else f"{pattern[:80]}...{pattern[-20:]} ({len(pattern)} characters)"
 
 
 @functools.cache
@@ -67,7 +75,7 @@ def _loader() -> type:
 class Rule:
     """One compiled rule: A pattern, B template, optional transform."""
 
-    pattern: re.Pattern
+    pattern: regex.Pattern
     template: str
     transform: Transform | None
 
@@ -126,7 +134,7 @@ class Mapping:
 
         path = Path(path)
         try:
-            with open_regular(path) as f:
+            with open_regular(path, links=True) as f:  # the user's own file
                 data = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             raise MappingError(f"{path}: cannot read the mapping file ({exc.strerror})") from None
@@ -159,14 +167,21 @@ class Mapping:
         if hit is None:
             hit = (a_base, None, -1)
             for n, rule in enumerate(self.rules):
-                m = rule.pattern.fullmatch(a_base)
+                try:
+                    m = rule.pattern.fullmatch(a_base, timeout=MATCH_SECONDS)
+                except TimeoutError:
+                    raise MappingError(
+                        f"rule '{_quoted(rule.source)}': matching {_SHOWN.repr(a_base)} took more "
+                        f"than {MATCH_SECONDS} s (a pattern that backtracks without end): write it without "
+                        "nested repeats"
+                    ) from None
                 if m is not None:
                     try:
                         hit = (m.expand(rule.template), rule.transform, n)
-                    except (re.error, IndexError) as exc:
+                    except (regex.error, IndexError) as exc:
                         raise MappingError(
-                            f"rule '{rule.source}': template {rule.template!r} "
-                            f"cannot be expanded for {a_base!r} ({exc})"
+                            f"rule '{_quoted(rule.source)}': template {_SHOWN.repr(rule.template)} "
+                            f"cannot be expanded for {_SHOWN.repr(a_base)} ({exc})"
                         ) from None
                     break
             self._cache[a_base] = hit
@@ -209,26 +224,33 @@ def _rule(pattern: Any, target: Any) -> Rule:
     if not isinstance(pattern, str):
         raise MappingError(f"rule {_SHOWN.repr(pattern)}: the A pattern must be a string")
     try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        raise MappingError(f"rule '{pattern}': invalid regex ({exc})") from None
+        compiled = regex.compile(pattern)
+    except (regex.error, TypeError, ValueError, OverflowError) as exc:
+        raise MappingError(f"rule '{_quoted(pattern)}': invalid regex ({exc})") from None
     transform = None
     if isinstance(target, (list, tuple)):
         if len(target) != 2 or not isinstance(target[0], str):
             raise MappingError(
-                f"rule '{pattern}': expected b_template or [b_template, transform], got {_SHOWN.repr(target)}"
+                f"rule '{_quoted(pattern)}': expected b_template or [b_template, transform], got {_SHOWN.repr(target)}"
             )
         target, spec = target
         try:
             transform = as_transform(spec)
         except TransformError as exc:
-            raise MappingError(f"rule '{pattern}': {exc}") from None
+            raise MappingError(f"rule '{_quoted(pattern)}': {exc}") from None
     if not isinstance(target, str) or not target:
         raise MappingError(
-            f"rule '{pattern}': the B template must be a non-empty string, got {_SHOWN.repr(target)}"
+            f"rule '{_quoted(pattern)}': the B template must be a non-empty string, got {_SHOWN.repr(target)}"
         )
     try:
-        compiled.sub(target, "")  # checks group references against the pattern (no match needed)
-    except (re.error, IndexError) as exc:
-        raise MappingError(f"rule '{pattern}': bad template {target!r} ({exc})") from None
+        plain = re.compile(pattern)  # group references are checked as re checks them (regex: on a match)
+    except re.error:
+        plain = None  # syntax of regex's own: its template is checked when it first expands
+    if plain is not None:
+        try:
+            plain.sub(target, "")
+        except (re.error, IndexError) as exc:
+            raise MappingError(
+                f"rule '{_quoted(pattern)}': bad template {_SHOWN.repr(target)} ({exc})"
+            ) from None
     return Rule(compiled, target, transform)

@@ -52,11 +52,13 @@ from typing import Any
 import torch
 
 from tdinspect.errors import DumpFormatError
+from tdinspect.store.restore import check_sparse
 from tdinspect.util.gcpause import paused
 from tdinspect.util.regularfile import check_regular, open_regular
 
 SIDECAR_FORMAT = "tdinspect.pass"
 SIDECAR_VERSION = 1
+MAX_SIDECAR_BYTES = 256 << 20  # a pass of 100,000 op-level entries writes ~50 MB
 PASS_RE = re.compile(r"^pass(\d{5,})\.pt$")
 SIDECAR_RE = re.compile(r"^pass(\d{5,})\.json$")
 RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:_run(\d+))?$")  # _runN: a later run, same pid
@@ -175,10 +177,18 @@ def read_sidecar(
     path = Path(path)
     try:
         with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_SIDECAR_BYTES:
+                raise DumpFormatError(
+                    f"{path}: a sidecar of {size} bytes, more than tdinspect reads ({MAX_SIDECAR_BYTES}): "
+                    "not one it wrote"
+                )
             raw = f.read()
         with paused():  # tens of thousands of lists and dicts: 0.79 -> 0.34 s for 100 sidecars
             doc = json.loads(raw)
-    except (OSError, ValueError, RecursionError) as exc:
+    except DumpFormatError:
+        raise
+    except (OSError, ValueError, RecursionError, MemoryError) as exc:
         raise DumpFormatError(
             f"{path}: unreadable sidecar ({type(exc).__name__}: {str(exc)[:100]})"
         ) from None
@@ -296,6 +306,8 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
             raise DumpFormatError(f"{path}: key {key!r} is not a string")
         if not isinstance(value, torch.Tensor):
             raise DumpFormatError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
+        if value.layout != torch.strided:  # torch.load leaves a sparse tensor's indices unchecked
+            check_sparse(value, f"{path}: entry {key!r}")
     return obj
 
 
@@ -489,8 +501,29 @@ class RankFolder:
     passes: dict[int, PassFiles] = field(default_factory=dict)
 
 
+def _refuse_leaving(path: Path, root: str) -> None:
+    """A :class:`DumpFormatError` for ``path`` when it is a link whose target lies outside ``root``."""
+    if not os.path.islink(path):
+        return
+    target = os.path.realpath(path)
+    if os.path.commonpath([target, root]) != root:
+        raise DumpFormatError(
+            f"{path}: a link to {target}, outside the dump {root}: refused (a dump is read from its own files)"
+        )
+
+
 def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
-    """List the complete passes of one folder (temporary files are ignored)."""
+    """List the complete passes of one folder (temporary files are ignored).
+
+    Raises
+    ------
+    DumpFormatError
+        For a folder that is a link leading out of the dump (the folder holding ``path``).
+        Links to pass files and sidecars are refused when read
+        (:func:`tdinspect.util.regularfile.open_regular`).
+    """
+    root = os.path.realpath(path.parent)
+    _refuse_leaving(path, root)
     folder = RankFolder(path, rank, pid)
     for entry in os.scandir(path):
         index = pass_number(entry.name)

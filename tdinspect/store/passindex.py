@@ -36,7 +36,7 @@ from tdinspect.store.format import (
 )
 from tdinspect.store.rawpass import crc_failure, mapping_files, read_plain, read_raw
 from tdinspect.store.reindex import reindex
-from tdinspect.store.restore import restore
+from tdinspect.store.restore import restore, restored_shape
 from tdinspect.store.zipindex import ZipIndex, identity, read_index
 
 
@@ -149,8 +149,9 @@ class PassIndex:
         else:
             loaded = load_pass(files.tensors, mmap=mapping_files())
             keys = list(loaded)
-            tensors = [restore(t) for t in loaded.values()]  # as analysis reads them
-            shapes, dtypes = [list(t.shape) for t in tensors], [str(t.dtype) for t in tensors]
+            # as analysis reads them, checked, without making them
+            read = [restored_shape(t, f"{files.tensors}: entry {k!r}") for k, t in loaded.items()]
+            shapes, dtypes = [s for s, _ in read], [d for _, d in read]
         n = len(keys)
         aten = [_op_of(k) for k in keys]
         pi = cls(
@@ -278,7 +279,7 @@ class PassIndex:
     def _as_read(self, i: int, t: torch.Tensor, where: str) -> torch.Tensor:
         """A stored tensor as analysis sees it: sparse, quantized and nested tensors made
         plain (:func:`tdinspect.store.restore.restore`), an expanded one re-viewed."""
-        t = restore(t)
+        t = restore(t, where)
         storage = self.storage[i] if self.storage else None
         if isinstance(storage, dict) and isinstance(storage.get("expand"), dict):
             view = storage["expand"]

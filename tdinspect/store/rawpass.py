@@ -131,8 +131,10 @@ def _valid_view(shape: Any, strides: Any, offset: Any, numel: int) -> bool:
     dims = shape + strides  # non-negative ints (bool is not one), checked a list at a time
     if not set(map(type, dims)) <= _INT or (dims and min(dims) < 0):
         return False
-    if math.prod(shape) >= _INT64 or (dims and max(dims) >= _INT64):
-        return False  # torch counts elements in int64: as_strided raised (not refused) on these
+    if math.prod(d for d in shape if d) >= _INT64 or (dims and max(dims) >= _INT64):
+        # torch counts elements in int64, multiplying the sizes in turn (a 0 after them does
+        # not save it): as_strided raised (not refused) on these
+        return False
     if 0 in shape:
         return offset <= numel
     # the last element: offset + Σ (size - 1)·stride, as two sums of a map (no generator:

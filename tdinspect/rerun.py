@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from tdinspect.align.args import describe_args
-from tdinspect.errors import DumpFormatError
+from tdinspect.errors import DumpFormatError, ReplayRefused
 from tdinspect.naming import make_key, parse_key, split_call
 from tdinspect.numerics.metrics import compare_tensors
 from tdinspect.util.terminal import visible
@@ -130,10 +130,6 @@ STRING_CHOICES = frozenset(
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class ReplayRefused(DumpFormatError):
-    """The recorded op is not one ``replay`` runs (it could act outside its own outputs)."""
-
-
 def safe_op(name: Any, where: str = "replay"):
     """The aten overload named ``name``, if running it can have no effect but its fresh outputs.
 
@@ -155,7 +151,7 @@ def safe_op(name: Any, where: str = "replay"):
     >>> safe_op("aten.from_file.default")                  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    tdinspect.replay.ReplayRefused: replay: aten.from_file.default ... not run ...
+    tdinspect.errors.ReplayRefused: replay: aten.from_file.default ... not run ...
     """
     parts = name.split(".") if isinstance(name, str) else []
     if len(parts) != 3 or not all(_NAME.match(p) for p in parts) or parts[0] != "aten":
@@ -184,6 +180,31 @@ def safe_op(name: Any, where: str = "replay"):
         if reason is None:
             return op
     raise ReplayRefused(f"{where}: {name} is not run by replay: {reason}")
+
+
+REPLAY_FACTOR = 64  # a re-run may make at most this many times the bytes of its inputs...
+REPLAY_FLOOR_BYTES = 256 << 20  # ...or this many, whichever is more
+
+
+def _refuse_outsized(op, args: Any, kwargs: dict, where: str) -> None:
+    """Refuse a re-run whose outputs would be far larger than its inputs (sizes are the file's
+    text: ``aten.new_zeros`` with a forged size asked for 34 GB). The outputs' sizes come from
+    running the op on meta tensors first, which allocates nothing."""
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    given = sum(t.numel() * t.element_size() for t in leaves)
+    limit = max(REPLAY_FLOOR_BYTES, REPLAY_FACTOR * given)
+    try:
+        meta_args, meta_kwargs = tree_map(
+            lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
+        )
+        outputs = tree_flatten(op(*meta_args, **meta_kwargs))[0]
+    except Exception:  # noqa: BLE001 - no meta kernel: the real run says what is wrong
+        return
+    made = sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
+    if made > limit:
+        raise ReplayRefused(
+            f"{where}: {op} would make {made} bytes from {given} bytes of inputs (at most {limit}): not run"
+        )
 
 
 def _out0_key(key: str) -> str:
@@ -253,6 +274,7 @@ def replay(
         safe_op(spec.get("aten"), f"{pi.path}: entry {out0!r}")
     name, args, kwargs = pi.rebuild_args(i, loaded, cast=cast)
     op = safe_op(name, f"{pi.path}: entry {out0!r}")
+    _refuse_outsized(op, args, kwargs, f"{pi.path}: entry {out0!r}")
     rerun = [t for t in tree_flatten(op(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
     result = ReplayResult(str(op), out0, dtype, args=describe_args(spec))
     if other is not None:

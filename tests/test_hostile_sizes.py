@@ -1,0 +1,93 @@
+"""Sizes and patterns a dump or a mapping file can forge: every allocation bounded by what
+the file holds, every pattern by a time, every failure an error naming the file or rule."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect import DumpSet
+from tdinspect.align.mapping import Mapping
+from tdinspect.cli import main
+from tdinspect.errors import AlignError, MappingError, ReplayRefused
+
+from .conftest import only_folder, rewrite_sidecar
+
+
+def _tp2(root):
+    """Two ranks of a column-parallel Linear, each its own rank folder of one run."""
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    for rank in range(2):
+        part = torch.nn.Sequential(torch.nn.Linear(8, 3))
+        with (
+            torch.no_grad(),
+            tdinspect.capture(part, root, parallel={"tp": (rank, 2)}, dims={"0$": "b h(tp)"}) as c,
+        ):
+            part(x)
+            c.step()
+    return sorted(p for p in root.iterdir() if p.is_dir())
+
+
+def test_a_forged_tensor_parallel_size_is_named_at_once(tmp_path, capsys):
+    """tp size 10^12 in both ranks' sidecars (re-sealed, as a careful forger would): --unshard
+    hung counting shards, then MemoryError. Now the entry says which shard no rank holds."""
+    for folder in _tp2(tmp_path / "tp2"):
+        sidecar = folder / "pass00000.json"
+        doc = json.loads(sidecar.read_text())
+        doc["parallel"]["tp"][1] = 10**12
+        rewrite_sidecar(sidecar, doc)
+    started = time.perf_counter()
+    ds = DumpSet.open(tmp_path / "tp2").unshard()
+    with pytest.raises(AlignError, match=r"no rank holds tp shard 2 of 1000000000000"):
+        ds.tensor("model.0")
+    assert main(["diff", str(tmp_path / "tp2"), str(tmp_path / "tp2"), "--unshard"]) in (0, 1, 3)
+    assert "shard 2 of 1000000000000" in capsys.readouterr().out
+    assert time.perf_counter() - started < 30
+
+
+def test_a_replay_whose_forged_size_would_allocate_gigabytes_is_refused(tmp_path):
+    """aten.new_zeros with its size argument forged to 2^17 x 2^17 (128 GB in float64): replay tried to
+    allocate it. Now refused from the sizes a meta run gives, before anything is made."""
+    x = torch.arange(4.0)
+    with tdinspect.capture_ops(tmp_path, inputs=True) as dump:
+        x.new_zeros([2, 2])
+        dump.step()
+    sidecar = only_folder(tmp_path) / "pass00000.json"
+    assert tdinspect.replay(tmp_path, "model/aten.new_zeros.default").outputs  # fair sizes re-run
+    doc = json.loads(sidecar.read_text())
+    entries = doc["entries"]
+    i = entries["key"].index("model/aten.new_zeros.default[out0]")
+    leaves = entries["call_args"][i]["leaves"]
+    assert leaves[1:3] == [2, 2]
+    leaves[1:3] = [2**17, 2**17]
+    rewrite_sidecar(sidecar, doc)
+    with pytest.raises(ReplayRefused, match=r"pass00000.*would make 137438953472 bytes"):
+        tdinspect.replay(tmp_path, "model/aten.new_zeros.default")
+
+
+def test_a_backtracking_rule_is_stopped_by_a_time_limit_naming_it(tmp_path):
+    """The rule m\\.(a|aa)+$ took 40 s on one 43-character name; now about one second, then a
+    MappingError naming the rule (and the CLI exits 2 with it)."""
+    mapping = Mapping({r"m\.(a|aa)+$": "x", r"m\.b": "y"})
+    assert mapping.partner("m.b") == ("y", None)
+    started = time.perf_counter()
+    with pytest.raises(MappingError, match=r"rule 'm\\\.\(a\|aa\)\+\$': matching .* took more than 1.0 s"):
+        mapping.partner("m." + "a" * 40 + "b")
+    assert time.perf_counter() - started < 5
+
+
+def test_a_megabyte_rule_is_quoted_short(tmp_path):
+    pattern = "m\\.(" + "|".join(f"x{i}" for i in range(200_000)) + ")("
+    with pytest.raises(MappingError) as info:
+        Mapping({pattern: "y"})
+    assert len(str(info.value)) < 400 and f"({len(pattern)} characters)" in str(info.value)
+
+
+def test_a_deeply_nested_transform_is_a_mapping_error_naming_the_rule(tmp_path):
+    deep = "flatten(" * 100 + "x" + ")" * 100
+    with pytest.raises(MappingError, match="rule 'a'"):
+        Mapping({"a": ["b", deep]})
