@@ -15,7 +15,7 @@ import torch
 
 from .conftest import ROOT
 
-# Replaces the pass file by a FIFO right after the first os.stat of it (the check) or the first
+# Replaces the pass file by a FIFO right after the first os.lstat of it (the check) or the first
 # os.fstat (the file is open by then), then loads it.
 _SWAP = textwrap.dedent("""
     import os, sys
@@ -45,7 +45,7 @@ _SWAP = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mmap", [False, True])
-@pytest.mark.parametrize("when", ["stat", "fstat"])
+@pytest.mark.parametrize("when", ["lstat", "fstat"])  # the check is an lstat (links refused)
 def test_a_fifo_swapped_in_for_a_pass_file_neither_hangs_nor_is_read(tmp_path, when, mmap):
     path = tmp_path / "pass00000.pt"
     torch.save({"a": torch.arange(4.0)}, path)
@@ -60,7 +60,7 @@ def test_a_fifo_swapped_in_for_a_pass_file_neither_hangs_nor_is_read(tmp_path, w
     except subprocess.TimeoutExpired:
         pytest.fail(f"load_pass blocked on the FIFO swapped in after os.{when}")
     assert done.returncode == 0, done.stderr
-    if when == "stat":  # swapped between the check and the open: refused, naming the file
+    if when == "lstat":  # swapped between the check and the open: refused, naming the file
         assert done.stdout.startswith("refused:"), done.stdout
         assert str(path) in done.stdout and "not a regular file (a FIFO)" in done.stdout
     else:  # swapped once the file is open: the file checked is the file read (and mapped)
