@@ -603,3 +603,26 @@ def test_half_codes_keep_max_rel_exact(codes):
     for rtol, atol in ((1e-3, 1e-5), (2.0**-3, 0.0)):
         _check_half(xv[keep], yv[keep], codes, rtol, atol)
         _check_half(xv[keep], near[keep], codes, rtol, atol)
+
+
+def test_a_numba_that_fails_to_load_leaves_numpy_serving(monkeypatch):
+    """Where numba is installed but does not load, the metrics go on with numpy's kernels (the
+    same numbers) and say so once, as the statistics do (tdinspect.numerics.lazy_numba)."""
+    import sys
+    import warnings
+
+    import tdinspect.numerics
+    from tdinspect.numerics import lazy_numba
+
+    x = np.random.default_rng(0).standard_normal(kernels.NUMBA_MIN_BYTES)  # 8x past the threshold
+    y = x + 1e-3
+    want = kernels.pair_sums(x, y, rtol=1e-3, atol=1e-5, backend="numpy")
+    monkeypatch.setattr(lazy_numba, "_loaded", {})  # as in a fresh process
+    monkeypatch.setattr(kernels, "_NUMBA_KERNELS", None)
+    monkeypatch.delattr(tdinspect.numerics, "fused_loop", raising=False)
+    monkeypatch.setitem(sys.modules, "tdinspect.numerics.fused_loop", None)  # importing it fails
+    with pytest.warns(RuntimeWarning, match="numba failed to load.*numpy's kernels"):
+        assert kernels.pair_sums(x, y, rtol=1e-3, atol=1e-5, backend="numba") == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert kernels.pair_sums(x, y, rtol=1e-3, atol=1e-5, backend="numba") == want

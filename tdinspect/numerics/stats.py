@@ -48,6 +48,7 @@ import torch
 
 from tdinspect.numerics import onepass
 from tdinspect.numerics.checksum import tensor_checksum
+from tdinspect.numerics.shapes import broadcast_dims, first_slice
 
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
 
@@ -86,19 +87,6 @@ _FEW_KERNELS = {
     for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
     if d is not None
 }
-
-
-def broadcast_dims(t: torch.Tensor) -> set[int]:
-    """Dims that repeat one slice (stride 0, size > 1, as ``expand`` makes): a huge-shaped
-    tensor may hold few distinct values, and is reduced as those."""
-    return {dim for dim, (size, stride) in enumerate(zip(t.shape, t.stride())) if stride == 0 and size > 1}
-
-
-def first_slice(t: torch.Tensor, dims) -> torch.Tensor:
-    """``t`` narrowed to index 0 along ``dims``."""
-    for dim in dims:
-        t = t.narrow(dim, 0, 1)
-    return t
 
 
 def _unexpand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
