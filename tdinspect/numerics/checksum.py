@@ -13,7 +13,7 @@ give the same fingerprint on any CPU or GPU. On a device it costs one
 conversion to int64, one multiply and one sum; the host receives one int64 per
 tensor. A big CPU tensor is read once by a compiled loop instead
 (:mod:`tdinspect.numerics.onepass`, also fused with the statistics by
-:func:`tdinspect.numerics.stats.stats_and_checksum`).
+:func:`tdinspect.numerics.stats.stats_and_checksum`), unless ``compiled=False`` (capture).
 
 Collision rate (two different tensors of the same dtype and shape with the same
 fingerprint; shape and dtype are compared separately):
@@ -76,13 +76,14 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int32)
 
 
-def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+def tensor_checksum(t: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
     """The fingerprint of ``t``'s bits as a 0-d int64 tensor on ``t``'s device.
 
-    See the module docstring for the definition and its collision rate.
+    See the module docstring for the definition and its collision rate. ``compiled=False``:
+    torch's reductions only, never numba (what capture asks for); the same value.
     """
     words = _words(t)
-    if onepass.enabled(words):  # a big CPU tensor: one compiled read, the same value
+    if compiled and onepass.enabled(words):  # a big CPU tensor: one compiled read, the same value
         return torch.tensor(onepass.word_checksum(words), dtype=torch.int64)
     n = words.numel()
     device = words.device

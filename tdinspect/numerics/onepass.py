@@ -34,7 +34,9 @@ Used for contiguous CPU tensors of at least :data:`MIN_ELEMENTS` elements when
 numba is installed: the first use in a process imports numba and loads the
 compiled loops from numba's on-disk cache (about 0.8 s; 4 s the very first time,
 to compile), not worth it for small tensors, which keep torch's reductions.
-``TDINSPECT_ONEPASS=0`` turns the loops off.
+``TDINSPECT_ONEPASS=0`` turns the loops off. Capture never uses them (it passes
+``compiled=False``: torch and the standard library only); the loader does, for dumps
+written without statistics.
 
 Examples
 --------
