@@ -1,6 +1,7 @@
 """Per tensor: statistics, checksum and both of one float32 CPU tensor, with the compiled
-one-read loops (:mod:`tdinspect.numerics.onepass`) and with torch's reductions (``TDINSPECT_ONEPASS=0``),
-interleaved round by round; prints per case the median over rounds of the best of ``--best``.
+one-read loops (:mod:`tdinspect.numerics.onepass`, the loader's way) and with torch's reductions
+(``compiled=False``, capture's way: it never loads numba), interleaved round by round; prints per
+case the median over rounds of the best of ``--best``.
 
     python bench/onepass.py [--mb 4] [--rounds 15] [--best 5] [--threads 1]
 """
@@ -8,7 +9,7 @@ interleaved round by round; prints per case the median over rounds of the best o
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import statistics
 import time
 
@@ -18,7 +19,7 @@ from tdinspect.numerics.checksum import tensor_checksum
 from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
 
 CASES = {"statistics": tensor_stats, "checksum": tensor_checksum, "both": stats_and_checksum}
-WAYS = {"one read": "1", "torch's reductions": "0"}
+WAYS = {"one read (loader)": True, "torch's reductions (capture)": False}
 
 
 def best_ms(fn, x, repeat: int) -> float:
@@ -42,11 +43,11 @@ def main() -> None:
     stats_and_checksum(x)  # loads the compiled loops (numba) outside the timings
     got: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
-        for way, flag in WAYS.items():
-            os.environ["TDINSPECT_ONEPASS"] = flag
+        for way, compiled in WAYS.items():
             for case, fn in CASES.items():
-                got.setdefault((case, way), []).append(best_ms(fn, x, args.best))
-    os.environ.pop("TDINSPECT_ONEPASS", None)
+                got.setdefault((case, way), []).append(
+                    best_ms(functools.partial(fn, compiled=compiled), x, args.best)
+                )
     print(
         f"{args.mb:g} MB float32, {args.threads} thread(s), median over {args.rounds} rounds "
         f"of the best of {args.best}:"

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import tdinspect
 from tdinspect import DumpSet
 from tdinspect.examples.models import make_model, make_tokens
-from tdinspect.numerics.checksum import _SEED_K, _SEED_R, BLOCK, checksum_hex, tensor_checksum
+from tdinspect.numerics.checksum import checksum_hex, tensor_checksum
+from tdinspect.numerics.fingerprint import BLOCK, SEED_K, SEED_R
 
 from .conftest import only_folder
 
@@ -33,7 +34,7 @@ def reference_checksum(t: torch.Tensor) -> int:
     for j in range(0, len(raw), 4):
         w = int.from_bytes(bytes(raw[j : j + 4]), "little", signed=True)
         c, k = divmod(j // 4, BLOCK)
-        h += w * (splitmix64(k, _SEED_K) | 1) * (splitmix64(c, _SEED_R) | 1)
+        h += w * (splitmix64(k, SEED_K) | 1) * (splitmix64(c, SEED_R) | 1)
     return h & MASK
 
 
@@ -191,13 +192,12 @@ def test_a_numba_that_fails_to_load_leaves_torch_serving(monkeypatch):
     (the same values) and says so once."""
     import sys
 
-    from tdinspect.numerics import onepass
+    from tdinspect.numerics import lazy_numba, onepass
     from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
 
     x = torch.randn(2 * BLOCK + 5, generator=torch.Generator().manual_seed(5))
     fast = int(tensor_checksum(x))
-    monkeypatch.setattr(onepass, "_KERNELS", None)
-    monkeypatch.setattr(onepass, "_UNAVAILABLE", False)
+    monkeypatch.setattr(lazy_numba, "_loaded", {})  # as in a fresh process
     monkeypatch.delattr(tdinspect.numerics, "onepass_loops", raising=False)
     monkeypatch.setitem(sys.modules, "tdinspect.numerics.onepass_loops", None)  # importing it fails
     with pytest.warns(RuntimeWarning, match="numba failed to load.*torch's reductions"):

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tdinspect.numerics.stats import broadcast_dims, first_slice, tensor_stats
+from tdinspect.numerics.stats import broadcast_dims, capture_stats, first_slice
 from tdinspect.store.restore import flat_values
 
 _SPARSE = {
@@ -118,12 +118,12 @@ def _prepare(t: torch.Tensor) -> Prepared:
             q.update(scale=float(t.q_scale()), zero_point=int(t.q_zero_point()))
         else:
             q.update(axis=int(t.q_per_channel_axis()))
-        return Prepared(t, tensor_stats(values), list(t.shape), str(values.dtype), storage={"quantized": q})
+        return Prepared(t, capture_stats(values), list(t.shape), str(values.dtype), storage={"quantized": q})
     if t.is_nested:
         flat = flat_values(t)
         return Prepared(
             t,
-            tensor_stats(flat),
+            capture_stats(flat),
             [flat.numel()],
             str(t.dtype),
             storage={"nested": [list(p.shape) for p in t.unbind()]},
@@ -135,8 +135,8 @@ def _prepare(t: torch.Tensor) -> Prepared:
         base = [math.prod(sizes[d + 1 :]) for d in range(len(sizes))]  # row-major, as stored
         strides = [0 if d in dims else s for d, s in enumerate(base)]
         view = {"base": [sizes, base, 0], "view": [list(t.shape), strides, 0]}
-        return Prepared(held, tensor_stats(t), list(t.shape), str(t.dtype), storage={"expand": view})
-    return Prepared(t, tensor_stats(t), list(t.shape), str(t.dtype))
+        return Prepared(held, capture_stats(t), list(t.shape), str(t.dtype), storage={"expand": view})
+    return Prepared(t, capture_stats(t), list(t.shape), str(t.dtype))
 
 
 def _subclass(t: torch.Tensor) -> Prepared:
@@ -175,7 +175,7 @@ def _sparse(t: torch.Tensor) -> Prepared:
     if t.layout == torch.sparse_coo:
         t = t.coalesce()
     values = t.values()
-    row = tensor_stats(values).tolist()
+    row = capture_stats(values).tolist()
     n, nnz = t.numel(), values.numel()
     zeros = n - nnz  # implicit zeros (block formats store whole blocks: their numel counts)
     if zeros > 0:

@@ -371,11 +371,11 @@ class Recorder:
             # With checksums: both in one read where it can (the checksum stays on the device;
             # one int64 goes to the host at step())
             if self.checksum:
-                stat, digest = stats_and_checksum(tensor)
+                stat, digest = stats_and_checksum(tensor, compiled=False)
             else:
-                stat = tensor_stats(tensor)
+                stat = tensor_stats(tensor, compiled=False)
         elif self.checksum and measured:
-            digest = tensor_checksum(tensor)
+            digest = tensor_checksum(tensor, compiled=False)
         if shared is not None:
             self._append(key, tensor, None, shared, module_type, extra, digest)
             return shared

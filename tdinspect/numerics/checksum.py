@@ -6,14 +6,14 @@ endian, in logical row-major order, zero-padded to a whole word) and returns
     h = Σ_c R_c · Σ_k w_{cL+k} · K_k   (mod 2^64, words sign-extended)
 
 where ``L = 2^16`` words make a block, ``K_k`` and ``R_c`` are fixed odd
-64-bit multipliers (splitmix64 of ``k`` and of ``c``, seeds below), and every
+64-bit multipliers (splitmix64 of ``k`` and of ``c``, :mod:`tdinspect.numerics.fingerprint`), and every
 product and sum wraps modulo 2^64. Integer addition is associative, so the
 result does not depend on how a device splits the reduction: the same bits
 give the same fingerprint on any CPU or GPU. On a device it costs one
 conversion to int64, one multiply and one sum; the host receives one int64 per
 tensor. A big CPU tensor is read once by a compiled loop instead
 (:mod:`tdinspect.numerics.onepass`, also fused with the statistics by
-:func:`tdinspect.numerics.stats.stats_and_checksum`).
+:func:`tdinspect.numerics.stats.stats_and_checksum`), unless ``compiled=False`` (capture).
 
 Collision rate (two different tensors of the same dtype and shape with the same
 fingerprint; shape and dtype are compared separately):
@@ -45,48 +45,14 @@ False
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-BLOCK = 1 << 16  # words per block: the per-position multipliers are 512 KB on each device
+from tdinspect.numerics import onepass
+from tdinspect.numerics.fingerprint import BLOCK, MASK, SEED_K, SEED_R, multipliers
+from tdinspect.numerics.shapes import broadcast_dims, first_slice
+
 CHUNK_BLOCKS = 16  # blocks converted to int64 at a time (8 MB)
-_SEED_K = 0x7464696E73706563  # "tdinspec"
-_SEED_R = 0x636865636B73756D  # "checksum"
-_MASK = (1 << 64) - 1
 _MATERIALISE_LIMIT = 1 << 26  # broadcast tensors up to this many elements are hashed as laid out
-_cache: dict[tuple[str, int], torch.Tensor] = {}
-_lock = threading.Lock()
-
-
-def _signed(v: int) -> int:
-    v &= _MASK
-    return v - (1 << 64) if v >> 63 else v
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def splitmix64(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """splitmix64 of ``seed + index * golden`` for an int64 tensor of indices (wrapping)."""
-    z = index * _signed(0x9E3779B97F4A7C15) + _signed(seed)
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
-    return z ^ _shr(z, 31)
-
-
-def _multipliers(seed: int, n: int, device: torch.device) -> torch.Tensor:
-    """The first ``n`` odd multipliers of ``seed`` on ``device`` (made on the CPU, cached)."""
-    key = (str(device), seed)
-    with _lock:
-        have = _cache.get(key)
-        if have is None or have.numel() < n:
-            size = max(n, BLOCK, 2 * (have.numel() if have is not None else 0))
-            have = (splitmix64(torch.arange(size, dtype=torch.int64), seed) | 1).to(device)
-            _cache[key] = have
-    return have[:n]
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +61,6 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.numel() > _MATERIALISE_LIMIT:  # a huge broadcast view: hash the elements it stores
-        from tdinspect.numerics.stats import broadcast_dims, first_slice
-
         t = first_slice(t, broadcast_dims(t))
     flat = t.reshape(-1)
     if flat.dtype == torch.bool:
@@ -112,22 +76,21 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int32)
 
 
-def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+def tensor_checksum(t: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
     """The fingerprint of ``t``'s bits as a 0-d int64 tensor on ``t``'s device.
 
-    See the module docstring for the definition and its collision rate.
+    See the module docstring for the definition and its collision rate. ``compiled=False``:
+    torch's reductions only, never numba (what capture asks for); the same value.
     """
     words = _words(t)
-    from tdinspect.numerics import onepass  # imports this module
-
-    if onepass.enabled(words):  # a big CPU tensor: one compiled read, the same value
+    if compiled and onepass.enabled(words):  # a big CPU tensor: one compiled read, the same value
         return torch.tensor(onepass.word_checksum(words), dtype=torch.int64)
     n = words.numel()
     device = words.device
     full, tail = divmod(n, BLOCK)
     h = torch.zeros((), dtype=torch.int64, device=device)
-    k = _multipliers(_SEED_K, min(n, BLOCK), device)
-    r = _multipliers(_SEED_R, full + 1, device)
+    k = multipliers(SEED_K, min(n, BLOCK), device)
+    r = multipliers(SEED_R, full + 1, device)
     for start in range(0, full, CHUNK_BLOCKS):  # bounded temporaries (big ones cost page faults)
         stop = min(full, start + CHUNK_BLOCKS)
         blocks = words[start * BLOCK : stop * BLOCK].view(stop - start, BLOCK).to(torch.int64)
@@ -143,4 +106,4 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
 def checksum_hex(value: torch.Tensor | int) -> str:
     """A fingerprint as 16 hex digits (how sidecars store it: JSON numbers lose 64-bit ints)."""
     v = int(value.item() if isinstance(value, torch.Tensor) else value)
-    return f"{v & _MASK:016x}"
+    return f"{v & MASK:016x}"

@@ -16,9 +16,7 @@ A codec says how the loop reads an element:
     raw bits looked up in a float64 table of every bit pattern (the other float8 formats).
 
 Every decoding is exact: the kernels of one pair give the same numbers whatever the codec
-that decoded it (tested over every bit pattern against torch's own conversion). float16
-and e5m2 run ``max_rel``'s filter and the mismatch compare in float32 lanes, with margins
-that keep them exact (:func:`_float32_lanes`).
+that decoded it (tested over every bit pattern against torch's own conversion).
 
 The loop (:func:`_loop`) keeps its 16 lanes of accumulators in registers (stack arrays, see
 :func:`_lanes`), adds squares by fused multiply-add, and divides for ``max_rel`` only in the
@@ -51,7 +49,7 @@ BLOCK = 1024  # elements between two looks at max_rel's filter (256: 5% slower)
 
 
 def _minifloat(exp_bits: int, man_bits: int, ieee: bool):
-    """An intrinsic decoding the bits of a small float (unsigned integer) to float32 (exact).
+    """An intrinsic decoding the bits of a small float (unsigned integer) to float64.
 
     ``ieee``: the top exponent is Inf/NaN (float16, e5m2); otherwise only the all-ones
     code is NaN and the top exponent holds numbers (e4m3fn).
@@ -92,16 +90,17 @@ def _minifloat(exp_bits: int, man_bits: int, ieee: bool):
                 nan = builder.icmp_unsigned("==", builder.and_(h, c(magnitude)), c(magnitude))
                 f = builder.select(nan, ir.Constant(f32, float("nan")), f)
             sign = builder.shl(builder.and_(h, c(1 << (top - 1))), c(32 - top))
-            return builder.bitcast(builder.or_(builder.bitcast(f, i32), sign), f32)
+            f = builder.bitcast(builder.or_(builder.bitcast(f, i32), sign), f32)
+            return builder.fpext(f, ir.DoubleType())
 
-        return types.float32(code), codegen
+        return types.float64(code), codegen
 
     return decode
 
 
 def _shifted(code_bits: int, width: int, shift: int, float_type):
     """An intrinsic reading ``code_bits``-bit codes as the top bits of a ``width``-bit float
-    (``float_type``), as float32 (exact): bfloat16 is a float32's top half, float8_e5m2 a
+    (``float_type``), widened to float64: bfloat16 is a float32's top half, float8_e5m2 a
     float16's top byte."""
 
     @intrinsic
@@ -112,10 +111,9 @@ def _shifted(code_bits: int, width: int, shift: int, float_type):
         def codegen(context, builder, signature, args):
             iw = ir.IntType(width)
             bits = builder.shl(builder.zext(args[0], iw), ir.Constant(iw, shift)) if shift else args[0]
-            value = builder.bitcast(bits, float_type)
-            return value if width == 32 else builder.fpext(value, ir.FloatType())
+            return builder.fpext(builder.bitcast(bits, float_type), ir.DoubleType())
 
-        return types.float32(code), codegen
+        return types.float64(code), codegen
 
     return decode
 
@@ -180,12 +178,11 @@ _e5m2 = _minifloat(5, 2, ieee=True)
 
 
 def _decoder(convert):
-    """``decode(code, lut)`` for :func:`_loop` (float64) from an intrinsic of the code alone
-    (float32)."""
+    """``decode(code, lut)`` for :func:`_loop` from an intrinsic of the code alone."""
 
     @numba.njit(inline="always")
     def decode(code, lut):
-        return np.float64(convert(code))
+        return convert(code)
 
     return decode
 
@@ -227,23 +224,20 @@ def _lanes(typingctx, dtype):
 @intrinsic
 def _muladd(typingctx, a, b, c):
     """``a * b + c``: one fused multiply-add where the CPU has one (``llvm.fmuladd``), else a
-    product and a sum (no library call on CPUs without FMA). In float32 where all three are
-    float32, else in float64."""
+    product and a sum (no library call on CPUs without FMA)."""
     if not all(isinstance(t, types.Float) for t in (a, b, c)):
         return None
-    single = all(t == types.float32 for t in (a, b, c))
-    out = types.float32 if single else types.float64
 
     def codegen(context, builder, signature, args):
-        ty = context.get_value_type(out)
+        f64 = ir.DoubleType()
         fn = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ty, [ty] * 3),
-            "llvm.fmuladd.f32" if single else "llvm.fmuladd.f64",
+            builder.module, ir.FunctionType(f64, [f64] * 3), "llvm.fmuladd.f64"
         )
-        return builder.call(fn, [context.cast(builder, v, t, out) for v, t in zip(args, signature.args)])
+        return builder.call(
+            fn, [context.cast(builder, v, t, types.float64) for v, t in zip(args, signature.args)]
+        )
 
-    return out(a, b, c), codegen
+    return types.float64(a, b, c), codegen
 
 
 @numba.njit(inline="always")
@@ -371,112 +365,6 @@ def _bfloat16_pairs(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy,
 
 
 @numba.njit(inline="always")
-def _element32(x32, y32, low32, rhi, ahi, rlo, alo, eps32, sxx, syy, sdd, sab, mxa, hit32, above, maybe):
-    """:func:`_element` for values exact in float32 whose differences are close to it
-    (:func:`_float32_lanes`): the sums and ``max_abs`` in float64 as there; the ``max_rel``
-    filter and the mismatch compare in float32 (half the vector width), the compare against
-    a threshold just above and one just below float64's: ``above`` counts sure mismatches,
-    ``maybe`` those and the ones too close to call."""
-    xi, yi = np.float64(x32), np.float64(y32)
-    d = xi - yi
-    ad = abs(d)
-    ad32 = abs(x32 - y32)
-    ay32 = abs(y32)
-    return (
-        _muladd(xi, xi, sxx),
-        _muladd(yi, yi, syy),
-        _muladd(d, d, sdd),
-        sab + ad,
-        max(mxa, ad),
-        max(hit32, _muladd(low32, max(ay32, eps32), ad32)),
-        above + (np.int32(1) if ad32 > _muladd(rhi, ay32, ahi) else np.int32(0)),
-        maybe + (np.int32(1) if ad32 > _muladd(rlo, ay32, alo) else np.int32(0)),
-    )
-
-
-def _float32_lanes(convert):
-    """A block function for :func:`_loop` (as :func:`_elements`) for codes that ``convert``
-    (an intrinsic) decodes to float32 and whose values stay within float16's range
-    (magnitudes at most 65504, a difference 0 or at least 2^-24): float16 and float8_e5m2.
-    The ``max_rel`` filter and the mismatch compare run in float32 lanes, 16 to a 512-bit
-    operation where float64 takes 8: float16 10% faster (2.64-2.65 vs 2.41 G elements/s,
-    one thread, 4M elements), e5m2 7%. (float8_e4m3fn's values qualify too; with its longer
-    decode it ran 3% slower this way.) The block's mismatch count goes to ``mis[0]``: the
-    16 lanes of ``mis`` kept in registers through the block made LLVM spill an accumulator
-    (2.53 G elements/s). Both give float64's exact answers:
-
-    - ``ad32 = fl32(|x - y|)`` is within 2^-24 of the exact ``|x - y|`` (a difference of two
-      float32s, correctly rounded; never subnormal); ``|y|`` is exact.
-    - Filter: with ``r32 <= r·(1 - 2^-22)`` (``r`` the largest quotient so far) and
-      ``m32 = max(|y|, eps32) <= max(|y|, eps)`` (``eps32`` is 0 for an ``eps`` below 2^-126,
-      where float32's subnormal spacing could round it up), a quotient above ``r`` gives
-      ``ad32 >= r32·m32·(1 + 2^-23)``: ``ad32 - r32·m32`` is positive fused or not (at least
-      2^-48, never rounded to 0). ``r32`` is 0 (every nonzero difference passes) when ``r`` is
-      below 2^-100 or beyond float32.
-    - Mismatch: float64's threshold ``T = atol + rtol·|y|`` (two roundings) is within
-      2^-52 of the exact one; the float32 thresholds from tolerances 2^-19 above and below
-      (rounded to float32, then two roundings of 2^-24 each) stay more than 2^-21 above and
-      below the exact one, beyond ``T`` and ``ad32``'s rounding. So
-      ``ad32 > T_hi`` means ``|x - y| > T``, and ``ad32 <= T_lo`` means not. A block with an
-      element between the two is counted again in float64, element by element; so is every
-      block when a tolerance is negative (the margins would point the wrong way), NaN, between
-      0 and 2^-90 or above 2^100 (products then leave float32's normal range; rtol = 1e39 is
-      inf in float32, and inf·0 NaN where y = 0).
-    """
-
-    @numba.njit(inline="always")
-    def block(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy, sdd, sab, mxa, hit, mis):
-        f4 = np.float32
-        r = -low * (1.0 - 2.0**-21)
-        low32 = -f4(r) if 2.0**-100 <= r <= 3e38 else f4(0.0)
-        # below float32's normal range rounding to float32 can raise eps (by up to 2x): 0 then
-        eps32 = f4(min(eps, 3e38) * (1.0 - 2.0**-23)) if eps >= 2.0**-126 else f4(0.0)
-        rhi, ahi = f4(rtol * (1.0 + 2.0**-19)), f4(atol * (1.0 + 2.0**-19))
-        rlo, alo = f4(rtol * (1.0 - 2.0**-19)), f4(atol * (1.0 - 2.0**-19))
-        hit32, above, maybe = _zeros(np.float32), _zeros(np.int32), _zeros(np.int32)
-        for start in range(blk, end, LANES):
-            for j in range(LANES):
-                sxx[j], syy[j], sdd[j], sab[j], mxa[j], hit32[j], above[j], maybe[j] = _element32(
-                    convert(x[start + j]),
-                    convert(y[start + j]),
-                    low32,
-                    rhi,
-                    ahi,
-                    rlo,
-                    alo,
-                    eps32,
-                    sxx[j],
-                    syy[j],
-                    sdd[j],
-                    sab[j],
-                    mxa[j],
-                    hit32[j],
-                    above[j],
-                    maybe[j],
-                )
-        sure = close = 0
-        for j in range(LANES):
-            hit[j] = np.float64(hit32[j])
-            sure += above[j]
-            close += maybe[j] - above[j]
-        if close == 0 and _tolerances_fit(rtol) and _tolerances_fit(atol):
-            mis[0] += sure
-            return
-        for k in range(blk, end):
-            yk = decode(y[k], lut)
-            ad = abs(decode(x[k], lut) - yk)
-            mis[0] += 1.0 if ad > atol + rtol * abs(yk) else 0.0
-
-    return block
-
-
-@numba.njit(inline="always")
-def _tolerances_fit(tol):
-    """Whether a tolerance keeps :func:`_float32_lanes`' thresholds in float32's normal range."""
-    return tol == 0.0 or 2.0**-90 <= tol <= 2.0**100
-
-
-@numba.njit(inline="always")
 def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread):
     # Elements are taken to float64 in registers (as fast here as float32). LLVM vectorises
     # the fixed inner trip of LANES (the caller's length need not be a multiple).
@@ -548,11 +436,6 @@ def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread):
     return (sxx.sum(), syy.sum(), sdd.sum(), sab.sum(), mxa.max(), max(best, mxr.max()), np.int64(mis.sum()))
 
 
-_float16_lanes, _half_lanes, _e5m2_lanes, _e5m2_half_lanes = (
-    _float32_lanes(f) for f in (_float16, _half, _e5m2, _e5m2_half)
-)
-
-
 # One entry point per codec, each a plain module-level function so numba's disk cache finds
 # it again (a kernel built in a closure over its decoder missed the cache in every process).
 def _fused_value(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
@@ -568,15 +451,15 @@ def _fused_bfloat16(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
 
 
 def _fused_float16(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_float16, _float16_lanes, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_float16, _elements, 1)
 
 
 def _fused_half(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_half, _half_lanes, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_half, _elements, 1)
 
 
 def _fused_e5m2_half(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2_half, _e5m2_half_lanes, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2_half, _elements, 1)
 
 
 def _fused_e4m3fn(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
@@ -584,7 +467,7 @@ def _fused_e4m3fn(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
 
 
 def _fused_e5m2(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2, _e5m2_lanes, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2, _elements, 1)
 
 
 _ENTRIES = {

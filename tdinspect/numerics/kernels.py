@@ -46,12 +46,13 @@ Examples
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from tdinspect.numerics import lazy_numba
 
 EPS = 1e-12
 # Below this many bytes a side numpy's loop takes ~0.1 ms: not worth numba's one-time
@@ -283,7 +284,8 @@ _COMPILE_LOCK = threading.Lock()  # dask threads reach the first big pair togeth
 
 def _numba_kernels() -> dict:
     """The fused loops by codec (:mod:`tdinspect.numerics.fused_loop`), made once per process (lazily:
-    numba is slow to load); each compiles, or loads from numba's disk cache, on first use."""
+    numba is slow to load); each compiles, or loads from numba's disk cache, on first use.
+    Empty where numba fails to load (numpy's kernels serve; said once)."""
     global _NUMBA_KERNELS
     with _COMPILE_LOCK:
         if _NUMBA_KERNELS is None:
@@ -292,8 +294,9 @@ def _numba_kernels() -> dict:
 
 
 def _define_numba_kernels() -> dict:
-    from tdinspect.numerics import fused_loop
-
+    fused_loop = lazy_numba.load("fused_loop", "the metrics use numpy's kernels (slower)")
+    if fused_loop is None:
+        return {}
     try:
         return fused_loop.compile_kernels(cache=True)
     except RuntimeError:  # no writable cache directory (read-only install and home): compile each run
@@ -307,9 +310,9 @@ def default_backend() -> str:
         raise ValueError(f"TDINSPECT_KERNEL={forced!r}: expected 'numba' or 'numpy'")
     if forced == "numpy":
         return "numpy"
-    # find_spec, not import: numba takes ~0.2 s to import, paid only when a pair is big
-    # enough to use it (small dumps and the CLI on them never load it)
-    if importlib.util.find_spec("numba") is None:
+    # not imported here: numba takes ~0.2 s to import, paid only when a pair is big enough
+    # to use it (small dumps and the CLI on them never load it)
+    if not lazy_numba.installed():
         if forced == "numba":
             raise ImportError("TDINSPECT_KERNEL=numba but numba is not installed")
         return "numpy"
@@ -428,5 +431,8 @@ def pair_sums(
         lut = decode_table(codes)
     # contiguous (a no-op for callers keeping the contract): bfloat16 is read a word at a time
     x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
-    out = _numba_kernels()[codec](x, y, float(rtol), float(atol), EPS, lut)
+    compiled = _numba_kernels()
+    if not compiled:  # numba failed to load (warned once)
+        return _numpy_sums(x, y, rtol, atol, codes=codes)
+    out = compiled[codec](x, y, float(rtol), float(atol), EPS, lut)
     return PairSums(x.shape[0], *(float(v) for v in out[:6]), int(out[6]))

@@ -118,7 +118,7 @@ import numpy as np
 import torch
 
 from tdinspect.numerics.kernels import EPS, NUMBA_MIN_BYTES, UINT_OF, PairSums, pair_sums
-from tdinspect.numerics.stats import broadcast_dims, first_slice
+from tdinspect.numerics.shapes import broadcast_dims, first_slice
 
 try:  # torch.testing's own table of defaults (private, but the source of truth)
     from torch.testing._comparison import default_tolerances as _torch_tolerances

@@ -19,7 +19,7 @@ reads once more for the centred sum ``Σ(x - mean)²`` (:func:`centred_squares`,
 the two-pass method). Other dtypes get the checksum loop alone
 (:func:`word_checksum`, 0.15 ms for 4 MB).
 
-Rounding: each chunk of :data:`CHUNK` = 64 elements is summed in whatever order
+Rounding: each chunk of :data:`~tdinspect.numerics.fingerprint.CHUNK` = 64 elements is summed in whatever order
 the compiler vectorises it into (at most 63 roundings deep: error at most
 ``31.5·eps·Σ|x|`` over the chunk, ``eps`` = 2⁻⁵²), and the chunk sums are added
 with Knuth's TwoSum compensation (error about ``eps/2`` of the total), whatever
@@ -34,7 +34,9 @@ Used for contiguous CPU tensors of at least :data:`MIN_ELEMENTS` elements when
 numba is installed: the first use in a process imports numba and loads the
 compiled loops from numba's on-disk cache (about 0.8 s; 4 s the very first time,
 to compile), not worth it for small tensors, which keep torch's reductions.
-``TDINSPECT_ONEPASS=0`` turns the loops off.
+``TDINSPECT_ONEPASS=0`` turns the loops off. Capture never uses them (it passes
+``compiled=False``: torch and the standard library only); the loader does, for dumps
+written without statistics.
 
 Examples
 --------
@@ -47,21 +49,16 @@ Examples
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import struct
-import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from tdinspect.numerics.checksum import _SEED_K, _SEED_R, BLOCK, _multipliers
+from tdinspect.numerics import lazy_numba
+from tdinspect.numerics.fingerprint import BLOCK, SEED_K, SEED_R, multipliers
 
-CHUNK = 64  # elements per partial sum: bounds the rounding (see above); each costs a reduction
 MIN_ELEMENTS = 1 << 16
-_KERNELS = None
-_COMPILE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -90,32 +87,11 @@ def enabled(t: torch.Tensor) -> bool:
 
 
 def _kernels():
-    """The compiled loops, or ``None`` where numba is missing or fails to load (then torch's
-    reductions serve, and a numba that fails says so once). Loaded on first use."""
-    global _KERNELS, _UNAVAILABLE
-    if _KERNELS is not None or _UNAVAILABLE:
-        return _KERNELS
-    with _COMPILE_LOCK:
-        if _KERNELS is None and not _UNAVAILABLE:
-            if importlib.util.find_spec("numba") is None:
-                _UNAVAILABLE = True
-                return None
-            try:
-                from tdinspect.numerics import onepass_loops
-            except Exception as exc:  # noqa: BLE001 - e.g. a numba built for another numpy
-                _UNAVAILABLE = True
-                warnings.warn(
-                    f"tdinspect: numba failed to load ({type(exc).__name__}: {exc}); "
-                    "statistics and checksums use torch's reductions (slower)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return None
-            _KERNELS = onepass_loops.sweep, onepass_loops.centred
-    return _KERNELS
-
-
-_UNAVAILABLE = False
+    """The compiled loops (sweep, centred), or ``None`` where numba is missing or fails to
+    load (then torch's reductions serve; a numba that fails says so once,
+    :func:`tdinspect.numerics.lazy_numba.load`). Loaded on first use."""
+    loops = lazy_numba.load("onepass_loops", "statistics and checksums use torch's reductions (slower)")
+    return None if loops is None else (loops.sweep, loops.centred)
 
 
 def _float_of_key(key: int) -> float:
@@ -124,8 +100,8 @@ def _float_of_key(key: int) -> float:
 
 
 def _multipliers_for(n_words: int):
-    k = _multipliers(_SEED_K, min(n_words, BLOCK), torch.device("cpu")).numpy()
-    r = _multipliers(_SEED_R, n_words // BLOCK + 1, torch.device("cpu")).numpy()
+    k = multipliers(SEED_K, min(n_words, BLOCK), torch.device("cpu")).numpy()
+    r = multipliers(SEED_R, n_words // BLOCK + 1, torch.device("cpu")).numpy()
     return k, r
 
 

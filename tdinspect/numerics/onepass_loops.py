@@ -9,8 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from tdinspect.numerics.checksum import BLOCK
-from tdinspect.numerics.onepass import CHUNK
+from tdinspect.numerics.fingerprint import BLOCK, CHUNK
 
 # "reassoc": LLVM may split a chunk's sum over vector lanes (what makes the loops fast);
 # error_model="numpy": no ZeroDivisionError checks, which stop vectorisation.

@@ -29,7 +29,9 @@ the property test checks); ``min``, ``max`` and ``absmax`` are exact.
 
 A big contiguous float32 CPU tensor is read once by a compiled loop instead
 (:mod:`tdinspect.numerics.onepass`: chunked float64 sums added with compensation, within
-the same bounds), which :func:`stats_and_checksum` shares with the checksum.
+the same bounds), which :func:`stats_and_checksum` shares with the checksum, unless the
+caller says ``compiled=False``: capture does, so that it never loads numba (torch and the
+standard library only, on an engine's hot path); the loader keeps the compiled loop.
 
 Examples
 --------
@@ -48,6 +50,7 @@ import torch
 
 from tdinspect.numerics import onepass
 from tdinspect.numerics.checksum import tensor_checksum
+from tdinspect.numerics.shapes import broadcast_dims, first_slice
 
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
 
@@ -86,19 +89,6 @@ _FEW_KERNELS = {
     for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
     if d is not None
 }
-
-
-def broadcast_dims(t: torch.Tensor) -> set[int]:
-    """Dims that repeat one slice (stride 0, size > 1, as ``expand`` makes): a huge-shaped
-    tensor may hold few distinct values, and is reduced as those."""
-    return {dim for dim, (size, stride) in enumerate(zip(t.shape, t.stride())) if stride == 0 and size > 1}
-
-
-def first_slice(t: torch.Tensor, dims) -> torch.Tensor:
-    """``t`` narrowed to index 0 along ``dims``."""
-    for dim in dims:
-        t = t.narrow(dim, 0, 1)
-    return t
 
 
 def _unexpand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -239,7 +229,7 @@ def _row_sync_free(v: torch.Tensor, n: int) -> torch.Tensor:
     )
 
 
-def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Tensor:
+def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bool = True) -> torch.Tensor:
     """Statistics of ``t`` as a float64 vector ordered like :data:`STAT_NAMES`.
 
     The result stays on ``t``'s device, so a caller on CUDA can gather many of
@@ -253,6 +243,11 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
         Compute without a host round trip (branch-free masked reductions).
         Defaults to ``True`` on accelerators and ``False`` on CPU, where the
         fast path (chunked float64 sums when everything is finite) is cheaper.
+    compiled : bool
+        Let a big contiguous float32 CPU tensor go through the compiled one-read loop
+        (:mod:`tdinspect.numerics.onepass`, numba) where it loads. ``False``: torch's
+        reductions only, never numba (capture: torch and the standard library only); the
+        same values to float rounding.
 
     Examples
     --------
@@ -265,7 +260,7 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
         return torch.tensor(_NAN_ROW + [0.0, 0.0, 0.0], dtype=torch.float64, device=t.device)
     t, copies = _unexpand(t)
     if copies > 1:  # every stored element appears `copies` times: same min/max/mean/std
-        row = tensor_stats(t, sync_free=sync_free)
+        row = tensor_stats(t, sync_free=sync_free, compiled=compiled)
         return row * torch.tensor(
             [1, 1, 1, 1, 1, math.sqrt(copies), copies, copies, copies], dtype=torch.float64, device=row.device
         )
@@ -276,12 +271,18 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None) -> torch.Ten
         return _row_sync_free(v, n)
     if not v.is_floating_point():  # integers are finite
         return torch.tensor(_finite_row_cpu(v, n), dtype=torch.float64)
-    if v.dtype == torch.float32 and onepass.enabled(v):
+    if compiled and v.dtype == torch.float32 and onepass.enabled(v):
         return _float32_row(v, onepass.float32_sums(v, checksum=False))
     fast = _finite_row_cpu(v, n)
     if fast is not None:
         return torch.tensor(fast, dtype=torch.float64)
     return _masked_row_cpu(v, n)
+
+
+def capture_stats(t: torch.Tensor) -> torch.Tensor:
+    """:func:`tensor_stats` as capture takes it: torch's reductions only (``compiled=False``),
+    never numba."""
+    return tensor_stats(t, compiled=False)
 
 
 def _masked_row_cpu(v: torch.Tensor, n: int) -> torch.Tensor:
@@ -317,10 +318,11 @@ def _float32_row(v: torch.Tensor, sums: onepass.Float32Sums) -> torch.Tensor:
     )
 
 
-def stats_and_checksum(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def stats_and_checksum(t: torch.Tensor, *, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tensor_stats` and :func:`tdinspect.numerics.checksum.tensor_checksum` of ``t``, in one
     read of its memory where :mod:`tdinspect.numerics.onepass` applies (a big contiguous float32
-    CPU tensor); the same values as the two calls.
+    CPU tensor); the same values as the two calls. ``compiled=False``: the two calls with
+    torch's reductions only, never numba (what capture asks for).
 
     Examples
     --------
@@ -329,10 +331,10 @@ def stats_and_checksum(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (1.5, torch.int64)
     """
     t = t.detach()
-    if t.dtype == torch.float32 and onepass.enabled(t):
+    if compiled and t.dtype == torch.float32 and onepass.enabled(t):
         sums = onepass.float32_sums(t, checksum=True)
         return _float32_row(t, sums), torch.tensor(sums.digest, dtype=torch.int64)
-    return tensor_stats(t), tensor_checksum(t)
+    return tensor_stats(t, compiled=compiled), tensor_checksum(t, compiled=compiled)
 
 
 def stats_to_dict(vec: torch.Tensor | list[float]) -> dict[str, float]:
