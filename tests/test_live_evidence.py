@@ -49,3 +49,22 @@ def test_a_name_that_is_a_spreadsheet_formula_is_written_as_text(runs, tmp_path)
     cells = [c for row in csv.reader(table.open()) for c in row]
     assert "'" + evil in cells and evil not in cells
     assert not any(c[:1] in "=+@" for c in cells if c)
+
+
+def test_uncompared_warning_shows_names_from_files_escaped(tmp_path):
+    """UncomparedWarning printed entry names with raw escape sequences and newlines (a name
+    from a file could clear the terminal or forge a line of output)."""
+    import warnings
+
+    from tdinspect import DumpSet, UncomparedWarning
+
+    evil = "model.b\x1b[2J\nfake: no divergence"
+    for side, keys in (("a", ["model.a", evil]), ("b", ["model.a"])):
+        (tmp_path / side).mkdir()
+        torch.save({k: torch.ones(3) for k in keys}, tmp_path / side / "pass00000.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert DumpSet.open(tmp_path / "a").diff(tmp_path / "b").first_divergence(structural="report") is None
+    (w,) = [w for w in caught if issubclass(w.category, UncomparedWarning)]
+    text = str(w.message)
+    assert "model.b" in text and "\x1b" not in text and "\n" not in text
