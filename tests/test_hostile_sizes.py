@@ -91,3 +91,39 @@ def test_a_deeply_nested_transform_is_a_mapping_error_naming_the_rule(tmp_path):
     deep = "flatten(" * 100 + "x" + ")" * 100
     with pytest.raises(MappingError, match="rule 'a'"):
         Mapping({"a": ["b", deep]})
+
+
+def _expanded_pair(tmp_path):
+    """A 4-byte storage viewed as 2^17 x 2^17 (64 GB made whole) and an empty entry, both sides."""
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        tensors = {"model.a": torch.ones(1, 1).expand(2**17, 2**17), "model.e": torch.ones(0, 3)}
+        torch.save(tensors, tmp_path / side / "pass00000.pt")
+    return DumpSet.open(tmp_path / "a"), tmp_path / "b"
+
+
+def test_per_position_of_an_expanded_or_empty_entry_says_why_without_allocating(tmp_path):
+    """per_position made an expanded entry whole (17 GB asked for) and raised
+    'range() arg 3 must not be zero' on an empty one; now each is a KeyError saying why."""
+    a, b = _expanded_pair(tmp_path)
+    diff = a.diff(b)
+    assert diff.first_divergence() is None  # compared as stored, never made whole
+    with pytest.raises(KeyError, match=r"an expanded view of 4 bytes that would be 68719476736 bytes"):
+        diff.per_position("model.a", 0)
+    with pytest.raises(KeyError, match=r"no elements \(shape \[0, 3\]\)"):
+        diff.per_position("model.e", 0)
+
+
+def test_a_transform_that_would_make_an_expanded_view_whole_is_a_structural_reason(tmp_path):
+    """A flatten() rule over an expanded entry: a 244 KB dump peaked at 7.2 GB. Now the
+    pair's reason says why it was not applied, and nothing is allocated."""
+    for side, t in (("a", torch.ones(1).expand(2**34)), ("b", torch.ones(1, 1).expand(2**17, 2**17))):
+        (tmp_path / side).mkdir()
+        torch.save({"model.a": t}, tmp_path / side / "pass00000.pt")
+    a, b = DumpSet.open(tmp_path / "a"), tmp_path / "b"
+    div = a.diff(b, mapping={r"model\.a": ["model.a", "flatten(0, 1)"]}).first_divergence()
+    assert (
+        div is not None
+        and div.key == "model.a"
+        and "not applied: B is an expanded view of 4 bytes" in div.reason
+    )

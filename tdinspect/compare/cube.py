@@ -16,6 +16,7 @@ import numpy as np
 from tdinspect.compare.rule import ROW_METRICS, apply_transform
 from tdinspect.naming import split_call
 from tdinspect.numerics.metrics_split import compare_positions
+from tdinspect.store.restore import oversized
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -72,6 +73,12 @@ def per_position(
                 skipped.append(f"pass {p} call {row['call']}: shape {list(ya.shape)} vs {list(xb.shape)}")
                 continue
             d = dim_index(dim, pa.dims[i], ya.dim(), row["key"])
+            big = oversized(ya) or oversized(xb)
+            if big or ya.numel() == 0:
+                skipped.append(
+                    f"pass {p} call {row['call']}: " + (big or f"no elements (shape {list(ya.shape)})")
+                )
+                continue
             # positions first, once: each slice is then contiguous, in the same element order
             ya, xb = ya.movedim(d, 0).contiguous(), xb.movedim(d, 0).contiguous()
             values = compare_positions(xb, ya, m.name, chunk=chunk).tolist()

@@ -530,7 +530,9 @@ class Diff:
         div, gap = self.verdict(threshold, metric, structural)
         if gap is not None:
             warnings.warn(
-                f"tdinspect: no numerical divergence, but {gap['text']}", UncomparedWarning, stacklevel=2
+                visible(f"tdinspect: no numerical divergence, but {gap['text']}"),  # names from the files
+                UncomparedWarning,
+                stacklevel=2,
             )
         return div
 

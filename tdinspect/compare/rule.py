@@ -23,6 +23,7 @@ from tdinspect.naming import split_call
 from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors, stats_rel
 from tdinspect.numerics.metrics_split import compare_pieces
 from tdinspect.store.passindex import PassIndex
+from tdinspect.store.restore import oversized
 
 ROW_METRICS = TENSOR_METRICS + ("stats_rel",)
 # the reason of numbers, not structure: a row that says it is judged by its metric
@@ -192,6 +193,9 @@ def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
 
 def apply_transform(transform, xb, ya):
     """``(transformed B tensor, structural reason or "")``; a callable may fail or change the shape."""
+    big = oversized(xb)  # a transform such as flatten() makes an expanded view whole
+    if big:
+        return None, f"transform {transform.spec!r} not applied: B is {big}"
     try:
         out = transform(xb)
     except Exception as exc:  # a user's callable: any error is this pair's answer, not the diff's

@@ -211,6 +211,23 @@ class Thresholds:
         return f"{self.given()} ({rule}" + (f": {shown}" if shown else "") + ")"
 
 
+SCALE_ONLY = frozenset({"float8_e8m0fnu"})  # exponent-only formats: block scales, never data
+
+
+def scale_only(dtype: str) -> bool:
+    """Whether ``dtype`` (``"torch.float8_e8m0fnu"`` or ``"float8_e8m0fnu"``) only scales other data.
+
+    Such a tensor has no mantissa, so its "unit roundoff" (0.5) says nothing of the precision
+    of the values it scales: it must not set the upstream precision of what follows.
+
+    Examples
+    --------
+    >>> scale_only("torch.float8_e8m0fnu"), scale_only("torch.float8_e4m3fn")
+    (True, False)
+    """
+    return dtype.removeprefix("torch.") in SCALE_ONLY
+
+
 def upstream_of(dtype_a, dtype_b) -> np.ndarray:
     """The coarsest floating dtype each row's data has been through (names, ``""``: none).
 
@@ -218,7 +235,8 @@ def upstream_of(dtype_a, dtype_b) -> np.ndarray:
     in execution order: for each side, the coarsest floating dtype among its
     entries up to and including the row (a cumulative maximum of the unit
     roundoff), and of the two sides the coarser. Integer, bool and unknown
-    dtypes do not count. A float32 op on a bfloat16 model's values (an
+    dtypes do not count, nor do scale-only dtypes (:func:`scale_only`: an MX block's
+    exponent scales carry no data's precision). A float32 op on a bfloat16 model's values (an
     upcast RMSNorm, a rotary buffer) gets ``"bfloat16"``.
 
     Examples
@@ -232,7 +250,11 @@ def upstream_of(dtype_a, dtype_b) -> np.ndarray:
         return np.array([], object)
     codes, distinct = pd.factorize(np.concatenate([da, db]))
     u = np.array(
-        [(unit_roundoff(d) or 0.0) if isinstance(d, str) and d else 0.0 for d in distinct] + [0.0]
+        [
+            (unit_roundoff(d) or 0.0) if isinstance(d, str) and d and not scale_only(d) else 0.0
+            for d in distinct
+        ]
+        + [0.0]
     )  # code -1 (missing): 0
     name_of = {0.0: ""}
     for d, ud in zip(distinct, u.tolist()):

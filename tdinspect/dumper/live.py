@@ -47,7 +47,14 @@ from tdinspect.align.mapping import Mapping, mapped_key
 from tdinspect.compare.pairing import same_ref_pass
 from tdinspect.compare.passes import PassJob
 from tdinspect.compare.rule import COLUMNS, NONFINITE, NOT_STORED, Side, compare_pair, new_row, side_of
-from tdinspect.compare.thresholds import BEFORE, divergence_of, divergent, threshold_fn, upstream_of
+from tdinspect.compare.thresholds import (
+    BEFORE,
+    divergence_of,
+    divergent,
+    scale_only,
+    threshold_fn,
+    upstream_of,
+)
 from tdinspect.dumper.kinds import is_plain, prepare
 from tdinspect.dumper.writer import PendingPass
 from tdinspect.dumpset import DumpSet
@@ -59,6 +66,16 @@ from tdinspect.store.format import atomic_write, rank_dirname, stats_row
 from tdinspect.store.restore import restore
 from tdinspect.store.runs import new_folder
 from tdinspect.util.terminal import visible
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell that a spreadsheet shows as text: names come from files, and one starting
+    with ``=``, ``+``, ``-``, ``@`` (or a tab or carriage return) would be read as a formula
+    (``=HYPERLINK(...)``): such text is written after a ``'``, as OWASP advises."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
 
 ACTIONS = ("raise", "warn", "record")
 
@@ -268,7 +285,7 @@ class LiveCompare:
                 self._judge(row)
         finally:
             if self.action == "record" and self.evidence_dir is not None:
-                self._write_rows(pass_)
+                self._saved(f"the rows of pass {pass_}", lambda: self._write_rows(pass_))
             self._pass, self._loaded = None, None
 
     # -- verdicts -----------------------------------------------------------------------
@@ -288,7 +305,7 @@ class LiveCompare:
         if self.first is None:
             self.first = div
             if self.evidence_dir is not None:
-                self.evidence = self._write_evidence(div)
+                self.evidence = self._saved("the evidence", lambda: self._write_evidence(div))
         if self.action == "raise":
             raise DivergenceError(div, self.evidence)
         if self.action == "warn" and div.pass_ not in self._warned:
@@ -306,7 +323,7 @@ class LiveCompare:
         """The coarsest floating dtype either side went through so far in this pass
         (:func:`tdinspect.compare.thresholds.upstream_of`, kept as a running maximum)."""
         for side in ("dtype_a", "dtype_b"):
-            u = unit_roundoff(row[side]) if row[side] else None
+            u = unit_roundoff(row[side]) if row[side] and not scale_only(row[side]) else None
             if u and u > self._coarsest[side][0]:
                 self._coarsest[side] = (u, upstream_of([row[side]], [""])[0])
         return max(self._coarsest.values())[1]
@@ -320,6 +337,21 @@ class LiveCompare:
         return pd.DataFrame(rows, columns=COLUMNS)
 
     # -- files ----------------------------------------------------------------------------
+    def _saved(self, what: str, write):
+        """``write()``'s result, or ``None`` with a warning when the disk refuses it (full, read
+        only): the divergence is the result and is reported whatever happens to its files."""
+        try:
+            return write()
+        except OSError as exc:
+            warnings.warn(
+                visible(
+                    f"tdinspect: live comparison: {what} could not be written under {self.evidence_dir} ({exc})"
+                ),
+                RuntimeWarning,
+                stacklevel=6,
+            )
+            return None
+
     def _write_rows(self, pass_: int) -> None:
         if self._rows_folder is None:  # this comparison's own (a re-run cell: live_run2)
             self._rows_folder = new_folder(self.evidence_dir, "live")
@@ -327,7 +359,7 @@ class LiveCompare:
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(self._pass_rows)
+        writer.writerows({k: _cell(v) for k, v in row.items()} for row in self._pass_rows)
         atomic_write(folder / f"pass{pass_:05d}.csv", lambda f: f.write(text.getvalue().encode()))
 
     def _write_evidence(self, div) -> Path:

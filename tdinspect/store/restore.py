@@ -76,6 +76,27 @@ def dense_limit(t: torch.Tensor) -> int:
     return max(floor, DENSE_FACTOR * stored_bytes(t))
 
 
+def oversized(t: torch.Tensor) -> str:
+    """Why making ``t`` contiguous would allocate beyond :func:`dense_limit` of the storage it
+    views (an expanded view of a few bytes claiming gigabytes), or ``""``.
+
+    Examples
+    --------
+    >>> oversized(torch.zeros(1).expand(2**40))
+    'an expanded view of 4 bytes that would be 4398046511104 bytes made whole (at most 67108864)'
+    >>> oversized(torch.zeros(4))
+    ''
+    """
+    if t.layout != torch.strided or t.is_nested or t.is_contiguous():
+        return ""
+    dense = t.numel() * t.element_size()
+    stored = t.untyped_storage().nbytes()
+    limit = max(DENSE_FLOOR_BYTES, DENSE_FACTOR * stored)
+    if dense <= limit:
+        return ""
+    return f"an expanded view of {stored} bytes that would be {dense} bytes made whole (at most {limit})"
+
+
 def check(t: torch.Tensor, where: object = "a stored tensor") -> None:
     """Check a tensor read from a file before anything reads its elements.
 
