@@ -541,6 +541,21 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
+def _arguments_escaped(msg: str, args) -> str:
+    """``msg`` with each argument that holds a line break or another control character (a
+    path named ``a\\nb``) written as its escapes, so that the one line shown holds it whole
+    (it was cut at the newline)."""
+    values = []
+    for value in vars(args).values():
+        values.extend(value if isinstance(value, (list, tuple)) else [value])
+    for value in sorted({v for v in values if isinstance(v, str)}, key=len, reverse=True):
+        shown = visible(value)
+        if shown != value:
+            for form in {value, os.path.normpath(value), os.path.abspath(value)}:
+                msg = msg.replace(form, visible(form))
+    return msg
+
+
 def _run(args) -> int:
     from tdinspect.errors import ConfigError, DumpFormatError
 
@@ -560,7 +575,7 @@ def _run(args) -> int:
             msg = str(exc.args[0])
         else:
             msg = f"{type(exc).__name__}: {exc}"
-        first = (msg.strip().splitlines() or [type(exc).__name__])[0]
+        first = (_arguments_escaped(msg, args).strip().splitlines() or [type(exc).__name__])[0]
         hint = "" if args.debug else " (--debug shows the traceback)"
         if isinstance(exc, (_Fail, DumpFormatError, ConfigError, OSError, ValueError, KeyError)):
             hint = ""
