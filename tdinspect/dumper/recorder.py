@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from tdinspect.dumper.kinds import is_plain, prepare, shape_of
+from tdinspect.dumper.kinds import is_plain, prepare, safe_stats, shape_of
 from tdinspect.dumper.writer import AsyncWriter, PendingPass
 from tdinspect.naming import make_key, split_call
 from tdinspect.numerics.checksum import tensor_checksum
-from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
+from tdinspect.numerics.stats import stats_and_checksum
 from tdinspect.store.format import pass_filename, sidecar_filename
 from tdinspect.store.runs import new_run_folder
 
@@ -371,9 +371,12 @@ class Recorder:
             # With checksums: both in one read where it can (the checksum stays on the device;
             # one int64 goes to the host at step())
             if self.checksum:
-                stat, digest = stats_and_checksum(tensor)
+                try:
+                    stat, digest = stats_and_checksum(tensor)
+                except ArithmeticError:  # values statistics cannot scale (subnormal float64)
+                    stat, digest = safe_stats(tensor), tensor_checksum(tensor)
             else:
-                stat = tensor_stats(tensor)
+                stat = safe_stats(tensor)
         elif self.checksum and measured:
             digest = tensor_checksum(tensor)
         if shared is not None:
