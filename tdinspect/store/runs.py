@@ -410,16 +410,13 @@ def clear_runs(*folders: str | os.PathLike) -> None:
             raise ConfigError(f"{root}: not a folder tdinspect wrote (a file or a link); nothing removed")
         foreign = []
         for p in sorted(root.iterdir()):
-            if (
-                RANK_DIR_RE.match(p.name)
-                and not p.is_symlink()
-                and p.is_dir()
-                and _is_old_run(p)
-                and all(_ours(n) for n in os.listdir(p))
-            ):
-                runs.append(p)
-            else:
+            if not (RANK_DIR_RE.match(p.name) and not p.is_symlink() and p.is_dir() and _is_old_run(p)):
                 foreign.append(p.name)
+                continue
+            theirs = sorted(n for n in os.listdir(p) if not _ours(n))
+            foreign.extend(f"{p.name}/{n}" for n in theirs)
+            if not theirs:
+                runs.append(p)
         if foreign:
             shown = ", ".join(visible(n) for n in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
             raise ConfigError(
