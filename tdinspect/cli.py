@@ -357,6 +357,18 @@ def cmd_demo(args) -> int:
     return run_demo(args.out)
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse's error, exit 2, otherwise: -1 was a traceback, 70000
+    served on 4464 while saying 70000)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{visible(text)!r} is not a port (0 to 65535; 0: any free port)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tdinspect", description="Inspect and compare tensor dumps.")
     parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
@@ -480,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default: from each entry's dtypes) or a number",
     )
-    p.add_argument("--port", type=int, default=8866)
+    p.add_argument("--port", type=_port, default=8866, help="0 to 65535 (default 8866; 0: any free port)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
     p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
