@@ -45,7 +45,7 @@ def test_overwrite_keeps_a_capture_still_open_in_this_process(tmp_path):
     first_model(x)
     first.step()
     with pytest.warns(RunWarning, match=r"kept 1 run folder\(s\) .* still open in this process"):
-        second = _run(tmp_path, _model(2.0), overwrite=True)
+        second = _run(tmp_path / "." / ".." / tmp_path.name, _model(2.0), overwrite=True)  # spelt otherwise
     first_model(x)
     first.step()  # was: CaptureWriteError, FileNotFoundError
     first.close()

@@ -145,7 +145,7 @@ def new_run_folder(
     data = json.dumps(manifest, indent=1).encode()
     folder = _new_folder_with_manifest(dump_dir, f"rank{rank}_pid{pid}", data)
     with _open_lock:
-        _OPEN[str(folder)] = _OPEN.get(str(folder), 0) + 1
+        _OPEN[_key(folder)] = _OPEN.get(_key(folder), 0) + 1
     _older_runs(dump_dir, folder, rank, world, overwrite)
     return folder, manifest
 
@@ -156,16 +156,22 @@ _OPEN: dict[str, int] = {}
 _open_lock = threading.Lock()
 
 
+def _key(folder: str | os.PathLike) -> str:
+    """One name per folder however the dump folder was spelt (relative, ``a/../a``, a link)."""
+    return os.path.realpath(folder)
+
+
 def release_run_folder(folder: str | os.PathLike | None) -> None:
     """The capture writing into ``folder`` has closed: an ``overwrite=True`` may remove it."""
     if folder is None:
         return
     with _open_lock:
-        left = _OPEN.get(str(folder), 0) - 1
+        key = _key(folder)
+        left = _OPEN.get(key, 0) - 1
         if left > 0:
-            _OPEN[str(folder)] = left
+            _OPEN[key] = left
         else:
-            _OPEN.pop(str(folder), None)
+            _OPEN.pop(key, None)
 
 
 def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
@@ -265,7 +271,7 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
             others.append(p)
     if overwrite:
         with _open_lock:
-            mine = [p for p in others if str(p) in _OPEN]
+            mine = [p for p in others if _key(p) in _OPEN]
         if mine:
             warn(
                 f"tdinspect: overwrite=True kept {len(mine)} run folder(s) in {dump_dir} of a "
