@@ -357,6 +357,18 @@ def cmd_demo(args) -> int:
     return run_demo(args.out)
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse's error, exit 2, otherwise: -1 was a traceback, 70000
+    served on 4464 while saying 70000)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{visible(text)!r} is not a port (0 to 65535; 0: any free port)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tdinspect", description="Inspect and compare tensor dumps.")
     parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
@@ -480,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default: from each entry's dtypes) or a number",
     )
-    p.add_argument("--port", type=int, default=8866)
+    p.add_argument("--port", type=_port, default=8866, help="0 to 65535 (default 8866; 0: any free port)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
     p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
@@ -541,6 +553,21 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
+def _arguments_escaped(msg: str, args) -> str:
+    """``msg`` with each argument that holds a line break or another control character (a
+    path named ``a\\nb``) written as its escapes, so that the one line shown holds it whole
+    (it was cut at the newline)."""
+    values = []
+    for value in vars(args).values():
+        values.extend(value if isinstance(value, (list, tuple)) else [value])
+    for value in sorted({v for v in values if isinstance(v, str)}, key=len, reverse=True):
+        shown = visible(value)
+        if shown != value:
+            for form in {value, os.path.normpath(value), os.path.abspath(value)}:
+                msg = msg.replace(form, visible(form))
+    return msg
+
+
 def _run(args) -> int:
     from tdinspect.errors import ConfigError, DumpFormatError
 
@@ -560,7 +587,7 @@ def _run(args) -> int:
             msg = str(exc.args[0])
         else:
             msg = f"{type(exc).__name__}: {exc}"
-        first = (msg.strip().splitlines() or [type(exc).__name__])[0]
+        first = (_arguments_escaped(msg, args).strip().splitlines() or [type(exc).__name__])[0]
         hint = "" if args.debug else " (--debug shows the traceback)"
         if isinstance(exc, (_Fail, DumpFormatError, ConfigError, OSError, ValueError, KeyError)):
             hint = ""

@@ -318,7 +318,7 @@ class DumpSet:
             )
         pattern = self._op_pattern
         if ops is not None:
-            pattern = re.compile("^(?:" + "|".join(re.escape(o) for o in ops) + ")$")
+            pattern = re.compile("^(?:" + "|".join(re.escape(o) for o in ops) + r")\Z")
             if self._op_pattern is not None:
                 pattern = _both(self._op_pattern, pattern)
         return self._derived(passes, pattern)

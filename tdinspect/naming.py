@@ -48,10 +48,11 @@ from tdinspect.errors import KeyGrammarError
 
 CALL_SEP = "::call"
 INPUT_PREFIX = "[in]"  # module-level inputs: name[in][0], name[in][kwarg]
-_KEY_RE = re.compile(r"^(?P<base>.*?)(?:::call(?P<call>[1-9]\d*))?$", re.S)
-_BASE_RE = re.compile(r"^(?P<module>[^/\[\]]*)(?:/(?P<op>[^/\[\]]+))?(?P<labels>(?:\[[^\[\]]*\])*)$")
+# \Z, never $: $ also matches before a final newline, which would drop it from a name
+_KEY_RE = re.compile(r"^(?P<base>.*?)(?:::call(?P<call>[1-9]\d*))?\Z", re.S)
+_BASE_RE = re.compile(r"^(?P<module>[^/\[\]]*)(?:/(?P<op>[^/\[\]]+))?(?P<labels>(?:\[[^\[\]]*\])*)\Z")
 _LABEL_RE = re.compile(r"\[([^\[\]]*)\]")
-_IO_RE = re.compile(r"^(out|in)(\d+)$")
+_IO_RE = re.compile(r"^(out|in)(\d+)\Z")
 _ESCAPED = re.compile(r"[%\[\]/:]")  # characters with a meaning in keys, and the escape itself
 _UNESCAPE = re.compile(r"%(25|5B|5D|2F|3A)")
 

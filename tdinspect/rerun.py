@@ -127,7 +127,7 @@ STRING_CHOICES = frozenset(
         "driver",
     }
 )
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def safe_op(name: Any, where: str = "replay"):

@@ -326,7 +326,10 @@ def voila_dashboard(tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_for_server(f"{base}/api/status", proc, tmp_path / "voila.log", "Voila")
-        yield base
+        # the page opens only with the token the command printed in its URL
+        url = re.search(rf"{re.escape(base)}/\?token=\w+", (tmp_path / "voila.log").read_text())
+        assert url, (tmp_path / "voila.log").read_text()
+        yield url.group()
     finally:
         _stop(proc, log)
 
@@ -339,7 +342,7 @@ def test_dashboard_served_by_voila(voila_dashboard):
         browser = _browser(pw)
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         t0 = time.perf_counter()
-        page.goto(voila_dashboard + "/")
+        page.goto(voila_dashboard)
         label = page.locator(".widget-html-content", has_text="first divergence")
         label.first.wait_for(timeout=120_000)
         page.locator(".widget-image").last.wait_for(timeout=60_000)
@@ -358,7 +361,7 @@ def test_dashboard_served_by_voila(voila_dashboard):
         time.sleep(10)  # the server pre-heats a kernel (runs the page) for the next visitor
         again = browser.new_page(viewport={"width": 1500, "height": 1100})
         t0 = time.perf_counter()
-        again.goto(voila_dashboard + "/")
+        again.goto(voila_dashboard)
         again.locator(".widget-html-content", has_text="first divergence").first.wait_for(timeout=120_000)
         again.locator(".widget-image").last.wait_for(timeout=60_000)
         warm_view = time.perf_counter() - t0

@@ -549,3 +549,20 @@ def test_cast_columns_are_metrics_everywhere(runs, capsys, name):
     assert len(d.divergences(threshold=0.0, metric=name, progress=False))
     assert main(["diff", str(runs["ref"]), str(runs["wrong"]), "--metric", name]) == 1
     assert name in capsys.readouterr().out
+
+
+def test_statistics_of_subnormal_float64_values_are_exact_and_never_raise(tmp_path, capsys):
+    """A float64 tensor whose largest value is subnormal (1e-310) asked power_of_two_scale for
+    2^1029 (OverflowError): in capture's hook, and in 'tdinspect stats' of a dump without
+    sidecars, which named no file."""
+    from tdinspect.cli import main
+    from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
+
+    t = torch.tensor([1e-310, -3e-310, 0.0], dtype=torch.float64)
+    for compiled in (True, False):
+        row = dict(zip(STAT_NAMES, tensor_stats(t, compiled=compiled).tolist()))
+        assert row["min"] == -3e-310 and row["max"] == 1e-310 and row["absmax"] == 3e-310
+    (tmp_path / "d").mkdir()
+    torch.save({"model.a": t}, tmp_path / "d" / "pass00000.pt")
+    assert main(["stats", str(tmp_path / "d")]) == 0
+    assert "model.a" in capsys.readouterr().out

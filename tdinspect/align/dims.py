@@ -33,7 +33,7 @@ from tdinspect.errors import DimsError
 
 AXES = ("tp", "cp", "ep", "sp")
 FLAGS = ("partial", "zigzag")
-_TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\(([^()]*)\))?$")
+_TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\(([^()]*)\))?\Z")
 
 
 @dataclass(frozen=True)

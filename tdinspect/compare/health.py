@@ -24,8 +24,8 @@ from tdinspect.naming import split_call
 from tdinspect.numerics.stats import STAT_NAMES
 
 _NAN, _INF, _NUMEL = (STAT_NAMES.index(s) for s in ("nan", "inf", "numel"))
-_INPUT = re.compile(r"\[in\d+\]$")
-_OUTPUT = re.compile(r"\[out\d+\]$")
+_INPUT = re.compile(r"\[in\d+\]\Z")
+_OUTPUT = re.compile(r"\[out\d+\]\Z")
 
 
 def first_nonfinite(ds) -> NonFinite | None:

@@ -27,6 +27,7 @@ both sides.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -94,37 +95,57 @@ class Graft:
             raise ConfigError(f"graft: modules={modules!r} selects no module of {type(model).__name__}")
         self.names = [name for name, _ in chosen]
         self._handles = []
-        for name, mod in chosen:
-            # prepended: a capture of the same modules records what the module really got
-            if what == "inputs":
-                self._handles.append(
-                    mod.register_forward_pre_hook(self._make_pre_hook(name), with_kwargs=True, prepend=True)
-                )
-            else:
-                self._handles.append(mod.register_forward_hook(self._make_hook(name), prepend=True))
-        self._capture = capture
-        if capture is not None:
-            if not hasattr(capture, "_on_step"):
-                raise TypeError("graft(capture=...) takes the object tdinspect.capture() returned")
-            capture._on_step.append(self.step)
+        self._capture = None
+        if capture is not None and not hasattr(capture, "_on_step"):
+            raise TypeError("graft(capture=...) takes the object tdinspect.capture() returned")
+        try:  # a graft that fails to start leaves no hook on the model
+            for name, mod in chosen:
+                # prepended: a capture of the same modules records what the module really got
+                if what == "inputs":
+                    self._handles.append(
+                        mod.register_forward_pre_hook(
+                            self._make_pre_hook(name), with_kwargs=True, prepend=True
+                        )
+                    )
+                else:
+                    self._handles.append(mod.register_forward_hook(self._make_hook(name), prepend=True))
+            if capture is not None:
+                self._capture = capture
+                capture._on_step.append(self.step)
+        except BaseException:
+            self.close()
+            raise
 
     # -- hooks ----------------------------------------------------------------------------
     def _make_pre_hook(self, name: str):
         def pre_hook(module, args, kwargs):
             call = self._next_call(name)
             fetch = self._fetcher(name, call)
-            return (
-                map_tensors(tuple(args), fetch, INPUT_PREFIX),
-                map_tensors(dict(kwargs), fetch, INPUT_PREFIX),
-            )
+            with self._closed_on_error():
+                return (
+                    map_tensors(tuple(args), fetch, INPUT_PREFIX),
+                    map_tensors(dict(kwargs), fetch, INPUT_PREFIX),
+                )
 
         return pre_hook
 
     def _make_hook(self, name: str):
         def hook(module, args, output):
-            return map_tensors(output, self._fetcher(name, self._next_call(name)))
+            with self._closed_on_error():
+                return map_tensors(output, self._fetcher(name, self._next_call(name)))
 
         return hook
+
+    @contextlib.contextmanager
+    def _closed_on_error(self):
+        """A graft that failed in the forward (a :class:`GraftError`: an entry missing, shapes
+        differ) removes its hooks before the error leaves ``model(...)``, as a capture's
+        checks do: the model is left as it was, not half grafted."""
+        try:
+            yield
+        except GraftError:
+            self.close()
+            raise
 
     def _next_call(self, name: str) -> int:
         call = self._calls.get(name, -1) + 1

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tdinspect.numerics.stats import broadcast_dims, capture_stats, first_slice
+from tdinspect.numerics.stats import broadcast_dims, capture_stats, first_slice, tensor_stats
 from tdinspect.store.restore import flat_values
 
 _SPARSE = {
@@ -98,6 +98,35 @@ def shape_of(t: torch.Tensor) -> list[int] | None:
         return None
 
 
+_TINY_SCALE = 2.0**600  # exact: brings float64 subnormals (2**-1074 and up) to 2**-474 and up
+
+
+def safe_stats(t: torch.Tensor) -> torch.Tensor:
+    """:func:`~tdinspect.numerics.stats.capture_stats` that never raises because of the values (capture calls it in a hook:
+    an error there would fail the model's forward).
+
+    A float64 tensor whose largest magnitude is subnormal (``1e-310``) made
+    ``stats.power_of_two_scale`` ask ``math.ldexp(1.0, 1029)``: ``OverflowError``
+    from inside ``model(x)``. Such a tensor is measured scaled by an exact power
+    of two (min, max, mean, std, absmax and l2 scale back exactly as far as float64
+    holds them); any other arithmetic failure gives the branch-free row (NaN where a
+    moment cannot be formed; the NaN/Inf counts and min/max are exact).
+    """
+    try:
+        return capture_stats(t)
+    except ArithmeticError:
+        pass
+    v = t.detach()
+    if v.dtype == torch.float64 and v.layout == torch.strided and 0 not in v.stride():
+        try:
+            row = capture_stats(v * _TINY_SCALE)
+            row[:6] /= _TINY_SCALE
+            return row
+        except ArithmeticError:
+            pass
+    return tensor_stats(v, sync_free=True, compiled=False)
+
+
 def _prepare(t: torch.Tensor) -> Prepared:
     from torch._subclasses.fake_tensor import is_fake
 
@@ -118,12 +147,12 @@ def _prepare(t: torch.Tensor) -> Prepared:
             q.update(scale=float(t.q_scale()), zero_point=int(t.q_zero_point()))
         else:
             q.update(axis=int(t.q_per_channel_axis()))
-        return Prepared(t, capture_stats(values), list(t.shape), str(values.dtype), storage={"quantized": q})
+        return Prepared(t, safe_stats(values), list(t.shape), str(values.dtype), storage={"quantized": q})
     if t.is_nested:
         flat = flat_values(t)
         return Prepared(
             t,
-            capture_stats(flat),
+            safe_stats(flat),
             [flat.numel()],
             str(t.dtype),
             storage={"nested": [list(p.shape) for p in t.unbind()]},
@@ -135,8 +164,8 @@ def _prepare(t: torch.Tensor) -> Prepared:
         base = [math.prod(sizes[d + 1 :]) for d in range(len(sizes))]  # row-major, as stored
         strides = [0 if d in dims else s for d, s in enumerate(base)]
         view = {"base": [sizes, base, 0], "view": [list(t.shape), strides, 0]}
-        return Prepared(held, capture_stats(t), list(t.shape), str(t.dtype), storage={"expand": view})
-    return Prepared(t, capture_stats(t), list(t.shape), str(t.dtype))
+        return Prepared(held, safe_stats(t), list(t.shape), str(t.dtype), storage={"expand": view})
+    return Prepared(t, safe_stats(t), list(t.shape), str(t.dtype))
 
 
 def _subclass(t: torch.Tensor) -> Prepared:
@@ -175,7 +204,7 @@ def _sparse(t: torch.Tensor) -> Prepared:
     if t.layout == torch.sparse_coo:
         t = t.coalesce()
     values = t.values()
-    row = capture_stats(values).tolist()
+    row = safe_stats(values).tolist()
     n, nnz = t.numel(), values.numel()
     zeros = n - nnz  # implicit zeros (block formats store whole blocks: their numel counts)
     if zeros > 0:

@@ -46,6 +46,7 @@ from tdinspect.config import DumpConfig, FilterSpec, parse_record
 from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, open_live
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
+from tdinspect.dumper.stance import hold_eager, release
 from tdinspect.errors import ConfigError
 from tdinspect.naming import CALL_SEP, INPUT_PREFIX, label, make_key, module_key
 
@@ -314,14 +315,6 @@ class ModuleCapture(StopsOnCheck):
                 level="module",
                 **(compare_options or {}),
             )
-        if compiled:
-            warnings.warn(
-                "tdinspect: the model is torch.compile'd; running it eagerly while "
-                "capturing (hooks do not fire inside compiled graphs)",
-                stacklevel=3,
-            )
-            self._stance = torch.compiler.set_stance("force_eager")
-            self._stance.__enter__()
         write = config.enabled and self.live is None
         self.recorder = Recorder(
             config.dump_dir if write else None,
@@ -336,6 +329,24 @@ class ModuleCapture(StopsOnCheck):
             overwrite=overwrite,
         )
         self.folder = self.recorder.folder
+        try:
+            self._install(chosen)
+            if compiled:  # last: nothing after it can fail, and close() undoes it
+                warnings.warn(
+                    "tdinspect: the model is torch.compile'd; running it eagerly while "
+                    "capturing (hooks do not fire inside compiled graphs)",
+                    stacklevel=3,
+                )
+                self._stance = hold_eager()
+                weakref.finalize(self, release, self._stance)  # a capture dropped unclosed
+        except BaseException:
+            self.close(write_pending=False, warn=False)  # hooks removed, nothing left on
+            raise
+        self._model_ref = weakref.ref(model)
+        _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
+
+    def _install(self, chosen) -> None:
+        """The hooks on the chosen modules."""
         if self.live is not None:  # every recorded entry is compared (and may end the capture)
             self.recorder.observer = Guarded(self.live, self._on_check_error)
         # outputs carry an explicit kind once other kinds share the pass (default: no new column)
@@ -359,8 +370,6 @@ class ModuleCapture(StopsOnCheck):
                                 self._make_grad_hook(f"{name}.{pname}.grad", mtype)
                             )
                         )
-        self._model_ref = weakref.ref(model)
-        _UNMANAGED.setdefault(model, weakref.WeakSet()).add(self)
 
     def _close_stale(self, model: nn.Module) -> None:
         """Close the earlier captures into the same folder still open outside any ``with``
@@ -414,6 +423,7 @@ class ModuleCapture(StopsOnCheck):
         def hook(module, args, output):
             if self._under_graph_capture(output):
                 return None
+            fired.add(name)  # it ran, even if recording it fails below
             call = self._call_number(name)
             suffix = "" if call == 0 else f"{CALL_SEP}{call}"
             dropped: dict[str, str] = {}
@@ -426,7 +436,6 @@ class ModuleCapture(StopsOnCheck):
                     self._checked(health.check, key, tensor, pass_=rec.pass_index, order=order, row=row)
             if dropped:
                 rec.note_dropped({name + sub + suffix: kind for sub, kind in dropped.items()})
-            fired.add(name)
             return None
 
         return _eager(hook)
@@ -542,7 +551,7 @@ class ModuleCapture(StopsOnCheck):
             h.remove()
         self._handles.clear()
         if self._stance is not None:
-            self._stance.__exit__(None, None, None)
+            release(self._stance)  # the last capture open restores the stance of before
             self._stance = None
         rec, self.recorder = self.recorder, None
         unfired = self.unfired

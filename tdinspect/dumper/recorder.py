@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from tdinspect.dumper.kinds import is_plain, prepare, shape_of
+from tdinspect.dumper.kinds import is_plain, prepare, safe_stats, shape_of
 from tdinspect.dumper.writer import AsyncWriter, PendingPass
 from tdinspect.naming import make_key, split_call
 from tdinspect.numerics.checksum import tensor_checksum
-from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
+from tdinspect.numerics.stats import stats_and_checksum
 from tdinspect.store.format import pass_filename, sidecar_filename
-from tdinspect.store.runs import new_run_folder
+from tdinspect.store.runs import new_run_folder, release_run_folder
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
@@ -219,7 +219,7 @@ class Recorder:
         self.pass_index = 0
         self.observer = None  # sees every entry and pass end (live comparison)
         self._dropped_said = False
-        self.folder = self.writer = self.run = None
+        self.folder = self.writer = self.run = self._release = None
         self._lock = threading.Lock()  # threads calling the model record one at a time
         self._threads: dict[threading.Thread, int] = {}  # 0, 1, ... in order of first record
         self._forked_from: int | None = None  # set in a child forked while capturing
@@ -230,6 +230,8 @@ class Recorder:
         self.folder, self.run = new_run_folder(
             dump_dir, self.rank, overwrite=overwrite, world=grid_size(self.parallel)
         )
+        # once closed (or dropped unclosed), an overwrite=True may replace its run
+        self._release = weakref.finalize(self, release_run_folder, self.folder)
         self.pool = BufferPool(limit=min(max_pending_bytes, 1 << 30))
         self.writer = AsyncWriter(
             max_pending_bytes, fsync, on_written=self.pool.give, threaded=background_write
@@ -371,9 +373,12 @@ class Recorder:
             # With checksums: both in one read where it can (the checksum stays on the device;
             # one int64 goes to the host at step())
             if self.checksum:
-                stat, digest = stats_and_checksum(tensor, compiled=False)
+                try:
+                    stat, digest = stats_and_checksum(tensor, compiled=False)
+                except ArithmeticError:  # values statistics cannot scale (subnormal float64)
+                    stat, digest = safe_stats(tensor), tensor_checksum(tensor, compiled=False)
             else:
-                stat = tensor_stats(tensor, compiled=False)
+                stat = safe_stats(tensor)
         elif self.checksum and measured:
             digest = tensor_checksum(tensor, compiled=False)
         if shared is not None:
@@ -530,8 +535,12 @@ class Recorder:
             if write_pending and len(self):
                 self.step()
         finally:
-            if self.writer is not None:
-                self.writer.close()
+            try:
+                if self.writer is not None:
+                    self.writer.close()
+            finally:
+                if self._release is not None:
+                    self._release()  # closed: an overwrite=True may now replace its run
 
     def warn_if_empty(self, what: str) -> None:
         if not len(self):

@@ -85,6 +85,19 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
+def _interrupt(exc: BaseException) -> KeyboardInterrupt | None:
+    """The ``KeyboardInterrupt`` behind ``exc``, if any: raised inside a file's ``write`` called
+    by torch's zip writer, it comes out as torch's ``RuntimeError`` with the interrupt in its
+    ``__context__``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _write_error(item: PendingPass, exc: BaseException) -> CaptureWriteError:
     cause = _os_error(exc)
     reason = (
@@ -174,12 +187,17 @@ class AsyncWriter:
                 item.write(self.fsync)
                 if self.on_written is not None:
                     self.on_written(item.tensors)  # the host buffers can be reused
-        except KeyboardInterrupt:
-            if not self.threaded:
-                raise  # Ctrl-C during an inline write is the user's, not a write error
-            self.error = _write_error(item, KeyboardInterrupt("interrupted"))
         except BaseException as exc:  # noqa: BLE001 - reported to the capturing thread
-            self.error = _write_error(item, exc)
+            interrupt = _interrupt(exc)
+            if interrupt is not None and not self.threaded:
+                # Ctrl-C during an inline write is the user's, not a write error, even when
+                # torch's zip writer reported it as its own (`unexpected pos 1216 vs 1110`)
+                if interrupt is exc:
+                    raise
+                raise KeyboardInterrupt(*interrupt.args) from exc
+            self.error = _write_error(
+                item, KeyboardInterrupt("interrupted") if interrupt is not None else exc
+            )
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

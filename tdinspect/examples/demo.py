@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
+
+from tdinspect.store.runs import clear_runs
 
 
 def run_demo(out: str | None = None) -> int:
     """Capture a float32 run and one with a deliberately wrong layer, diff, plot.
 
     Prints the first divergence and the entries that add the most error, and
-    writes ``divergence.png``. Returns 0.
+    writes ``divergence.png``. Returns 0. A rerun into the same ``out`` replaces
+    the runs it wrote in ``out/reference`` and ``out/wrong_layer``, nothing else.
+
+    Raises
+    ------
+    ConfigError
+        When ``out/reference`` or ``out/wrong_layer`` holds anything tdinspect did
+        not write (nothing is removed).
     """
     import matplotlib
 
@@ -21,9 +29,10 @@ def run_demo(out: str | None = None) -> int:
     from tdinspect.jupyter.plots import divergence
 
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="tdinspect-demo-"))
+    # a rerun replaces the runs it wrote, nothing else: a folder holding anything else is
+    # refused (ConfigError naming it) before anything is removed
+    clear_runs(root / "reference", root / "wrong_layer")
     root.mkdir(parents=True, exist_ok=True)
-    for name in ("reference", "wrong_layer"):  # a rerun replaces its own runs, nothing else
-        shutil.rmtree(root / name, ignore_errors=True)
     print(f"capturing two runs of TinyTransformer into {root} ...")
     capture_model_run(root / "reference")
     capture_model_run(root / "wrong_layer", perturb="layers.2.mlp.down.weight")

@@ -24,7 +24,6 @@ files do not depend on the process that made them.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tdinspect.dumper.modules import capture
 from tdinspect.dumper.ops import capture_ops
 from tdinspect.examples.models import layernorm_test, make_model, make_tokens
 from tdinspect.store.format import SIDECAR_RE, atomic_write
-from tdinspect.store.runs import RUN_FILENAME
+from tdinspect.store.runs import RUN_FILENAME, clear_runs
 from tdinspect.store.sidecars import seal
 
 STEPS = 2
@@ -101,7 +100,8 @@ def capture_layernorm(out: Path, dtype=torch.bfloat16) -> Path:
 
 
 def generate(root: str | Path) -> Path:
-    """(Re)write every sample dump under ``root``."""
+    """(Re)write every sample dump under ``root``: the runs tdinspect wrote there are replaced;
+    a sample folder holding anything else is a ``ConfigError`` naming it, nothing removed."""
     root = Path(root)
     runs = {
         "float32": lambda p: capture_model_run(p),
@@ -110,10 +110,9 @@ def generate(root: str | Path) -> Path:
         "ops_layernorm": lambda p: capture_layernorm(p),
         "ops_layernorm_f32": lambda p: capture_layernorm(p, torch.float32),
     }
+    clear_runs(*(root / name for name in runs))  # only the runs it wrote: anything else refused
     for name, make in runs.items():
         target = root / name
-        if target.exists():
-            shutil.rmtree(target)
         make(target)
         _normalise(target)
     return root

@@ -167,6 +167,21 @@ def dashboard(
     return Dashboard(ref.diff(b, **diff_kwargs), metric=metric, threshold=threshold)
 
 
+def check_port(port) -> int:
+    """``port`` as an int in 0-65535 (0: a free one is picked), else ``ValueError`` naming it."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port {port!r}: expected a TCP port, 0 to 65535 (0: any free port)")
+    return port
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def serve(
     a,
     b,
@@ -178,16 +193,24 @@ def serve(
 ) -> int:
     """Serve :func:`dashboard` of ``a`` and ``b`` with Voilà on 127.0.0.1 (until Ctrl-C).
 
+    The page shows the dumps' data, so only its URL opens it, as with Jupyter: a
+    random token (printed in the URL, never on a command line other users can
+    read) is required by Voilà's Jupyter-server login, and requests whose
+    ``Host`` is not this machine (``127.0.0.1``, ``localhost``, ``[::1]``: a
+    DNS-rebinding page) are refused (Jupyter server's ``allow_remote_access=False``).
     The dump paths reach the page through environment variables, never as
-    code. Returns Voilà's exit status.
+    code. ``port`` 0 picks a free one. Returns Voilà's exit status.
 
     Raises
     ------
     RuntimeError
         When Voilà is not installed (``pip install 'tdinspect[dashboard]'``).
+    ValueError
+        When ``port`` is not 0-65535.
     """
     import importlib.util
     import json
+    import secrets
     import shutil
     import subprocess
     import sys
@@ -198,21 +221,38 @@ def serve(
 
     from tdinspect.dumpset import DumpSet
 
+    check_port(port)
     if importlib.util.find_spec("voila") is None:
         raise RuntimeError("tdinspect dashboard needs Voilà: pip install 'tdinspect[dashboard]'")
     for path in (a, b):
         DumpSet.open(path)  # a clear error now, not a broken page later
-    folder = Path(tempfile.mkdtemp(prefix="tdinspect-dashboard-"))
+    port = port or _free_port()
+    token = secrets.token_hex(24)
+    url = f"http://127.0.0.1:{port}/?token={token}"
+    folder = Path(tempfile.mkdtemp(prefix="tdinspect-dashboard-"))  # 0700: the token stays ours
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("import tdinspect\ntdinspect.dashboard()")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, folder / "tdinspect_dashboard.ipynb")
+    # Voilà reads voila.json from its working folder first (over the user's Jupyter config)
+    config = {
+        "Voila": {
+            "token": token,
+            "port_retries": 0,  # this port or none: the printed URL is the one served
+            "open_browser": False,
+            "tornado_settings": {"allow_remote_access": False, "local_hostnames": ["localhost"]},
+        }
+    }
+    fd = os.open(folder / "voila.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
     env = {
         **os.environ,
         ENV_A: str(Path(a).resolve()),
         ENV_B: str(Path(b).resolve()),
         ENV_OPTIONS: json.dumps({"metric": metric, "threshold": threshold}),
     }
+    env.pop("JUPYTER_TOKEN", None)
     cmd = [
         sys.executable,
         "-m",
@@ -222,11 +262,45 @@ def serve(
         "--Voila.ip=127.0.0.1",
         "--strip_sources=True",
         "--preheat_kernel=True",
-    ] + ([] if open_browser else ["--no-browser"])
-    print(f"tdinspect: serving the dashboard of {a} vs {b} on http://127.0.0.1:{port}/ (Ctrl-C stops)")
+        "--no-browser",
+    ]
+    print(
+        f"tdinspect: serving the dashboard of {a} vs {b} (Ctrl-C stops); open it at\n    {url}",
+        flush=True,
+    )
     try:
-        return subprocess.call(cmd, env=env, cwd=folder)
+        proc = subprocess.Popen(cmd, env=env, cwd=folder)
+        if open_browser:
+            _open_when_up(port, url, folder, proc)
+        return proc.wait()
     except KeyboardInterrupt:
         return 0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _open_when_up(port: int, url: str, folder, proc) -> None:
+    """Open ``url`` in a browser once the server answers, through a redirect file (as Jupyter
+    does: the token never appears on a browser's command line)."""
+    import html
+    import socket
+    import threading
+    import webbrowser
+
+    page = folder / "open.html"
+    fd = os.open(page, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'<meta http-equiv="refresh" content="0;url={html.escape(url)}">')
+
+    def wait_then_open():
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                time.sleep(0.3)
+                continue
+            webbrowser.open(page.as_uri())
+            return
+
+    threading.Thread(target=wait_then_open, daemon=True).start()

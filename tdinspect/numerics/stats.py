@@ -103,7 +103,8 @@ def power_of_two_scale(absmax: float) -> float:
     if absmax == 0 or not math.isfinite(absmax):
         return 1.0
     exponent = math.frexp(absmax)[1]
-    return math.ldexp(1.0, -exponent) if abs(exponent) > _SAFE_EXP else 1.0
+    # clamped: a subnormal absmax (float64's 1e-310, exponent -1029) asked for 2^1029, an OverflowError
+    return math.ldexp(1.0, max(min(-exponent, 1023), -1022)) if abs(exponent) > _SAFE_EXP else 1.0
 
 
 def _pieces(v: torch.Tensor, limit: int):

@@ -59,9 +59,9 @@ from tdinspect.util.regularfile import check_regular, open_regular
 SIDECAR_FORMAT = "tdinspect.pass"
 SIDECAR_VERSION = 1
 MAX_SIDECAR_BYTES = 256 << 20  # a pass of 100,000 op-level entries writes ~50 MB
-PASS_RE = re.compile(r"^pass(\d{5,})\.pt$")
-SIDECAR_RE = re.compile(r"^pass(\d{5,})\.json$")
-RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:_run(\d+))?$")  # _runN: a later run, same pid
+PASS_RE = re.compile(r"^pass(\d{5,})\.pt\Z")
+SIDECAR_RE = re.compile(r"^pass(\d{5,})\.json\Z")
+RANK_DIR_RE = re.compile(r"^rank(\d+)_pid(\d+)(?:_run(\d+))?\Z")  # _runN: a later run, same pid
 
 
 def pass_number(name: str) -> int | None:

@@ -26,11 +26,14 @@ Examples
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +42,17 @@ from tdinspect.errors import (
     DumpFormatError,
     RunWarning,
 )
-from tdinspect.store.format import RANK_DIR_RE, RankFolder, atomic_write, pass_number, scan_rank_folder
+from tdinspect.store.format import (
+    PASS_RE,
+    RANK_DIR_RE,
+    SIDECAR_RE,
+    RankFolder,
+    atomic_write,
+    pass_number,
+    scan_rank_folder,
+)
 from tdinspect.util.regularfile import open_regular
-from tdinspect.util.terminal import warn
+from tdinspect.util.terminal import visible, warn
 
 RUN_FILENAME = "run.json"
 _MANIFEST_BYTES = 1 << 16  # a manifest is ~300 bytes; a longer run.json is not one
@@ -117,7 +128,6 @@ def new_run_folder(
     """
     dump_dir = Path(dump_dir)
     pid = os.getpid()
-    folder = new_folder(dump_dir, f"rank{rank}_pid{pid}")
     group, world = _group_and_world(world)
     started = time.time()
     manifest = {
@@ -133,9 +143,95 @@ def new_run_folder(
         "group": group,
     }
     data = json.dumps(manifest, indent=1).encode()
-    atomic_write(folder / RUN_FILENAME, lambda f: f.write(data))
+    folder = _new_folder_with_manifest(dump_dir, f"rank{rank}_pid{pid}", data)
+    with _open_lock:
+        _OPEN[_key(folder)] = _OPEN.get(_key(folder), 0) + 1
     _older_runs(dump_dir, folder, rank, world, overwrite)
     return folder, manifest
+
+
+# Run folders of the captures open in this process: overwrite=True never removes them (it
+# removed a capture still running in this process: its next step failed, its pass 0 gone).
+_OPEN: dict[str, int] = {}
+_open_lock = threading.Lock()
+
+
+def _key(folder: str | os.PathLike) -> str:
+    """One name per folder however the dump folder was spelt (relative, ``a/../a``, a link)."""
+    return os.path.realpath(folder)
+
+
+def release_run_folder(folder: str | os.PathLike | None) -> None:
+    """The capture writing into ``folder`` has closed: an ``overwrite=True`` may remove it."""
+    if folder is None:
+        return
+    with _open_lock:
+        key = _key(folder)
+        left = _OPEN.get(key, 0) - 1
+        if left > 0:
+            _OPEN[key] = left
+        else:
+            _OPEN.pop(key, None)
+
+
+def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
+    """``parent/name`` (or ``name_run2``...), created holding its manifest: made under a
+    temporary name with ``run.json`` inside, then renamed into place, so that no run folder is
+    ever seen without its manifest (``overwrite=True`` in another process took such a young
+    folder for an old one and removed it). A rename never replaces a folder holding anything.
+
+    Raises
+    ------
+    ConfigError
+        When ``parent``, or a folder above it, is a file.
+    CaptureWriteError
+        When the folder or its manifest cannot be written (a full disk, no permission);
+        nothing is left behind.
+    """
+    from tdinspect.errors import CaptureWriteError
+
+    made = [] if parent.exists() else [p for p in (parent, *parent.parents) if not p.exists()]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        from tdinspect.errors import ConfigError
+
+        raise ConfigError(f"dump_dir {parent}: not a folder (it, or a folder above it, is a file)") from None
+    except OSError as exc:
+        raise CaptureWriteError(f"creating the dump folder {parent} failed: {_reason(exc)}") from exc
+    tmp = parent / f".{name}.{secrets.token_hex(6)}.new"  # not a rank folder: no reader sees it
+    try:
+        tmp.mkdir()
+        atomic_write(tmp / RUN_FILENAME, lambda f: f.write(manifest))
+        n = 1
+        while True:
+            folder = parent / (name + (f"_run{n}" if n > 1 else ""))
+            n += 1
+            if os.path.lexists(folder):
+                continue
+            try:
+                os.rename(tmp, folder)  # fails when it exists and holds anything
+                return folder
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # only what this call made
+        for p in made:  # the dump folder (and those above it) if this call made them
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        if isinstance(exc, OSError):
+            raise CaptureWriteError(
+                f"creating the run folder {parent / name} (its manifest {RUN_FILENAME}) failed: "
+                f"{_reason(exc)}; nothing was written"
+            ) from exc
+        raise
+
+
+def _reason(exc: OSError) -> str:
+    return f"{os.strerror(exc.errno)} ({exc})" if exc.errno else str(exc)
 
 
 def new_folder(parent: Path, name: str) -> Path:
@@ -174,7 +270,17 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
         if other_rank == rank or (overwrite and rank == 0 and world is not None and other_rank >= world):
             others.append(p)
     if overwrite:
-        live = [p for p in others if _running_elsewhere(p)]
+        with _open_lock:
+            mine = [p for p in others if _key(p) in _OPEN]
+        if mine:
+            warn(
+                f"tdinspect: overwrite=True kept {len(mine)} run folder(s) in {dump_dir} of a "
+                f"capture still open in this process: {', '.join(p.name for p in mine)} "
+                "(close it first to replace its run)",
+                RunWarning,
+                stacklevel=6,
+            )
+        live = [p for p in others if p not in mine and _running_elsewhere(p)]
         if live:
             warn(
                 f"tdinspect: overwrite=True kept {len(live)} run folder(s) in {dump_dir} whose "
@@ -183,16 +289,21 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
                 RunWarning,
                 stacklevel=6,
             )
-        others = [p for p in others if p not in live]
+        young = [p for p in others if p not in mine and p not in live and not _is_old_run(p)]
+        if young:
+            warn(
+                f"tdinspect: overwrite=True kept {len(young)} folder(s) in {dump_dir} holding "
+                f"neither a run manifest nor a pass: {', '.join(p.name for p in young)} "
+                "(being created by another capture, or not tdinspect's)",
+                RunWarning,
+                stacklevel=6,
+            )
+        others = [p for p in others if p not in mine and p not in live and p not in young]
     if not others:
         return
     names = ", ".join(p.name for p in others)
     if overwrite:
-        for p in others:
-            if p.is_symlink():
-                p.unlink()  # the link, never what it points to (rmtree refused it: kept, unsaid)
-            else:
-                shutil.rmtree(p, ignore_errors=True)
+        foreign = {p: remove_run_folder(p) for p in others}
         left = [p for p in others if os.path.lexists(p)]
         gone = [p.name for p in others if p not in left]
         if gone:
@@ -203,10 +314,13 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
                 stacklevel=6,
             )
         if left:
+            kept = "; ".join(
+                p.name + (f" (holds {', '.join(foreign[p][:5])}, not tdinspect's)" if foreign[p] else "")
+                for p in left
+            )
             warn(
-                f"tdinspect: overwrite=True could not remove {len(left)} earlier run folder(s) "
-                f"from {dump_dir}: {', '.join(p.name for p in left)} (DumpSet.open still sees "
-                "them)",
+                f"tdinspect: overwrite=True removed the runs' files but kept {len(left)} folder(s) "
+                f"in {dump_dir}: {kept} (what tdinspect did not write is never removed)",
                 RunWarning,
                 stacklevel=6,
             )
@@ -219,6 +333,104 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
             RunWarning,
             stacklevel=6,
         )
+
+
+_TEMPORARY_RE = re.compile(r"^\.(?:run\.json|pass\d{5,}\.(?:pt|json))\.[0-9a-f]+\.tmp\Z")
+
+
+def _ours(name: str) -> bool:
+    """Whether a file of a rank folder is one tdinspect writes there: its manifest, pass files,
+    sidecars and their temporary files (``format.atomic_write``)."""
+    return (
+        name == RUN_FILENAME
+        or bool(PASS_RE.match(name) or SIDECAR_RE.match(name) or _TEMPORARY_RE.match(name))
+        and "\n" not in name
+    )
+
+
+def _is_old_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run that is not being made now: a manifest (written with the
+    folder, see :func:`_new_folder_with_manifest`), or, in a dump from before manifests, a pass.
+    An empty folder, or one of temporary files only, may be a capture of an older tdinspect
+    starting (it made the folder, then the manifest): never removed."""
+    if folder.is_symlink():
+        return True  # only the link goes
+    if read_manifest(folder) is not None:
+        return True
+    try:
+        return any(PASS_RE.match(n) or SIDECAR_RE.match(n) for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def remove_run_folder(folder: Path) -> list[str]:
+    """Remove what tdinspect wrote in the run folder ``folder``, then the folder when that
+    leaves it empty; returns the names of what else it holds (kept, and the folder with them).
+    A link is removed as a link, never what it points to."""
+    if folder.is_symlink():
+        folder.unlink()
+        return []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    foreign = []
+    for e in entries:
+        if e.is_file(follow_symlinks=False) and _ours(e.name):
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                foreign.append(e.name)
+        else:
+            foreign.append(e.name)
+    if not foreign:
+        try:
+            folder.rmdir()
+        except OSError as exc:
+            if exc.errno == errno.ENOTEMPTY:  # written to meanwhile
+                foreign = sorted(n for n in os.listdir(folder) if not _ours(n)) or os.listdir(folder)
+    return sorted(foreign)
+
+
+def clear_runs(*folders: str | os.PathLike) -> None:
+    """Make each of ``folders`` ready for new runs of a command that writes there (``tdinspect
+    demo --out``, the sample dumps): remove the runs tdinspect wrote in it, and nothing else.
+
+    Each folder is checked before anything is removed: a folder holding anything but
+    ``rank*_pid*`` run folders of tdinspect's files (a manifest or passes) is refused.
+
+    Raises
+    ------
+    ConfigError
+        Naming the folder and what in it tdinspect did not write; nothing removed.
+    """
+    from tdinspect.errors import ConfigError
+
+    runs = []
+    for root in map(Path, folders):
+        if not os.path.lexists(root):
+            continue
+        if root.is_symlink() or not root.is_dir():
+            raise ConfigError(f"{root}: not a folder tdinspect wrote (a file or a link); nothing removed")
+        foreign = []
+        for p in sorted(root.iterdir()):
+            if not (RANK_DIR_RE.match(p.name) and not p.is_symlink() and p.is_dir() and _is_old_run(p)):
+                foreign.append(p.name)
+                continue
+            theirs = sorted(n for n in os.listdir(p) if not _ours(n))
+            foreign.extend(f"{p.name}/{n}" for n in theirs)
+            if not theirs:
+                runs.append(p)
+        if foreign:
+            shown = ", ".join(visible(n) for n in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise ConfigError(
+                f"{root} holds what tdinspect did not write ({shown}): refusing to replace it, "
+                "nothing removed; move it away or choose another folder"
+            )
+    for p in runs:
+        remove_run_folder(p)
 
 
 def _running_elsewhere(folder: Path) -> bool:
