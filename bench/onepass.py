@@ -1,7 +1,8 @@
-"""Per tensor: statistics, checksum and both of one float32 CPU tensor, with the compiled
-one-read loops (:mod:`tdinspect.numerics.onepass`, the loader's way) and with torch's reductions
+"""Per tensor: statistics of one float32 CPU tensor, with the compiled one-read loop
+(:mod:`tdinspect.numerics.onepass`, the loader's way) and with torch's reductions
 (``compiled=False``, capture's way: it never loads numba), interleaved round by round; prints per
-case the median over rounds of the best of ``--best``.
+way the median over rounds of the best of ``--best``. (Checksums are capture's alone: torch's
+reductions, no compiled way to compare.)
 
     python bench/onepass.py [--mb 4] [--rounds 15] [--best 5] [--threads 1]
 """
@@ -15,10 +16,8 @@ import time
 
 import torch
 
-from tdinspect.numerics.checksum import tensor_checksum
-from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
+from tdinspect.numerics.stats import tensor_stats
 
-CASES = {"statistics": tensor_stats, "checksum": tensor_checksum, "both": stats_and_checksum}
 WAYS = {"one read (loader)": True, "torch's reductions (capture)": False}
 
 
@@ -40,21 +39,19 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x = torch.randn(int(args.mb * (1 << 20)) // 4, generator=torch.Generator().manual_seed(0))
-    stats_and_checksum(x)  # loads the compiled loops (numba) outside the timings
-    got: dict[tuple[str, str], list[float]] = {}
+    tensor_stats(x)  # loads the compiled loops (numba) outside the timings
+    got: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for way, compiled in WAYS.items():
-            for case, fn in CASES.items():
-                got.setdefault((case, way), []).append(
-                    best_ms(functools.partial(fn, compiled=compiled), x, args.best)
-                )
+            got.setdefault(way, []).append(
+                best_ms(functools.partial(tensor_stats, compiled=compiled), x, args.best)
+            )
     print(
         f"{args.mb:g} MB float32, {args.threads} thread(s), median over {args.rounds} rounds "
         f"of the best of {args.best}:"
     )
-    for case in CASES:
-        cells = ", ".join(f"{way} {statistics.median(got[case, way]):.2f} ms" for way in WAYS)
-        print(f"  {case:10s} {cells}")
+    cells = ", ".join(f"{way} {statistics.median(got[way]):.2f} ms" for way in WAYS)
+    print(f"  statistics {cells}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,26 @@ def test_matches_the_documented_formula(t):
     assert checksum_hex(tensor_checksum(t)) == f"{reference_checksum(t):016x}"
 
 
+@pytest.mark.parametrize(
+    "numel, dtype",
+    [
+        (3 * BLOCK + 1, torch.bfloat16),  # words of two elements, a zero-padded last one
+        (BLOCK + 3, torch.float64),  # two words an element
+    ],
+)
+def test_conversion_chunks_keep_the_documented_value(numel, dtype, monkeypatch):
+    """Big tensors are converted to int64 a few blocks at a time (CHUNK_BLOCKS): one block at
+    a time, blocks and a tail over several chunks, still the formula's value."""
+    from tdinspect.numerics import checksum
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    x[numel // 2] = -0.0
+    want = f"{reference_checksum(x):016x}"
+    assert checksum_hex(tensor_checksum(x)) == want
+    monkeypatch.setattr(checksum, "CHUNK_BLOCKS", 1)
+    assert checksum_hex(tensor_checksum(x)) == want
+
+
 def test_any_change_to_one_word_is_caught_and_layout_does_not_matter():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3 * BLOCK + 11, generator=gen)
@@ -149,59 +169,3 @@ def test_op_level_checksums_tell_a_rounding_change(tmp_path):
     assert DumpSet.open(a).diff(a2).first_divergence(metric="equal") is None
     div = DumpSet.open(a).diff(b).first_divergence(metric="equal")
     assert div is not None and "aten." in div.key
-
-
-@pytest.mark.parametrize(
-    "numel, dtype",
-    [
-        (1 << 16, torch.float32),  # the smallest tensor the compiled loop takes
-        (2 * BLOCK + 5, torch.float32),  # blocks and a tail
-        (17 * BLOCK + 3, torch.float32),  # more blocks than torch's conversion chunk
-        (3 * BLOCK + 1, torch.bfloat16),  # words of two elements, a zero-padded last one
-        (BLOCK + 3, torch.float64),  # two words an element
-    ],
-)
-def test_compiled_loop_gives_the_torch_value(numel, dtype, monkeypatch):
-    """A big CPU tensor is read once by tdinspect.numerics.onepass: the same fingerprint as torch's
-    reductions, and with the statistics the same values as the separate calls."""
-    from tdinspect.numerics import onepass
-    from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
-
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
-    x[numel // 2] = -0.0
-    calls = []
-    monkeypatch.setattr(
-        onepass, "word_checksum", lambda w, f=onepass.word_checksum: calls.append(w.numel()) or f(w)
-    )
-    fast = tensor_checksum(x)
-    assert calls  # the compiled loop ran
-    monkeypatch.setenv("TDINSPECT_ONEPASS", "0")
-    assert int(fast) == int(tensor_checksum(x))
-    plain_stats = tensor_stats(x)
-    monkeypatch.delenv("TDINSPECT_ONEPASS")
-    row, digest = stats_and_checksum(x)
-    assert int(digest) == int(fast)
-    assert row.tolist() == tensor_stats(x).tolist()
-    torch.testing.assert_close(row, plain_stats, rtol=1e-14, atol=0)
-    if dtype == torch.float32:  # one read for both: the words loop alone was not called again
-        assert len(calls) == 1
-
-
-def test_a_numba_that_fails_to_load_leaves_torch_serving(monkeypatch):
-    """Where numba is present but does not load, capture goes on with torch's reductions
-    (the same values) and says so once."""
-    import sys
-
-    from tdinspect.numerics import lazy_numba, onepass
-    from tdinspect.numerics.stats import stats_and_checksum, tensor_stats
-
-    x = torch.randn(2 * BLOCK + 5, generator=torch.Generator().manual_seed(5))
-    fast = int(tensor_checksum(x))
-    monkeypatch.setattr(lazy_numba, "_loaded", {})  # as in a fresh process
-    monkeypatch.delattr(tdinspect.numerics, "onepass_loops", raising=False)
-    monkeypatch.setitem(sys.modules, "tdinspect.numerics.onepass_loops", None)  # importing it fails
-    with pytest.warns(RuntimeWarning, match="numba failed to load.*torch's reductions"):
-        assert int(tensor_checksum(x)) == fast
-    assert not onepass.enabled(x)
-    row, digest = stats_and_checksum(x)
-    assert int(digest) == fast and row.tolist() == tensor_stats(x).tolist()

@@ -166,6 +166,25 @@ def test_compiled_loop_on_several_blocks_with_nonfinite_elements(offset):
             assert_stats_close(got, ref, (offset, bad))
 
 
+def test_a_numba_that_fails_to_load_leaves_torch_serving(monkeypatch):
+    """Where numba is present but does not load, the statistics of a tensor the one-read loop
+    would take come from torch's reductions (capture's values) and a warning says so once."""
+    import sys
+
+    import tdinspect.numerics
+    from tdinspect.numerics import lazy_numba
+    from tdinspect.numerics.stats import capture_stats
+
+    x = torch.randn(2 * onepass.MIN_ELEMENTS + 5, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(lazy_numba, "_loaded", {})  # as in a fresh process
+    monkeypatch.delattr(tdinspect.numerics, "onepass_loops", raising=False)
+    monkeypatch.setitem(sys.modules, "tdinspect.numerics.onepass_loops", None)  # importing it fails
+    with pytest.warns(RuntimeWarning, match="numba failed to load.*statistics use torch's reductions"):
+        assert tensor_stats(x).tolist() == capture_stats(x).tolist()
+    assert not onepass.enabled(x)
+    assert tensor_stats(x).tolist() == capture_stats(x).tolist()
+
+
 @pytest.mark.parametrize(
     "values, dtype",
     [

@@ -370,17 +370,16 @@ class Recorder:
         if plain and shared is None:
             # statistics now, while the tensor is hot in cache (on CUDA: on the device, no sync);
             # the writer thread, the bottleneck when full tensors go to disk, only writes.
-            # With checksums: both in one read where it can (the checksum stays on the device;
-            # one int64 goes to the host at step())
+            # With checksums: the checksum stays on the device; one int64 goes to the host at step()
             if self.checksum:
                 try:
-                    stat, digest = stats_and_checksum(tensor, compiled=False)
+                    stat, digest = stats_and_checksum(tensor)
                 except ArithmeticError:  # values statistics cannot scale (subnormal float64)
-                    stat, digest = safe_stats(tensor), tensor_checksum(tensor, compiled=False)
+                    stat, digest = safe_stats(tensor), tensor_checksum(tensor)
             else:
                 stat = safe_stats(tensor)
         elif self.checksum and measured:
-            digest = tensor_checksum(tensor, compiled=False)
+            digest = tensor_checksum(tensor)
         if shared is not None:
             self._append(key, tensor, None, shared, module_type, extra, digest)
             return shared

@@ -9,11 +9,10 @@ where ``L = 2^16`` words make a block, ``K_k`` and ``R_c`` are fixed odd
 64-bit multipliers (splitmix64 of ``k`` and of ``c``, :mod:`tdinspect.numerics.fingerprint`), and every
 product and sum wraps modulo 2^64. Integer addition is associative, so the
 result does not depend on how a device splits the reduction: the same bits
-give the same fingerprint on any CPU or GPU. On a device it costs one
-conversion to int64, one multiply and one sum; the host receives one int64 per
-tensor. A big CPU tensor is read once by a compiled loop instead
-(:mod:`tdinspect.numerics.onepass`, also fused with the statistics by
-:func:`tdinspect.numerics.stats.stats_and_checksum`), unless ``compiled=False`` (capture).
+give the same fingerprint on any CPU or GPU. It costs one conversion to
+int64, one multiply and one sum (torch's reductions, on any device: capture
+computes it, importing torch and the standard library only); the host receives
+one int64 per tensor.
 
 Collision rate (two different tensors of the same dtype and shape with the same
 fingerprint; shape and dtype are compared separately):
@@ -47,7 +46,6 @@ from __future__ import annotations
 
 import torch
 
-from tdinspect.numerics import onepass
 from tdinspect.numerics.fingerprint import BLOCK, MASK, SEED_K, SEED_R, multipliers
 from tdinspect.numerics.shapes import broadcast_dims, first_slice
 
@@ -76,15 +74,12 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int32)
 
 
-def tensor_checksum(t: torch.Tensor, *, compiled: bool = True) -> torch.Tensor:
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     """The fingerprint of ``t``'s bits as a 0-d int64 tensor on ``t``'s device.
 
-    See the module docstring for the definition and its collision rate. ``compiled=False``:
-    torch's reductions only, never numba (what capture asks for); the same value.
+    See the module docstring for the definition and its collision rate.
     """
     words = _words(t)
-    if compiled and onepass.enabled(words):  # a big CPU tensor: one compiled read, the same value
-        return torch.tensor(onepass.word_checksum(words), dtype=torch.int64)
     n = words.numel()
     device = words.device
     full, tail = divmod(n, BLOCK)

@@ -1,10 +1,11 @@
 """The constants of the tensor fingerprint (:mod:`tdinspect.numerics.checksum`) and of the
-one-read loops (:mod:`tdinspect.numerics.onepass`): the bottom of ``numerics``, torch only.
+one-read statistics loops (:mod:`tdinspect.numerics.onepass`): the bottom of ``numerics``,
+torch only.
 
 The fingerprint is ``h = Σ_c R_c · Σ_k w_{cL+k} · K_k (mod 2^64)`` over a tensor's 32-bit
 words, ``L`` = :data:`BLOCK`; ``K_k`` and ``R_c`` are :func:`multipliers` of
-:data:`SEED_K` and :data:`SEED_R` (splitmix64, made odd). Both the torch reduction and
-the compiled loop take them from here, so they hash the same words to the same value.
+:data:`SEED_K` and :data:`SEED_R` (splitmix64, made odd). The one-read loops take their
+block size (:data:`BLOCK`, which stays in the L2 cache) and :data:`CHUNK` from here.
 
 Examples
 --------

@@ -1,23 +1,20 @@
-"""Statistics and checksum of a big CPU tensor in one read of its memory (compiled loops).
+"""Statistics of a big float32 CPU tensor in one read of its memory (compiled loops).
 
 With torch alone, the statistics of a float32 tensor take several passes over
-it (min/max, a float64 copy, sums) and its checksum three more (an int64 copy,
-a multiply, a sum): 0.7 + 0.9 ms for 4 MB on one core of the development
-machine. Here one loop over each block of 2^16 words (:data:`BLOCK`, which stays
-in the L2 cache) computes
+it (min/max, a float64 copy, sums): 0.7 ms for 4 MB on one core of the
+development machine. Here one loop over each block of 2^16 words
+(:data:`~tdinspect.numerics.fingerprint.BLOCK`, which stays in the L2 cache) computes
 
-* the checksum's sum of products ``w·K`` (:mod:`tdinspect.numerics.checksum`: the same
-  definition, the same value bit for bit),
 * min and max, on order-preserving integer keys of the float32 bits,
 * the count of non-finite elements (exponent bits all ones),
 * the float64 sums of the elements and of their squares (a float32's square is
   exact in float64);
 
-0.5 ms for the same 4 MB (:func:`float32_sums`). :mod:`tdinspect.numerics.stats` takes
+0.4 ms for the same 4 MB (:func:`float32_sums`). :mod:`tdinspect.numerics.stats` takes
 ``M2 = Σx² - n·mean²`` from it when ``mean² <= std²/7`` (no cancellation), else
 reads once more for the centred sum ``Σ(x - mean)²`` (:func:`centred_squares`,
-the two-pass method). Other dtypes get the checksum loop alone
-(:func:`word_checksum`, 0.15 ms for 4 MB).
+the two-pass method). Checksums are not computed here: capture computes them,
+with torch's reductions (:mod:`tdinspect.numerics.checksum`).
 
 Rounding: each chunk of :data:`~tdinspect.numerics.fingerprint.CHUNK` = 64 elements is summed in whatever order
 the compiler vectorises it into (at most 63 roundings deep: error at most
@@ -42,7 +39,7 @@ Examples
 --------
 >>> import torch
 >>> x = torch.randn(1 << 17)
->>> s = float32_sums(x, checksum=True)
+>>> s = float32_sums(x)
 >>> s.numel, s.nonfinite, s.minimum == float(x.min()), s.maximum == float(x.max())
 (131072, 0, True, True)
 """
@@ -56,14 +53,13 @@ from dataclasses import dataclass
 import torch
 
 from tdinspect.numerics import lazy_numba
-from tdinspect.numerics.fingerprint import BLOCK, SEED_K, SEED_R, multipliers
 
 MIN_ELEMENTS = 1 << 16
 
 
 @dataclass
 class Float32Sums:
-    """What one read of a float32 tensor gives (``digest`` is ``None`` unless asked)."""
+    """What one read of a float32 tensor gives."""
 
     numel: int
     nonfinite: int
@@ -71,7 +67,6 @@ class Float32Sums:
     maximum: float
     total: float  # float64 sums of the elements and of their squares (meaningless when
     squares: float  # nonfinite > 0)
-    digest: int | None
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -90,7 +85,7 @@ def _kernels():
     """The compiled loops (sweep, centred), or ``None`` where numba is missing or fails to
     load (then torch's reductions serve; a numba that fails says so once,
     :func:`tdinspect.numerics.lazy_numba.load`). Loaded on first use."""
-    loops = lazy_numba.load("onepass_loops", "statistics and checksums use torch's reductions (slower)")
+    loops = lazy_numba.load("onepass_loops", "statistics use torch's reductions (slower)")
     return None if loops is None else (loops.sweep, loops.centred)
 
 
@@ -99,19 +94,11 @@ def _float_of_key(key: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def _multipliers_for(n_words: int):
-    k = multipliers(SEED_K, min(n_words, BLOCK), torch.device("cpu")).numpy()
-    r = multipliers(SEED_R, n_words // BLOCK + 1, torch.device("cpu")).numpy()
-    return k, r
-
-
-def float32_sums(t: torch.Tensor, *, checksum: bool) -> Float32Sums:
-    """Min, max, non-finite count, float64 sum (and the checksum) of a float32 tensor
-    for which :func:`enabled` holds, in one read."""
+def float32_sums(t: torch.Tensor) -> Float32Sums:
+    """Min, max, non-finite count, float64 sums of the elements and of their squares of a
+    float32 tensor for which :func:`enabled` holds, in one read."""
     v = t.detach().reshape(-1).numpy()
-    w = v.view("int32")
-    k, r = _multipliers_for(w.shape[0]) if checksum else (None, None)
-    h, lo, hi, bad, total, squares = _kernels()[0](v, w, k, r)
+    lo, hi, bad, total, squares = _kernels()[0](v, v.view("int32"))
     return Float32Sums(
         int(v.shape[0]),
         int(bad),
@@ -119,17 +106,9 @@ def float32_sums(t: torch.Tensor, *, checksum: bool) -> Float32Sums:
         _float_of_key(int(hi)),
         float(total),
         float(squares),
-        int(h) if checksum else None,
     )
 
 
 def centred_squares(t: torch.Tensor, mean: float) -> float:
     """``Σ(x - mean)²`` in float64 over a float32 tensor for which :func:`enabled` holds."""
     return float(_kernels()[1](t.detach().reshape(-1).numpy(), mean))
-
-
-def word_checksum(words: torch.Tensor) -> int:
-    """The checksum of contiguous CPU int32 words (see :mod:`tdinspect.numerics.checksum`), in one read."""
-    w = words.numpy()
-    k, r = _multipliers_for(w.shape[0])
-    return int(_kernels()[0](None, w, k, r)[0])

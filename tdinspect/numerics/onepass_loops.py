@@ -47,12 +47,10 @@ def add_up(parts, m, s, c):
 
 
 @jit(**LANES_OPS)
-def sweep(v, w, k, r):
-    """One read: checksum (k, r multipliers; None: none) and, when v (the float32
-    values of the words w) is given, min/max keys, non-finite count, float64 sums
-    of the values and of their squares."""
+def sweep(v, w):
+    """One read of the float32 values v (w: the same memory as int32 words): min/max
+    keys, non-finite count, float64 sums of the values and of their squares."""
     n = w.shape[0]
-    h = np.int64(0)
     lo = TOP
     hi = np.int32(-2147483648)
     bad = np.int64(0)
@@ -61,33 +59,27 @@ def sweep(v, w, k, r):
     squares = np.empty(BLOCK // CHUNK + 1)
     for b0 in range(0, n, BLOCK):  # a block stays in L2 between the loops
         wb = w[b0 : min(n, b0 + BLOCK)]
-        if k is not None:
-            hb = np.int64(0)
-            for i in range(wb.shape[0]):
-                hb += np.int64(wb[i]) * k[i]
-            h += hb * r[b0 // BLOCK]
-        if v is not None:
-            for i in range(wb.shape[0]):
-                word = wb[i]
-                key = word ^ ((word >> 31) & TOP)
-                lo = min(lo, key)
-                hi = max(hi, key)
-                bad += (word & EXPONENT) == EXPONENT
-            vb = v[b0 : min(n, b0 + BLOCK)]
-            m = 0
-            for a in range(0, vb.shape[0], CHUNK):
-                vc = vb[a : min(vb.shape[0], a + CHUNK)]
-                x = xx = 0.0
-                for i in range(vc.shape[0]):
-                    f = np.float64(vc[i])
-                    x += f
-                    xx += f * f  # exact: a float32's square fits a float64
-                sums[m] = x
-                squares[m] = xx
-                m += 1
-            s, c = add_up(sums, m, s, c)
-            q, qc = add_up(squares, m, q, qc)
-    return h, lo, hi, bad, s + c, q + qc
+        for i in range(wb.shape[0]):
+            word = wb[i]
+            key = word ^ ((word >> 31) & TOP)
+            lo = min(lo, key)
+            hi = max(hi, key)
+            bad += (word & EXPONENT) == EXPONENT
+        vb = v[b0 : min(n, b0 + BLOCK)]
+        m = 0
+        for a in range(0, vb.shape[0], CHUNK):
+            vc = vb[a : min(vb.shape[0], a + CHUNK)]
+            x = xx = 0.0
+            for i in range(vc.shape[0]):
+                f = np.float64(vc[i])
+                x += f
+                xx += f * f  # exact: a float32's square fits a float64
+            sums[m] = x
+            squares[m] = xx
+            m += 1
+        s, c = add_up(sums, m, s, c)
+        q, qc = add_up(squares, m, q, qc)
+    return lo, hi, bad, s + c, q + qc
 
 
 @jit(**LANES_OPS)

@@ -29,9 +29,9 @@ the property test checks); ``min``, ``max`` and ``absmax`` are exact.
 
 A big contiguous float32 CPU tensor is read once by a compiled loop instead
 (:mod:`tdinspect.numerics.onepass`: chunked float64 sums added with compensation, within
-the same bounds), which :func:`stats_and_checksum` shares with the checksum, unless the
-caller says ``compiled=False``: capture does, so that it never loads numba (torch and the
-standard library only, on an engine's hot path); the loader keeps the compiled loop.
+the same bounds), unless the caller says ``compiled=False``: capture does
+(:func:`capture_stats`, :func:`stats_and_checksum`), so that it never loads numba (torch
+and the standard library only, on an engine's hot path); the loader keeps the compiled loop.
 
 Examples
 --------
@@ -273,7 +273,7 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bo
     if not v.is_floating_point():  # integers are finite
         return torch.tensor(_finite_row_cpu(v, n), dtype=torch.float64)
     if compiled and v.dtype == torch.float32 and onepass.enabled(v):
-        return _float32_row(v, onepass.float32_sums(v, checksum=False))
+        return _float32_row(v, onepass.float32_sums(v))
     fast = _finite_row_cpu(v, n)
     if fast is not None:
         return torch.tensor(fast, dtype=torch.float64)
@@ -319,11 +319,9 @@ def _float32_row(v: torch.Tensor, sums: onepass.Float32Sums) -> torch.Tensor:
     )
 
 
-def stats_and_checksum(t: torch.Tensor, *, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tensor_stats` and :func:`tdinspect.numerics.checksum.tensor_checksum` of ``t``, in one
-    read of its memory where :mod:`tdinspect.numerics.onepass` applies (a big contiguous float32
-    CPU tensor); the same values as the two calls. ``compiled=False``: the two calls with
-    torch's reductions only, never numba (what capture asks for).
+def stats_and_checksum(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`capture_stats` and :func:`tdinspect.numerics.checksum.tensor_checksum` of ``t``:
+    what capture records with ``checksum=True``, torch's reductions only (never numba).
 
     Examples
     --------
@@ -331,11 +329,7 @@ def stats_and_checksum(t: torch.Tensor, *, compiled: bool = True) -> tuple[torch
     >>> row[2].item(), digest.dtype
     (1.5, torch.int64)
     """
-    t = t.detach()
-    if compiled and t.dtype == torch.float32 and onepass.enabled(t):
-        sums = onepass.float32_sums(t, checksum=True)
-        return _float32_row(t, sums), torch.tensor(sums.digest, dtype=torch.int64)
-    return tensor_stats(t, compiled=compiled), tensor_checksum(t, compiled=compiled)
+    return capture_stats(t), tensor_checksum(t)
 
 
 def stats_to_dict(vec: torch.Tensor | list[float]) -> dict[str, float]:
