@@ -45,13 +45,14 @@ from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
-from tdinspect.compare.rule import COLUMNS, NONFINITE, STRUCTURAL_COLUMNS, problem_of
+from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, problem_of
 from tdinspect.compare.thresholds import (
     BEFORE,
     Divergence,
     divergence_of,
     divergent,
     reason_of,
+    set_aside,
     threshold_fn,
 )
 from tdinspect.errors import DumpFormatError, UncomparedWarning
@@ -349,10 +350,9 @@ class Diff:
 
     @staticmethod
     def _layout_rows(rows: pd.DataFrame) -> np.ndarray:
-        """Rows that differ in structure (one-sided, unmatched, shape, transform, arguments),
-        as opposed to numbers (NaN/Inf on one side counts as numbers)."""
-        reason = rows["reason"].astype(str)
-        return rows["structural"].to_numpy(bool) & ~reason.str.startswith(NONFINITE).to_numpy(bool)
+        """Rows that differ in structure (one-sided, unmatched, shape, transform), as opposed
+        to numbers (NaN/Inf on one side, other arguments count as numbers): :func:`set_aside`."""
+        return set_aside(rows["structural"].to_numpy(bool), rows["reason"].to_numpy(object))
 
     def structural_entries(self, progress: bool | None = None) -> pd.DataFrame:
         """Every entry that differs in structure rather than in numbers (reads every pass).

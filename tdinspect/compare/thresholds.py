@@ -17,10 +17,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tdinspect.compare.rule import NONFINITE
 from tdinspect.numerics.metrics import AUTO, auto_rule, auto_threshold, dtype_named, metric, unit_roundoff
 from tdinspect.util.terminal import visible
 
 BEFORE = 5  # entries listed before a divergence
+# the reasons of structural rows whose numbers were compared (judged by their numbers' rule,
+# never set aside): NaN/Inf on one side, and an op that ran with other non-tensor arguments
+# (tdinspect.align.args.arg_difference: "argument 'other' of aten.add.Tensor: 1e-06 vs 1e-05")
+COMPARED_REASONS = (NONFINITE, "argument ")
 
 
 @dataclass
@@ -280,6 +285,19 @@ def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         over = values > thresholds if m.higher_is_worse else values < thresholds
     return np.asarray(structural, bool) | ((over | np.isnan(values)) & ~np.asarray(explained, bool))
+
+
+def set_aside(structural, reasons) -> np.ndarray:
+    """Which rows ``structural="report"`` sets aside (a boolean array): those that differ in
+    structure (one side only, unmatched, another shape, a transform that failed, an entry that
+    cannot be assembled), not those whose numbers were compared and still count as structural
+    (:data:`COMPARED_REASONS`: NaN/Inf on one side, an op called with other arguments: a
+    divergence in either mode). The one rule of :class:`~tdinspect.Diff` and live comparison."""
+    reasons = np.asarray(reasons, object)
+    compared = np.fromiter(
+        (isinstance(r, str) and r.startswith(COMPARED_REASONS) for r in reasons.ravel()), bool, reasons.size
+    ).reshape(reasons.shape)
+    return np.asarray(structural, bool) & ~compared
 
 
 def reason_of(row, m, thr_fn) -> str:

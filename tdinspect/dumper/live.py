@@ -46,8 +46,15 @@ import torch
 from tdinspect.align.mapping import Mapping, mapped_key
 from tdinspect.compare.pairing import same_ref_pass
 from tdinspect.compare.passes import PassJob
-from tdinspect.compare.rule import COLUMNS, NONFINITE, NOT_STORED, Side, compare_pair, new_row, side_of
-from tdinspect.compare.thresholds import BEFORE, divergence_of, divergent, threshold_fn, upstream_of
+from tdinspect.compare.rule import COLUMNS, NOT_STORED, Side, compare_pair, new_row, side_of
+from tdinspect.compare.thresholds import (
+    BEFORE,
+    divergence_of,
+    divergent,
+    set_aside,
+    threshold_fn,
+    upstream_of,
+)
 from tdinspect.dumper.kinds import is_plain, prepare
 from tdinspect.dumper.writer import PendingPass
 from tdinspect.dumpset import DumpSet
@@ -278,7 +285,7 @@ class LiveCompare:
         self._pass_rows.append(row)
         if self.action == "record":
             self.rows.append(row)
-        if self.report and row["structural"] and not str(row["reason"]).startswith(NONFINITE):
+        if self.report and set_aside(row["structural"], row["reason"]):
             self.set_aside.append(row)  # Diff._layout_rows: structure, not numbers
             return
         m = self.metric
