@@ -158,5 +158,6 @@ class RunWarning(UserWarning):
 
 
 class UncomparedWarning(UserWarning):
-    """``first_divergence(structural="report")`` found no divergence, but A entries after
-    the last one compared were set aside: the answer covers the run only up to there."""
+    """``first_divergence()`` found no divergence, but entries were set aside
+    (``structural="report"``) or never compared: the verdict is ``"incomplete"``
+    (:meth:`tdinspect.Diff.verdict` says which, and where the comparison stopped)."""
