@@ -149,6 +149,15 @@ class DivergenceError(CaptureCheckError):
         self.evidence = evidence
 
 
+class UncomparedError(CaptureCheckError):
+    """Live comparison set entries aside or never compared them in a pass
+    (``on_uncompared="raise"``); ``.rows`` are their rows (``key``, ``key_b``, ``reason``)."""
+
+    def __init__(self, message: str, rows: Any = None):
+        super().__init__(visible(message))  # names from the files
+        self.rows = rows or []
+
+
 class GraftError(RuntimeError):
     """The reference cannot supply what a grafted module needs (the message names both sides)."""
 

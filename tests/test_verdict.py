@@ -275,3 +275,90 @@ def test_cli_help_names_the_exit_statuses(command, capsys):
     out = capsys.readouterr().out
     assert "--allow-uncompared REGEX" in out
     assert "3  incomplete" in out and "0  matches" in out and "1  diverges" in out and "2  error" in out
+
+
+# -- live comparison: what it set aside is reported ------------------------------------------
+def _live(port, rope="half", rules="rules", steps=1, **options):
+    from tdinspect.examples.port import LlamaPort
+
+    model = LlamaPort.from_hf(make_hf_llama(0), rope=rope)
+    with (
+        torch.no_grad(),
+        tdinspect.capture(
+            model, compare_to=port["ref"], mapping=str(port[rules]), structural="report", **options
+        ) as cap,
+    ):
+        for _ in range(steps):
+            model(port_tokens(0))
+            cap.step()
+    return cap.live
+
+
+def _counts(v):
+    return (v.outcome, v.compared, v.uncompared, v.allowed)
+
+
+def test_live_capture_reports_what_it_set_aside(port, recwarn):
+    """capture(port, compare_to=REF, structural="report") set the reference's one-sided
+    entries aside (cap.live.set_aside) and finished with no exception and no warning, while
+    the offline diff of the same pair warned. Now one warning per pass naming the first few
+    (or UncomparedError), and cap.live.verdict() is the offline verdict."""
+    from tdinspect.errors import UncomparedError, UncomparedWarning
+
+    ref = DumpSet.open(port["ref"])
+    offline = ref.diff(port["good"], mapping=str(port["rules"])).verdict(structural="report")
+    recwarn.clear()
+    live = _live(port)
+    said = [str(w.message) for w in recwarn if issubclass(w.category, UncomparedWarning)]
+    assert len(said) == 1 and said[0].startswith(
+        "tdinspect: live comparison, pass 0: 4 entries were set aside or never compared "
+        "(model.model.rotary_emb[0]: only in A; model.model.rotary_emb[1]: only in A; "
+        "model.model.layers.0.mlp.act_fn: only in A; ...)"
+    )
+    assert live.first is None and len(live.set_aside) == 4
+    assert _counts(live.verdict()) == _counts(offline) == ("incomplete", 21, 4, 0)
+    assert live.verdict().gap.startswith("4 entries were set aside or never compared")
+
+    with pytest.raises(UncomparedError, match="pass 0: 4 entries were set aside") as err:
+        _live(port, on_uncompared="raise")
+    assert [r["key"] for r in err.value.rows][:2] == [
+        "model.model.rotary_emb[0]",
+        "model.model.rotary_emb[1]",
+    ]
+    with pytest.raises(ValueError, match="on_uncompared='ignore'"):
+        _live(port, on_uncompared="ignore")
+
+    # the entries one-sided by design named: nothing to report, the verdict matches
+    recwarn.clear()
+    live = _live(port, allow_uncompared=ONE_SIDED, on_uncompared="raise")
+    allowed = ref.diff(port["good"], mapping=str(port["rules"]), allow_uncompared=ONE_SIDED)
+    assert _counts(live.verdict()) == _counts(allowed.verdict(structural="report")) == ("matches", 21, 0, 4)
+    assert not [w for w in recwarn if issubclass(w.category, UncomparedWarning)]
+
+    # rules that stop pairing (learnt from the buggy port): 7 entries compared, the rest aside
+    with pytest.warns(
+        UncomparedWarning, match=r"pass 0: 28 entries were set aside .*model\.blocks\.0\.attn\.o: only in B"
+    ):
+        live = _live(port, rope="interleaved", rules="bad_rules", allow_uncompared=ONE_SIDED)
+    offline = ref.diff(port["bad"], mapping=str(port["bad_rules"])).verdict(
+        structural="report", allow_uncompared=ONE_SIDED
+    )
+    assert _counts(live.verdict()) == _counts(offline) and offline.outcome == "incomplete"
+
+
+def test_live_capture_reports_at_close(port):
+    """A pass written by close() (no step() called) is reported there too."""
+    from tdinspect.errors import UncomparedWarning
+
+    with pytest.warns(UncomparedWarning, match="pass 0: 4 entries were set aside"):
+        from tdinspect.examples.port import LlamaPort
+
+        model = LlamaPort.from_hf(make_hf_llama(0))
+        with (
+            torch.no_grad(),
+            tdinspect.capture(
+                model, compare_to=port["ref"], mapping=str(port["rules"]), structural="report"
+            ) as cap,
+        ):
+            model(port_tokens(0))
+    assert cap.live.verdict().outcome == "incomplete"
