@@ -42,6 +42,7 @@ _LAZY = {
     "DumpSet": ("tdinspect.dumpset", "DumpSet"),
     "Diff": ("tdinspect.compare.diff", "Diff"),
     "Divergence": ("tdinspect.compare.thresholds", "Divergence"),
+    "Verdict": ("tdinspect.compare.thresholds", "Verdict"),
     "replay": ("tdinspect.rerun", "replay"),
     "suggest_mapping": ("tdinspect.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
@@ -65,6 +66,7 @@ __all__ = [
     "DumpSet",
     "Diff",
     "Divergence",
+    "Verdict",
     "replay",
     "suggest_mapping",
     # look

@@ -3,6 +3,9 @@
 Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
 (one line on stderr naming the file or argument; ``--debug`` adds the
 traceback), so ``tdinspect first-divergence ref/ new/`` can gate a CI pipeline;
+``first-divergence`` and ``diff`` exit 3 when the comparison is incomplete (nothing
+diverged among the entries compared, but others were set aside or never compared;
+``--allow-uncompared REGEX`` names those that may be);
 141, silently, when the reader of the output left (``| head``), as for any
 command ended by SIGPIPE. Every command
 maps onto the Python API (DumpSet.open, Diff.first_divergence, ...); ``--json``
@@ -204,23 +207,40 @@ def _diff(args):
     return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat)
 
 
+# the exit status of each outcome of first-divergence and diff (2: an error)
+EXIT = {"matches": 0, "diverges": 1, "incomplete": 3}
+
+
+def _allow(args) -> list[str] | None:
+    """``--allow-uncompared REGEX`` (repeatable), checked here: a bad one is exit 2."""
+    for p in args.allow_uncompared or []:
+        try:
+            re.compile(p)
+        except re.error as exc:
+            raise _Fail(f"--allow-uncompared {p!r}: invalid regular expression ({exc})") from None
+    return args.allow_uncompared
+
+
 def cmd_first_divergence(args) -> int:
     diff = _diff(args)
-    summary = diff.summary(_threshold(args.threshold), args.metric, args.structural)
+    summary = diff.summary(
+        _threshold(args.threshold), args.metric, args.structural, allow_uncompared=_allow(args)
+    )
     div = summary["first_divergence"]
+    status = EXIT[summary["outcome"]]
     if args.json:
         print(_dump(summary))
-        return 0 if div is None else 1
+        return status
     if div is None:
+        head = "no divergence" if summary["outcome"] == "matches" else "incomplete"
         print(
-            f"no divergence ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
+            f"{head} ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
             f"\n  threshold: {summary['threshold']}"
         )
+        if summary["outcome"] == "incomplete":
+            print(f"  {visible(summary['verdict'])}")
         if summary["nearest"]:
             print(f"  nearest: {visible(summary['nearest']['text'])}")
-        gap = summary.get("uncompared_after")
-        if gap:
-            print(f"  but {visible(gap['text'])}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
         print(
@@ -237,29 +257,34 @@ def cmd_first_divergence(args) -> int:
                 [[r["pass"], r["rank"], r["key"], r["key_b"], r["reason"]] for r in listed],
             )
         )
-    return 0 if div is None else 1
+    return status
 
 
 def cmd_diff(args) -> int:
     diff = _diff(args)
     thr = _threshold(args.threshold)
     metric = args.metric or diff.default_metric
-    df = diff.divergences(thr, metric, progress=False)
-    summary = diff.summary(thr, metric)
+    allow = _allow(args)
+    df = diff.divergences(thr, metric, progress=False, allow_uncompared=allow)
+    summary = diff.summary(thr, metric, allow_uncompared=allow)
+    status = EXIT[summary["outcome"]]
     if args.json:
         summary["divergences"] = (
             df[["rank", "pass", "key", "reason", metric, "why"]].head(args.limit).to_dict("records")
         )
         summary["n_divergences"] = int(len(df))
         print(_dump(summary))
-        return 0 if df.empty else 1
+        return status
     print(diff.headline(metric, thr))  # the rule of the metric asked for, when it is auto
     print(f"threshold: {summary['threshold']}")
     if df.empty:
-        print(f"no divergence ({metric})")
+        if summary["outcome"] == "incomplete":
+            print(visible(summary["verdict"]))
+        else:
+            print(f"no divergence ({metric})")
         if summary["nearest"]:
             print(f"nearest: {visible(summary['nearest']['text'])}")
-        return 0
+        return status
     cols = ["pass", "rank", "key", metric, "why"]
     print(f"{len(df)} divergent entries ({metric}); first {min(len(df), args.limit)}:")
     rows = df[cols].head(args.limit).values.tolist()
@@ -268,7 +293,7 @@ def cmd_diff(args) -> int:
     print(text_table(cols, rows))
     div = summary["first_divergence"]
     print(f"first divergence: {visible(div['key'])} (pass {div['pass']}): {visible(div['reason'])}")
-    return 1
+    return status
 
 
 def _value_text(value, thr):
@@ -369,6 +394,15 @@ def _port(text: str) -> int:
     return value
 
 
+EXIT_STATUS = """exit status:
+  0  matches: every entry of both sides compared, none past its threshold
+  1  diverges: the first divergence is printed
+  2  error (one line on stderr)
+  3  incomplete: nothing diverged among the entries compared, but entries were
+     set aside (--structural report) or never compared; the output says which and
+     where the comparison stopped (--allow-uncompared REGEX names those that may be)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tdinspect", description="Inspect and compare tensor dumps.")
     parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
@@ -422,6 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
                 help="put consecutive passes or calls end to end along DIM on both "
                 "sides (a decode run against one full forward)",
             )
+            p.add_argument(
+                "--allow-uncompared",
+                action="append",
+                metavar="REGEX",
+                default=None,
+                help="entries (re.search on A's or B's name) that may be one-sided or never "
+                "compared by design: they neither diverge for it nor make the result "
+                "incomplete (exit 3); repeatable",
+            )
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")
             p.add_argument(
@@ -450,16 +493,29 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("--op", help="regex on entry names")
     p.add_argument("--pass", dest="pass_", type=int, help="one pass only")
-    p = sub.add_parser("diff", help="all divergences between two dumps")
+    p = sub.add_parser(
+        "diff",
+        help="all divergences between two dumps",
+        description="All divergences between two dumps.",
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common(p, two=True)
     p.add_argument("--limit", type=int, default=20, help="rows shown")
-    p = sub.add_parser("first-divergence", help="the first divergent entry")
+    p = sub.add_parser(
+        "first-divergence",
+        help="the first divergent entry",
+        description="The first divergent entry, in the reference's execution order.",
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common(p, two=True)
     p.add_argument(
         "--structural",
         choices=["diverge", "report"],
         default="diverge",
-        help="report: list one-sided/unmatched entries and name the first numerical divergence",
+        help="report: set one-sided/unmatched/reshaped entries aside, list them and name the first "
+        "numerical divergence (none: exit 3 unless --allow-uncompared names them all)",
     )
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser(
@@ -543,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tdinspect`` command; returns the exit status.
 
     Any failure is exit status 2 with one line on stderr (1 means "divergence
-    found"); ``--debug`` prints the traceback as well. When the reader of
+    found", 3 "incomplete": see :data:`EXIT`); ``--debug`` prints the traceback as well. When the reader of
     stdout leaves (``| head``), the command stops quietly with 141, as a
     command ended by SIGPIPE does. Everything it prints goes through
     :func:`tdinspect.util.terminal.visible`.

@@ -149,6 +149,15 @@ class DivergenceError(CaptureCheckError):
         self.evidence = evidence
 
 
+class UncomparedError(CaptureCheckError):
+    """Live comparison set entries aside or never compared them in a pass
+    (``on_uncompared="raise"``); ``.rows`` are their rows (``key``, ``key_b``, ``reason``)."""
+
+    def __init__(self, message: str, rows: Any = None):
+        super().__init__(visible(message))  # names from the files
+        self.rows = rows or []
+
+
 class GraftError(RuntimeError):
     """The reference cannot supply what a grafted module needs (the message names both sides)."""
 
@@ -158,5 +167,6 @@ class RunWarning(UserWarning):
 
 
 class UncomparedWarning(UserWarning):
-    """``first_divergence(structural="report")`` found no divergence, but A entries after
-    the last one compared were set aside: the answer covers the run only up to there."""
+    """``first_divergence()`` found no divergence, but entries were set aside
+    (``structural="report"``) or never compared: the verdict is ``"incomplete"``
+    (:meth:`tdinspect.Diff.verdict` says which, and where the comparison stopped)."""

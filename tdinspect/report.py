@@ -234,8 +234,9 @@ class DiffSummary:
         self.diff = diff
         self.metric = metric or diff.default_metric
         self.threshold = threshold
-        # the summary says where the comparison stopped (self.gap), not a warning
-        self.divergence, self.gap = diff.verdict(threshold, self.metric, structural)
+        # the summary says what was not compared (self.verdict), not a warning
+        self.verdict = diff.verdict(threshold, self.metric, structural)
+        self.divergence, self.gap = self.verdict.divergence, self.verdict.stopped
         self.nearest = None if self.divergence else diff.nearest(threshold, self.metric, False)
 
     def structural(self) -> Counter:
@@ -254,15 +255,14 @@ class DiffSummary:
         lines = [f"Diff A={d.a.path} (reference), B={d.b.path}: {d.mode}, align={d.align}"]
         lines += [f"  sides differ: {x}" for x in side_differences(d)]
         lines.append(f"  threshold: {self.threshold_text()}")
-        lines.append(
-            f"  first divergence: {self.divergence!r}"
-            if self.divergence
-            else f"  no divergence ({self.metric})"
-        )
+        if self.divergence:
+            lines.append(f"  first divergence: {self.divergence!r}")
+        elif self.verdict.outcome == "incomplete":
+            lines.append(f"  {self.verdict.text} ({self.metric})")
+        else:
+            lines.append(f"  no divergence ({self.metric}): every entry compared")
         if self.nearest:
             lines.append(f"  nearest: {self.nearest['text']}")
-        if self.gap:
-            lines.append(f"  but {self.gap['text']}")
         return visible("\n".join(lines), keep="\n")  # paths and names from the dump
 
     def threshold_text(self) -> str:
@@ -289,14 +289,19 @@ class DiffSummary:
                 + "</div>"
             )
         if self.divergence is None:
-            parts.append(
-                f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
-                f"at threshold {self._thr_text()})</p>"
-            )
+            if self.verdict.outcome == "incomplete":
+                parts.append(
+                    f"<p><b>incomplete</b>: no divergence among the {self.verdict.compared} entries "
+                    f"compared ({html_text(self.metric)} at threshold {self._thr_text()}), but "
+                    f"{html_text(self.verdict.gap)}</p>"
+                )
+            else:
+                parts.append(
+                    f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
+                    f"at threshold {self._thr_text()}): every entry compared</p>"
+                )
             if self.nearest:
                 parts.append(f"<div class='note'>nearest: {html_text(self.nearest['text'])}</div>")
-            if self.gap:
-                parts.append(f"<div class='note'>but {html_text(self.gap['text'])}</div>")
         else:
             parts.append(section("first divergence", _divergence_body(self.divergence), open_=True))
         kinds = self.structural()

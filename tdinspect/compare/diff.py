@@ -45,13 +45,18 @@ from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
-from tdinspect.compare.rule import COLUMNS, NONFINITE, STRUCTURAL_COLUMNS, problem_of
+from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, problem_of
 from tdinspect.compare.thresholds import (
     BEFORE,
     Divergence,
+    Verdict,
+    allowed_patterns,
+    allowed_rows,
     divergence_of,
     divergent,
+    never_compared,
     reason_of,
+    set_aside,
     threshold_fn,
 )
 from tdinspect.errors import DumpFormatError, UncomparedWarning
@@ -110,6 +115,12 @@ class Diff:
     concat : str or (over, dim), optional
         ``"pass:1"``, ``"call:s"`` or ``("call", 1)``: compare both sides'
         :meth:`DumpSet.concat` (decode steps put end to end), after unsharding.
+    allow_uncompared : str or list of str, optional
+        Regexes (``re.search`` on entry names, A's or B's, without ``::callN``) of
+        entries that may be one-sided or never compared by design (a reference's
+        ``rotary_emb`` a port computes inline): they never diverge for being one-sided
+        and do not make :meth:`verdict` ``"incomplete"``. The answers take their own
+        ``allow_uncompared`` too (used instead of this one).
 
     Examples
     --------
@@ -130,6 +141,7 @@ class Diff:
         mapping: Any = None,
         unshard: bool = False,
         concat: str | tuple | None = None,
+        allow_uncompared: str | list[str] | None = None,
     ):
         if unshard:
             a, b = a.unshard(), b.unshard()
@@ -146,6 +158,7 @@ class Diff:
         if mode not in ("auto", "tensor", "stats"):
             raise ValueError(f"mode={mode!r}: expected 'auto', 'tensor' or 'stats'")
         self.a, self.b = a, b
+        self.allow_uncompared = allowed_patterns(allow_uncompared)
         self.align = align
         self.client = client if client is not None else a.client
         self.chunk = chunk
@@ -349,10 +362,9 @@ class Diff:
 
     @staticmethod
     def _layout_rows(rows: pd.DataFrame) -> np.ndarray:
-        """Rows that differ in structure (one-sided, unmatched, shape, transform, arguments),
-        as opposed to numbers (NaN/Inf on one side counts as numbers)."""
-        reason = rows["reason"].astype(str)
-        return rows["structural"].to_numpy(bool) & ~reason.str.startswith(NONFINITE).to_numpy(bool)
+        """Rows that differ in structure (one-sided, unmatched, shape, transform), as opposed
+        to numbers (NaN/Inf on one side, other arguments count as numbers): :func:`set_aside`."""
+        return set_aside(rows["structural"].to_numpy(bool), rows["reason"].to_numpy(object))
 
     def structural_entries(self, progress: bool | None = None) -> pd.DataFrame:
         """Every entry that differs in structure rather than in numbers (reads every pass).
@@ -362,9 +374,21 @@ class Diff:
         df = self.table(progress)
         return df[self._layout_rows(df)][STRUCTURAL_COLUMNS].reset_index(drop=True)
 
-    def uncompared_after(self, progress: bool | None = None) -> dict | None:
+    def _allowed(self, rows: pd.DataFrame, allow_uncompared=None) -> np.ndarray:
+        """Which rows ``allow_uncompared`` (default: the diff's) names."""
+        patterns = self.allow_uncompared if allow_uncompared is None else allowed_patterns(allow_uncompared)
+        return allowed_rows(patterns, rows["op"].to_numpy(object), rows["key_b"].to_numpy(object))
+
+    @staticmethod
+    def _never_rows(rows: pd.DataFrame) -> np.ndarray:
+        """Rows never compared though they hold values (:func:`never_compared`)."""
+        return never_compared(rows["structural"].to_numpy(bool), rows["reason"].to_numpy(object))
+
+    def uncompared_after(self, progress: bool | None = None, allow_uncompared=None) -> dict | None:
         """Where the comparison stops covering the reference: A entries set aside (one-sided,
-        unmatched, reshaped) after the last A entry compared in numbers (reads every pass).
+        unmatched, reshaped) or never compared after the last A entry compared in numbers
+        (reads every pass); those ``allow_uncompared`` names (default: the diff's) are
+        not listed.
 
         ``first_divergence(structural="report")`` answering ``None`` says nothing of
         them: a port paired by a mapping that misses most of its entries (suggested
@@ -384,7 +408,9 @@ class Diff:
         df = self.table(progress)
         if not len(df):
             return None
-        df = df.assign(layout=self._layout_rows(df)).sort_values(["pass", "rank", "order"])
+        df = df.assign(
+            layout=self._layout_rows(df) | self._never_rows(df), allowed=self._allowed(df, allow_uncompared)
+        ).sort_values(["pass", "rank", "order"])
         for (p, rank), rows in df.groupby(["pass", "rank"], sort=True):
             pi = self.a.pass_map.get((rank, p))
             keys_a = set(pi.keys) if pi is not None else set()
@@ -393,15 +419,15 @@ class Diff:
                 continue
             compared = np.flatnonzero(~rows["layout"].to_numpy(bool))
             last = int(compared[-1]) if len(compared) else -1
-            after = rows["key"].iloc[last + 1 :].tolist()
+            tail = rows.iloc[last + 1 :]
+            after = tail["key"][~tail["allowed"].to_numpy(bool)].tolist()
             if not after:
                 continue
             shown = ", ".join(after[:3]) + (", ..." if len(after) > 3 else "")
             where = self._where(p, rank)
             if last < 0:
                 text = (
-                    f"no entry of A was compared in numbers ({where}): all {len(after)} were "
-                    f"set aside ({shown})"
+                    f"no entry of A was compared in numbers ({where}): {len(after)} were set aside ({shown})"
                 )
                 key = None
             else:
@@ -488,11 +514,16 @@ class Diff:
         threshold: float | str | dict | None = None,
         metric: str | None = None,
         structural: str = "diverge",
+        *,
+        allow_uncompared: str | list[str] | None = None,
     ) -> Divergence | None:
         """The earliest entry, in the reference's (pass, order), past ``threshold``.
 
         Passes are compared in order and the search stops at the first pass
-        that diverges: a divergence in pass 0 reads pass 0 only.
+        that diverges: a divergence in pass 0 reads pass 0 only. ``None`` is not
+        "everything matched" when entries were set aside or never compared: an
+        :class:`UncomparedWarning` says so then (:meth:`verdict` is the answer
+        with its three outcomes).
 
         Parameters
         ----------
@@ -514,8 +545,14 @@ class Diff:
             listed in ``Divergence.structural_entries`` (those of the passes
             read) and the repr; the answer is the first numerical divergence
             (``None`` when there is none: :meth:`structural_entries` lists them all;
-            an :class:`UncomparedWarning` then names A entries set aside after the
-            last one compared, see :meth:`uncompared_after`).
+            an :class:`UncomparedWarning` then says how many were set aside and
+            names A entries set aside after the last one compared, see
+            :meth:`uncompared_after`). An op called with other arguments, or
+            NaN/Inf on one side, is a divergence in both modes.
+        allow_uncompared : str or list of str, optional
+            Entries that may be one-sided or never compared (default: the diff's; see
+            :class:`Diff`): they never diverge for being one-sided, and no warning
+            names them.
 
         Returns
         -------
@@ -527,30 +564,37 @@ class Diff:
             When a record the divergence was read from fails its CRC-32 (a
             damaged pass file: the "divergence" may be the damage).
         """
-        div, gap = self.verdict(threshold, metric, structural)
-        if gap is not None:
+        v = self.verdict(threshold, metric, structural, allow_uncompared=allow_uncompared)
+        if v.outcome == "incomplete":
             warnings.warn(
-                visible(f"tdinspect: no numerical divergence, but {gap['text']}"),  # names from the files
+                visible(f"tdinspect: no numerical divergence, but {v.gap}"),  # names from the files
                 UncomparedWarning,
                 stacklevel=2,
             )
-        return div
+        return v.divergence
 
     def verdict(
         self,
         threshold: float | str | dict | None = None,
         metric: str | None = None,
         structural: str = "diverge",
-    ) -> tuple[Divergence | None, dict | None]:
-        """:meth:`first_divergence`'s answer without its warning: ``(divergence, gap)``.
+        *,
+        allow_uncompared: str | list[str] | None = None,
+    ) -> Verdict:
+        """The answer with its three outcomes: diverges, matches or incomplete (a :class:`Verdict`).
 
-        ``gap`` is :meth:`uncompared_after` when ``structural="report"`` finds no
-        divergence, else ``None``: a caller that shows it (:meth:`summary`, a report)
-        says it once, in its own words. Arguments as for :meth:`first_divergence`.
+        ``"matches"`` only when every entry of both sides was compared (or is named by
+        ``allow_uncompared``) and none passed its threshold; ``"incomplete"`` when nothing
+        diverged among those compared but others were set aside (``structural="report"``)
+        or never compared: ``Verdict.gap`` says which and where the comparison stopped.
+        No warning: a caller that shows it (:meth:`summary`, the CLI, a report) says it
+        once, in its own words. Arguments as for :meth:`first_divergence`.
 
         Examples
         --------
-        >>> div, gap = diff.verdict(structural="report")   # doctest: +SKIP
+        >>> v = diff.verdict(structural="report", allow_uncompared=r"rotary_emb")   # doctest: +SKIP
+        >>> v.outcome                                                              # doctest: +SKIP
+        'matches'
         """
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
@@ -558,6 +602,8 @@ class Diff:
         thr_fn = threshold_fn(threshold, m.name)
         report = structural == "report"
         aside = []
+        unseen: list[pd.DataFrame] = []  # the first rows not compared (named in the gap)
+        counts = {"compared": 0, "uncompared": 0, "allowed": 0}
         best = None
         remaining: dict[int, int] = {}  # pass -> ranks not yet seen
         for job in self._jobs():
@@ -565,10 +611,18 @@ class Diff:
         for (rank, p), rows in self.iter_passes(growing=True):
             remaining[p] -= 1
             hit = self._hits(rows, m, thr_fn)
+            layout, never = self._layout_rows(rows), self._never_rows(rows)
+            allowed = self._allowed(rows, allow_uncompared) & (layout | never)
             if report:
-                layout = self._layout_rows(rows)
                 aside.append(rows[layout])
                 hit &= ~layout
+            hit &= ~allowed  # one-sided by design: never a divergence
+            missed = ((layout & report) | never) & ~allowed
+            counts["compared"] += int((~(layout | never)).sum())
+            counts["uncompared"] += int(missed.sum())
+            counts["allowed"] += int(allowed.sum())
+            if missed.any() and sum(map(len, unseen)) < 3:
+                unseen.append(rows[missed].head(3))
             hits = np.flatnonzero(hit)
             if len(hits):
                 n = int(hits[0])
@@ -578,7 +632,12 @@ class Diff:
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
-            return None, self.uncompared_after(progress=False) if report else None
+            if not counts["uncompared"]:
+                return Verdict("matches", **counts)
+            stopped = self.uncompared_after(progress=False, allow_uncompared=allow_uncompared)
+            return Verdict(
+                "incomplete", None, self._gap_text(unseen, counts, stopped), **counts, stopped=stopped
+            )
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
         if not row["structural"] and self.mode == "tensor":
@@ -589,9 +648,22 @@ class Diff:
         if report:
             listed = pd.concat(aside, ignore_index=True) if aside else pd.DataFrame(columns=COLUMNS)
             listed = listed.sort_values(["pass", "order", "rank"])[STRUCTURAL_COLUMNS].reset_index(drop=True)
-        return divergence_of(
+        div = divergence_of(
             row, m, thr_fn, list(zip(earlier["key"], earlier[m.name].astype(float))), listed, located
-        ), None
+        )
+        return Verdict("diverges", div, **counts)
+
+    def _gap_text(self, unseen: list[pd.DataFrame], counts: dict, stopped: dict | None) -> str:
+        """What an incomplete verdict did not compare: how many, the first few with their
+        reasons and where, and where the comparison stops covering the reference."""
+        first = pd.concat(unseen, ignore_index=True).head(3)
+        n = counts["uncompared"]
+        shown = "; ".join(
+            f"{key} ({self._where(p, rank)}): {reason}"
+            for key, p, rank, reason in zip(first["key"], first["pass"], first["rank"], first["reason"])
+        ) + ("; ..." if n > len(first) else "")
+        text = f"{n} {'entry was' if n == 1 else 'entries were'} set aside or never compared ({shown})"
+        return text if stopped is None else f"{stopped['text']}; in all, {text}"
 
     def _check_records(self, row: dict) -> None:
         """``DumpFormatError`` when a record the divergent ``row`` was read from fails its
@@ -719,16 +791,19 @@ class Diff:
         threshold: float | str | dict | None = None,
         metric: str | None = None,
         progress: bool | None = None,
+        *,
+        allow_uncompared: str | list[str] | None = None,
     ) -> pd.DataFrame:
         """All divergent entries in execution order, with their reasons (a DataFrame).
 
-        ``threshold`` as for :meth:`first_divergence` (``"auto"`` by default);
-        the column ``threshold`` holds each entry's."""
+        ``threshold`` and ``allow_uncompared`` as for :meth:`first_divergence`
+        (``"auto"`` by default); the column ``threshold`` holds each entry's."""
         m = self._check_metric(metric)
         thr_fn = threshold_fn(threshold, m.name)
         df = self.table(progress)
         df["threshold"] = thr_fn.of_rows(df)
-        df["diverges"] = self._hits(df, m, thr_fn)
+        allowed = self._allowed(df, allow_uncompared) & (self._layout_rows(df) | self._never_rows(df))
+        df["diverges"] = self._hits(df, m, thr_fn) & ~allowed
         df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
         df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
         return df
@@ -840,8 +915,18 @@ class Diff:
         attrs = {"a": str(self.a.path), "b": str(self.b.path), "mode": self.mode, "align": self.align}
         return cube.to_xarray(self.table(), attrs)
 
-    def summary(self, threshold=None, metric=None, structural: str = "diverge") -> dict[str, Any]:
-        div, gap = self.verdict(threshold, metric, structural)  # the gap is in the answer here
+    def summary(
+        self, threshold=None, metric=None, structural: str = "diverge", *, allow_uncompared=None
+    ) -> dict[str, Any]:
+        """The verdict as a dict (what the CLI's ``--json`` prints): ``outcome``
+        (``"diverges"``, ``"matches"``, ``"incomplete"``), ``verdict`` (its line, see
+        :attr:`Verdict.text`), ``gap`` (what was not compared, ``""`` unless incomplete),
+        ``compared`` / ``uncompared`` / ``allowed`` (entries), ``first_divergence`` (or
+        None), ``nearest`` when nothing diverged, and with ``structural="report"`` the
+        ``structural_entries`` and ``uncompared_after``. Arguments as for
+        :meth:`first_divergence`."""
+        v = self.verdict(threshold, metric, structural, allow_uncompared=allow_uncompared)
+        div = v.divergence  # the gap is in the answer here: no warning
         name = div.metric if div else (metric or self.default_metric)
         out = {
             "a": str(self.a.path),
@@ -850,6 +935,12 @@ class Diff:
             "align": self.align,
             "metric": name,
             "threshold": self.threshold_text(threshold, name),
+            "outcome": v.outcome,
+            "verdict": v.text,
+            "gap": v.gap,
+            "compared": v.compared,
+            "uncompared": v.uncompared,
+            "allowed": v.allowed,
             "first_divergence": None
             if div is None
             else {
@@ -870,7 +961,7 @@ class Diff:
             se = div.structural_entries if div is not None else self.structural_entries(False)
             out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
             if div is None:
-                out["uncompared_after"] = gap
+                out["uncompared_after"] = v.stopped
         return out
 
     def threshold_text(self, threshold=None, metric: str | None = None) -> str:

@@ -96,13 +96,21 @@ def _as_error(name: str, values: pd.Series) -> pd.Series:
 def _with_growth(table: pd.DataFrame, metric_name: str) -> pd.DataFrame:
     """``table`` in execution order with ``error`` (the metric as an error), ``prev_max`` (the
     largest error before it in its rank's pass), ``growth`` (their ratio; ``inf`` for a
-    pass's first error, 1 with no error) and ``added`` (their difference)."""
+    pass's first error, 1 with no error) and ``added`` (their difference).
+
+    A row without an error (one side only, another shape, never compared: NaN) takes no
+    part: it neither resets nor raises the running maximum, and its ``growth`` and ``added``
+    are NaN (never listed, never ranked)."""
     df = table.sort_values(["rank", "pass", "order"]).reset_index(drop=True)
     df["error"] = err = _as_error(metric_name, df[metric_name])
     passes = [df["rank"], df["pass"]]
-    prev = err.groupby(passes).cummax().groupby(passes).shift(1).fillna(0.0)
+    # cummax leaves NaN at a row without an error: carry the maximum over it, so that the
+    # row after a one-sided entry is not measured against 0 (growth inf)
+    running = err.groupby(passes).cummax().groupby(passes).ffill()
+    prev = running.groupby(passes).shift(1).fillna(0.0)
     df["prev_max"] = prev
-    df["growth"] = np.where(prev > 0, err / prev.where(prev > 0, 1.0), np.where(err > 0, np.inf, 1.0))
+    grown = np.where(prev > 0, err / prev.where(prev > 0, 1.0), np.where(err > 0, np.inf, 1.0))
+    df["growth"] = np.where(err.isna(), np.nan, grown)
     df["added"] = err - prev
     return df
 

@@ -17,10 +17,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tdinspect.compare.rule import NONFINITE
+from tdinspect.naming import split_call
 from tdinspect.numerics.metrics import AUTO, auto_rule, auto_threshold, dtype_named, metric, unit_roundoff
 from tdinspect.util.terminal import visible
 
 BEFORE = 5  # entries listed before a divergence
+# the reasons of structural rows whose numbers were compared (judged by their numbers' rule,
+# never set aside): NaN/Inf on one side, and an op that ran with other non-tensor arguments
+# (tdinspect.align.args.arg_difference: "argument 'other' of aten.add.Tensor: 1e-06 vs 1e-05")
+COMPARED_REASONS = (NONFINITE, "argument ")
 
 
 @dataclass
@@ -84,6 +90,75 @@ class Divergence:
         from tdinspect.report import divergence_html
 
         return divergence_html(self)
+
+
+OUTCOMES = ("diverges", "matches", "incomplete")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A comparison's answer: one of three outcomes, never two.
+
+    Attributes
+    ----------
+    outcome : {"diverges", "matches", "incomplete"}
+        ``"diverges"``: :attr:`divergence` is the first divergent entry.
+        ``"matches"``: every entry of both sides was compared and none passed its
+        threshold (entries named by ``allow_uncompared`` may have been left out).
+        ``"incomplete"``: nothing diverged among the entries compared, but others were set
+        aside (``structural="report"``: one side only, unmatched, another shape) or never
+        compared (not stored, a transform a statistics-only dump cannot apply): :attr:`gap`
+        says which and where the comparison stopped.
+    divergence : Divergence or None
+        The first divergence (``"diverges"`` only).
+    gap : str
+        What was not compared (the first few, with their reasons) and, when the reference's
+        last entries were among them, where the comparison stops; ``""`` unless incomplete.
+    compared : int
+        Entries compared in numbers (of the passes read: a divergence stops at its pass).
+    uncompared : int
+        Entries set aside or never compared that no ``allow_uncompared`` pattern names.
+    allowed : int
+        Entries set aside or never compared that ``allow_uncompared`` names.
+    stopped : dict or None
+        :meth:`tdinspect.Diff.uncompared_after` (the reference's tail not compared), or None.
+
+    Examples
+    --------
+    >>> v = DumpSet.open("ref").diff("port", mapping="map.yaml").verdict(structural="report")  # doctest: +SKIP
+    >>> v.outcome, v.text                                                                       # doctest: +SKIP
+    ('incomplete', 'incomplete: no divergence among the 42 entries compared, but 4 were not ...')
+    """
+
+    outcome: str
+    divergence: Divergence | None = None
+    gap: str = ""
+    compared: int = 0
+    uncompared: int = 0
+    allowed: int = 0
+    stopped: dict | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome={self.outcome!r}: expected one of {OUTCOMES}")
+
+    @property
+    def text(self) -> str:
+        """The verdict in one line: ``diverges: KEY (pass P): REASON``, ``matches: ...`` or
+        ``incomplete: ...`` (names from files escaped)."""
+        if self.divergence is not None:
+            d = self.divergence
+            where = f"pass {d.pass_}" + (f", rank {d.rank}" if d.rank else "")
+            return visible(f"diverges: {d.key} ({where}): {d.reason}")
+        allowed = f" ({self.allowed} left out by allow_uncompared)" if self.allowed else ""
+        if self.outcome == "matches":
+            return f"matches: all {self.compared} entries compared, none past its threshold{allowed}"
+        return visible(
+            f"incomplete: no divergence among the {self.compared} entries compared, but {self.gap}{allowed}"
+        )
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class Thresholds:
@@ -302,6 +377,70 @@ def divergent(m, values, thresholds, structural, explained) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         over = values > thresholds if m.higher_is_worse else values < thresholds
     return np.asarray(structural, bool) | ((over | np.isnan(values)) & ~np.asarray(explained, bool))
+
+
+def set_aside(structural, reasons) -> np.ndarray:
+    """Which rows ``structural="report"`` sets aside (a boolean array): those that differ in
+    structure (one side only, unmatched, another shape, a transform that failed, an entry that
+    cannot be assembled), not those whose numbers were compared and still count as structural
+    (:data:`COMPARED_REASONS`: NaN/Inf on one side, an op called with other arguments: a
+    divergence in either mode). The one rule of :class:`~tdinspect.Diff` and live comparison."""
+    reasons = np.asarray(reasons, object)
+    compared = np.fromiter(
+        (isinstance(r, str) and r.startswith(COMPARED_REASONS) for r in reasons.ravel()), bool, reasons.size
+    ).reshape(reasons.shape)
+    return np.asarray(structural, bool) & ~compared
+
+
+# reasons of rows not compared that need no comparison: an uninitialized tensor holds no value
+# (torch.empty), an entry unchanged since a pass was compared there
+NOT_NEEDED = ("uninitialized", "unchanged since pass")
+
+
+def never_compared(structural, reasons) -> np.ndarray:
+    """Which rows were never compared though they hold values (a boolean array): not
+    structural, with a reason (a tensor not stored on either side, a transform a
+    statistics-only dump cannot apply), other than :data:`NOT_NEEDED`."""
+    reasons = np.asarray(reasons, object)
+    flat = reasons.ravel()
+    out = np.fromiter(
+        (isinstance(r, str) and r != "" and not r.startswith(NOT_NEEDED) for r in flat), bool, flat.size
+    ).reshape(reasons.shape)
+    return out & ~np.asarray(structural, bool)
+
+
+def allowed_patterns(patterns) -> list[re.Pattern]:
+    """``allow_uncompared`` as compiled regexes: ``None``, one regex or a list of them."""
+    if patterns is None:
+        return []
+    if isinstance(patterns, (str, re.Pattern)):
+        patterns = [patterns]
+    out = []
+    for p in patterns:
+        if isinstance(p, re.Pattern):
+            out.append(p)
+            continue
+        try:
+            out.append(re.compile(p))
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"allow_uncompared {p!r}: not a regular expression ({exc})") from None
+    return out
+
+
+def allowed_rows(patterns: list[re.Pattern], ops, keys_b) -> np.ndarray:
+    """Which rows an ``allow_uncompared`` regex names (``re.search`` on the entry name, A's or
+    B's, without ``::callN``)."""
+    ops = list(ops)
+    if not patterns:
+        return np.zeros(len(ops), bool)
+    return np.fromiter(
+        (
+            any(p.search(a) or (b and p.search(split_call(b)[0])) for p in patterns)
+            for a, b in zip((str(o) for o in ops), (str(k or "") for k in keys_b))
+        ),
+        bool,
+        len(ops),
+    )
 
 
 def reason_of(row, m, thr_fn) -> str:

@@ -23,10 +23,17 @@ nothing without ``dump_dir``; with it, at the first divergence, the evidence::
 and with ``on_divergence="record"`` one CSV per pass of every entry's row
 (:data:`tdinspect.compare.rule.COLUMNS`) in ``<dump_dir>/live/pass<NNNNN>.csv``.
 
-Known difference from an offline diff: reference entries this run never
+Known differences from an offline diff: reference entries this run never
 produces are reported when the pass ends (``step()``), so a numeric
 divergence produced earlier in the pass is raised first even if such a
-missing entry comes before it in the reference's order.
+missing entry comes before it in the reference's order; reference passes this
+run never reaches are not reported (an offline diff says ``pass N only in A``).
+
+Entries set aside (``structural="report"``) or never compared are reported when
+their pass ends (``on_uncompared``: one :class:`~tdinspect.errors.UncomparedWarning`
+per pass naming the first few, or :class:`~tdinspect.errors.UncomparedError`), but
+for those ``allow_uncompared`` names; :meth:`LiveCompare.verdict` is the answer of
+the passes compared so far, as :meth:`tdinspect.Diff.verdict` gives it offline.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import functools
 import io
 import math
 import os
+import sys
 import warnings
 from collections import deque
 from pathlib import Path
@@ -46,19 +54,24 @@ import torch
 from tdinspect.align.mapping import Mapping, mapped_key
 from tdinspect.compare.pairing import same_ref_pass
 from tdinspect.compare.passes import PassJob
-from tdinspect.compare.rule import COLUMNS, NONFINITE, NOT_STORED, Side, compare_pair, new_row, side_of
+from tdinspect.compare.rule import COLUMNS, NOT_STORED, Side, compare_pair, new_row, side_of
 from tdinspect.compare.thresholds import (
     BEFORE,
+    Verdict,
+    allowed_patterns,
+    allowed_rows,
     divergence_of,
     divergent,
+    never_compared,
     scale_only,
+    set_aside,
     threshold_fn,
     upstream_of,
 )
 from tdinspect.dumper.kinds import is_plain, prepare
 from tdinspect.dumper.writer import PendingPass
 from tdinspect.dumpset import DumpSet
-from tdinspect.errors import DivergenceError
+from tdinspect.errors import DivergenceError, UncomparedError, UncomparedWarning
 from tdinspect.numerics.metrics import metric as metric_named
 from tdinspect.numerics.metrics import unit_roundoff
 from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
@@ -78,6 +91,8 @@ def _cell(value: Any) -> Any:
 
 
 ACTIONS = ("raise", "warn", "record")
+UNCOMPARED_ACTIONS = ("warn", "raise")
+SHOWN = 3  # entries named in a pass's report of those not compared
 
 
 def _as_read(t: torch.Tensor | None, uninitialized: bool):
@@ -121,6 +136,16 @@ def _stats_as_dumped(stats: torch.Tensor) -> dict[str, float]:
     return dict(zip(STAT_NAMES, (math.nan if v is None else float(v) for v in row)))
 
 
+def _first_outside() -> int:
+    """The ``stacklevel`` of the first caller outside tdinspect, for a warning given by the
+    function that calls this one (captures reach it through different depths)."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class LiveCompare:
     """The comparison state of one capture; see the module docstring.
 
@@ -138,6 +163,13 @@ class LiveCompare:
         As for :meth:`tdinspect.Diff.first_divergence`: ``"report"`` sets entries on one
         side only, unmatched or of another shape aside (listed in :attr:`set_aside`)
         instead of diverging there (a port whose reference has entries it lacks).
+    on_uncompared : {"warn", "raise"}
+        What to do when a pass ends with entries set aside or never compared (not named
+        by ``allow_uncompared``): one :class:`~tdinspect.errors.UncomparedWarning` per pass
+        naming the first few (the default), or :class:`~tdinspect.errors.UncomparedError`.
+    allow_uncompared : str or list of str, optional
+        Entries that may be one-sided or never compared by design, as for
+        :class:`tdinspect.Diff`: never a divergence for it, never reported.
     evidence_dir : Path, optional
         Where evidence and records go (``dump_dir``); ``None`` writes nothing.
     rank : int
@@ -160,7 +192,15 @@ class LiveCompare:
         chunk: int = 1 << 18,
         level: str = "module",
         structural: str = "diverge",
+        on_uncompared: str = "warn",
+        allow_uncompared=None,
     ):
+        if on_uncompared not in UNCOMPARED_ACTIONS:
+            raise ValueError(f"on_uncompared={on_uncompared!r}: expected one of {UNCOMPARED_ACTIONS}")
+        self.on_uncompared = on_uncompared
+        self.allow = allowed_patterns(allow_uncompared)
+        self.uncompared: list[dict[str, Any]] = []  # rows set aside or never compared, not allowed
+        self.counts = {"compared": 0, "uncompared": 0, "allowed": 0}
         if on_divergence not in ACTIONS:
             raise ValueError(f"on_divergence={on_divergence!r}: expected one of {ACTIONS}")
         if structural not in ("diverge", "report"):
@@ -203,6 +243,7 @@ class LiveCompare:
         self._matched: set[int] = set()
         self._last = -0.5
         self._pass_rows: list[dict[str, Any]] = []
+        self._pass_uncompared: list[dict[str, Any]] = []
         self._coarsest = {"dtype_a": (0.0, ""), "dtype_b": (0.0, "")}  # running, per side
         self._ring: deque = deque(maxlen=self.before + 1)  # (B key, host copy or None, A indices)
         self._partners: dict[str, list[int]] = {}
@@ -287,6 +328,39 @@ class LiveCompare:
             if self.action == "record" and self.evidence_dir is not None:
                 self._saved(f"the rows of pass {pass_}", lambda: self._write_rows(pass_))
             self._pass, self._loaded = None, None
+        self._report_uncompared(pass_)
+
+    def _report_uncompared(self, pass_: int) -> None:
+        """The pass's entries set aside or never compared: one warning, or an error."""
+        rows = self._pass_uncompared
+        if not rows:
+            return
+        n = len(rows)
+        shown = "; ".join(f"{r['key']}: {r['reason']}" for r in rows[:SHOWN]) + ("; ..." if n > SHOWN else "")
+        text = (
+            f"tdinspect: live comparison, pass {pass_}: {n} "
+            f"{'entry was' if n == 1 else 'entries were'} set aside or never compared ({shown}); "
+            "allow_uncompared= names those one-sided by design"
+        )
+        if self.on_uncompared == "raise":
+            raise UncomparedError(text, rows)
+        # names from the files; said at the user's step() or close(), however deep it was called
+        warnings.warn(visible(text), UncomparedWarning, stacklevel=_first_outside())
+
+    def verdict(self) -> Verdict:
+        """The answer of the passes compared so far, as :meth:`tdinspect.Diff.verdict` gives it
+        for the reference against a full dump of this run (no ``stopped``: live comparison
+        does not know the reference's tail until the run ends)."""
+        if self.first is not None:
+            return Verdict("diverges", self.first, **self.counts)
+        if not self.counts["uncompared"]:
+            return Verdict("matches", **self.counts)
+        rows, n = self.uncompared, self.counts["uncompared"]
+        shown = "; ".join(f"{r['key']} (pass {r['pass']}): {r['reason']}" for r in rows[:SHOWN]) + (
+            "; ..." if n > SHOWN else ""
+        )
+        gap = f"{n} {'entry was' if n == 1 else 'entries were'} set aside or never compared ({shown})"
+        return Verdict("incomplete", None, gap, **self.counts)
 
     # -- verdicts -----------------------------------------------------------------------
     def _judge(self, row: dict[str, Any]) -> None:
@@ -295,9 +369,20 @@ class LiveCompare:
         self._pass_rows.append(row)
         if self.action == "record":
             self.rows.append(row)
-        if self.report and row["structural"] and not str(row["reason"]).startswith(NONFINITE):
-            self.set_aside.append(row)  # Diff._layout_rows: structure, not numbers
+        layout = bool(set_aside(row["structural"], row["reason"]))  # Diff._layout_rows
+        never = bool(never_compared(row["structural"], row["reason"]))
+        if (layout or never) and allowed_rows(self.allow, [row["op"]], [row["key_b"]])[0]:
+            self.counts["allowed"] += 1  # one-sided by design: never a divergence (as offline)
             return
+        if (layout and self.report) or never:
+            self.counts["uncompared"] += 1
+            self.uncompared.append(row)
+            self._pass_uncompared.append(row)
+            if layout:
+                self.set_aside.append(row)  # structure, not numbers
+            return
+        if not layout:
+            self.counts["compared"] += 1
         m = self.metric
         if not divergent(m, row[m.name], self.threshold(row), row["structural"], row["reason"] != ""):
             return

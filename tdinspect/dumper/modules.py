@@ -622,6 +622,8 @@ def capture(
     mapping=None,
     record=None,
     structural: str = "diverge",
+    on_uncompared: str = "warn",
+    allow_uncompared=None,
     parallel: dict | None = None,
     dims: dict[str, str] | None = None,
     overwrite: bool = False,
@@ -695,6 +697,14 @@ def capture(
         As for :meth:`tdinspect.Diff.first_divergence`: ``"report"`` sets one-sided,
         unmatched and reshaped entries aside (``capture.live.set_aside``) and stops only
         at a numerical divergence (a port whose reference has entries it lacks).
+    on_uncompared : {"warn", "raise"}
+        At each ``step()`` (and ``close()`` writing a pending pass), entries set aside or
+        never compared in the pass: one :class:`tdinspect.UncomparedWarning` naming the first
+        few (the default), or :class:`tdinspect.errors.UncomparedError`;
+        ``capture.live.verdict()`` is the answer so far (as :meth:`tdinspect.Diff.verdict`).
+    allow_uncompared : str or list of str, optional
+        Entries one-sided by design (regexes, as for :class:`tdinspect.Diff`): never a
+        divergence for it, never reported.
     record : str or sequence of str, optional
         What to record for each selected module: any of ``"inputs"``,
         ``"outputs"``, ``"params"``, ``"grads"`` (default ``("outputs",)``,
@@ -752,6 +762,8 @@ def capture(
             on_divergence=on_divergence,
             mapping=mapping,
             structural=structural,
+            on_uncompared=on_uncompared,
+            allow_uncompared=allow_uncompared,
         ),
         overwrite=overwrite,
     )

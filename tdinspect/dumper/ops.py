@@ -607,6 +607,8 @@ def capture_ops(
     mapping=None,
     overwrite: bool = False,
     structural: str = "diverge",
+    on_uncompared: str = "warn",
+    allow_uncompared=None,
     checksum: bool = False,
     environ=None,
 ) -> OpCapture:
@@ -642,7 +644,7 @@ def capture_ops(
     parallel, dims
         As for :func:`tdinspect.capture` (``dims`` regexes match ``module/op``
         names).
-    compare_to, metric, threshold, on_divergence, mapping, structural
+    compare_to, metric, threshold, on_divergence, mapping, structural, on_uncompared, allow_uncompared
         Live comparison with a reference op-level dump, forward and backward
         ops: as for :func:`tdinspect.capture`.
 
@@ -679,6 +681,8 @@ def capture_ops(
             on_divergence=on_divergence,
             mapping=mapping,
             structural=structural,
+            on_uncompared=on_uncompared,
+            allow_uncompared=allow_uncompared,
         ),
         overwrite=overwrite,
     )
