@@ -134,9 +134,14 @@ class Diff:
         if unshard:
             a, b = a.unshard(), b.unshard()
         if concat is not None:
-            from tdinspect.align.concat import parse_concat
+            from tdinspect.align.concat import names_dim, parse_concat
 
             over, dim = parse_concat(concat)
+            if not (names_dim(a.pass_map, dim) or names_dim(b.pass_map, dim)):
+                raise ValueError(
+                    f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
+                    "or DumpSet.open(dims=...)), or give dim as an int"
+                )
             a, b = a.concat(over, dim), b.concat(over, dim)
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
