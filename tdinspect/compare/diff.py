@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
-from tdinspect.align.mapping import Mapping, mapped_key
+from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
 from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
@@ -283,7 +283,7 @@ class Diff:
                     "a_key": a_key,
                     "b_key": pb.keys[ib] if ib is not None else "",
                     "transform": transform.spec if transform is not None else "",
-                    "rule": self.mapping.rule_of(split_call(a_key)[0])
+                    "rule": quoted_rule(self.mapping.rule_of(split_call(a_key)[0]))
                     if self.mapping is not None and ia is not None
                     else "",
                     "shape_a": pa.shape[ia] if ia is not None else None,
