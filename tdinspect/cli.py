@@ -36,6 +36,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from typing import Any
 
 from tdinspect.numerics.metrics import METRICS
@@ -70,7 +71,8 @@ def _threshold(values: list[str] | None):
             out[".*"] = number_or_auto(plain[-1])
         return out
     except ValueError:
-        raise _Fail(f"--threshold: expected auto, a number (not NaN) or REGEX=NUMBER, got {values}") from None
+        shown = " ".join(f"--threshold {v}" for v in values)
+        raise _Fail(f"{shown}: expected auto, a number (not NaN) or REGEX=NUMBER") from None
 
 
 def _json_default(o: Any):
@@ -179,7 +181,10 @@ def cmd_stats(args) -> int:
 
     ds = DumpSet.open(args.path, run=_run_arg(args.run), on_error=args.on_error)
     if args.op:
-        ds = ds.filter(args.op)
+        try:
+            ds = ds.filter(args.op)
+        except ValueError as exc:
+            raise _Fail(f"--op: {exc}") from None
     if args.pass_ is not None and args.pass_ not in ds.passes:
         shown = ", ".join(map(str, ds.passes[:8])) + (", ..." if len(ds.passes) > 8 else "")
         raise _Fail(f"--pass {args.pass_}: {args.path} has no such pass (passes: {shown})")
@@ -605,8 +610,17 @@ def main(argv: list[str] | None = None) -> int:
     :func:`tdinspect.util.terminal.visible`.
     """
     args = build_parser().parse_args(argv)
-    with visible_streams():  # names from files never reach the terminal as control characters
+    with visible_streams(), warnings.catch_warnings():  # names from files: never control characters
+        warnings.showwarning = _show_warning
         return _run(args)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line of the command's own (``tdinspect: ...``), never the source line of
+    tdinspect that raised it (``.../cli.py:107: RunWarning:`` meant nothing to a user)."""
+    text = str(message)
+    text = text if text.startswith("tdinspect") else f"tdinspect: {text}"
+    print(f"{text} [{category.__name__}]", file=file or sys.stderr)
 
 
 def _arguments_escaped(msg: str, args) -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import pytest
 import torch
 
+import tdinspect
 from tdinspect.cli import main
 
 from .recorded import record_dump
@@ -168,3 +171,22 @@ def test_stats_of_a_pass_the_dump_does_not_hold_is_an_error(tmp_path, capsys):
     assert "--pass 99: " in capsys.readouterr().err
     assert main(["stats", str(tmp_path), "--pass", "2"]) == 0
     assert "m.a" in capsys.readouterr().out
+
+
+def test_warnings_are_one_line_of_the_command_never_a_source_line(tmp_path, capsys):
+    """The CLI printed '/.../tdinspect/cli.py:107: RunWarning: ...' (tdinspect's own source
+    location); now one line of its own, and --op / --threshold errors name their option."""
+    m = torch.nn.Linear(2, 2)
+    for i in range(2):
+        with pytest.warns(tdinspect.RunWarning) if i else contextlib.nullcontext():
+            with tdinspect.capture(m, tmp_path / "d") as cap:
+                m(torch.ones(1, 2))
+                cap.step()
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "d")]) == 0
+    err = capsys.readouterr().err
+    assert "holds 2 runs" in err and "[RunWarning]" in err and ".py:" not in err
+    assert main(["stats", str(tmp_path / "d"), "--op", "["]) == 2
+    assert "error: --op: invalid regex '['" in capsys.readouterr().err
+    assert main(["first-divergence", str(tmp_path / "d"), str(tmp_path / "d"), "--threshold", "abc"]) == 2
+    assert "error: --threshold abc: expected auto" in capsys.readouterr().err

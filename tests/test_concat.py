@@ -110,3 +110,14 @@ def test_op_dump_without_module_calls_warns_that_an_ops_runs_are_mixed(tmp_path)
         cat = tdinspect.DumpSet.open(tmp_path).concat("call", dim=1)
     assert cat.ops == ["m.norm/aten.mul.Tensor[out0]"]
     assert torch.equal(cat.tensor("m.norm/aten.mul.Tensor[out0]"), torch.cat(t, 1))
+
+
+def test_a_dim_name_neither_side_holds_is_an_argument_error(steps, capsys):
+    """--concat call:x (a typo) read as a divergence at the first entry, exit 1; it is an error
+    in the argument: exit 2, naming it. A name one side holds stays each entry's reason."""
+    from tdinspect.cli import main
+
+    with pytest.raises(ValueError, match="concat dim 'x': no entry of either side has dims naming it"):
+        tdinspect.DumpSet.open(steps / "full").diff(steps / "calls", concat="call:x")
+    assert main(["first-divergence", str(steps / "full"), str(steps / "calls"), "--concat", "call:x"]) == 2
+    assert "concat dim 'x'" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def test_malicious_pickle_runs_nothing(tmp_path):
     "content,match",
     [
         (b"", "empty file"),
-        (b"\x00\x01garbage" * 10, "unreadable"),
+        (b"\x00\x01garbage" * 10, "not a torch.save file"),
     ],
 )
 def test_damaged_files_name_the_file(tmp_path, content, match):
@@ -182,3 +182,11 @@ def test_a_pickle_protocol_4_file_names_the_protocol(tmp_path):
     from tdinspect.cli import main
 
     assert main(["ls", str(tmp_path / "dump")]) == 2
+
+
+def test_a_text_file_named_as_a_pass_file_is_called_what_it_is(tmp_path):
+    """A pass00000.pt holding the text 'garbage' was reported as 'pickle opcode 103 (damaged,
+    or saved with a pickle protocol above 2)': it is not a torch.save file at all."""
+    (tmp_path / "pass00000.pt").write_text("garbage")
+    with pytest.raises(DumpFormatError, match=r"pass00000\.pt: not a torch\.save file"):
+        load_pass(tmp_path / "pass00000.pt")

@@ -127,3 +127,27 @@ def test_a_transform_that_would_make_an_expanded_view_whole_is_a_structural_reas
         and div.key == "model.a"
         and "not applied: B is an expanded view of 4 bytes" in div.reason
     )
+
+
+def test_a_megabyte_rule_that_pairs_nothing_keeps_the_output_small(tmp_path, capsys):
+    """A 1.5 MB mapping file made 16 MB of output: its rule was quoted whole in every
+    one-sided entry's reason. Now each reason quotes it short."""
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        torch.save({f"model.l{i}": torch.ones(2) for i in range(20)}, tmp_path / side / "pass00000.pt")
+    rule = "model\\.l(?:" + "|".join(f"{i}x{'y' * 40}" for i in range(30_000)) + "|\\d+)"
+    # a key this long is a YAML explicit key ("? "); each entry's rule names a B entry that is not there
+    target = json.dumps("other.\\g<0>")
+    (tmp_path / "map.yaml").write_text(f"? {json.dumps(rule)}\n: {target}\n")
+    assert (tmp_path / "map.yaml").stat().st_size > 1_000_000
+    rc = main(
+        [
+            "first-divergence",
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "--mapping",
+            str(tmp_path / "map.yaml"),
+        ]
+    )
+    out = capsys.readouterr()
+    assert rc in (1, 3) and len(out.out) + len(out.err) < 20_000, len(out.out)

@@ -68,6 +68,23 @@ def dim_index(dim: int | str, spec: str | None, ndim: int | None, key: str) -> i
         raise ValueError(str(exc)) from None
 
 
+def names_dim(passes: dict[tuple[int, int], PassIndex], dim: int | str) -> bool:
+    """Whether ``dim`` is an int, or a name some entry's dims hold (``False`` for a typo such as
+    ``--concat call:x``, which should be an error rather than every entry's reason)."""
+    if not isinstance(dim, str):
+        return True
+    for pi in passes.values():
+        for spec in pi.dims:
+            if spec is None:
+                continue
+            try:
+                parse_dims(spec).index(dim)
+                return True
+            except DimsError:
+                continue
+    return False
+
+
 def _cat(key: str, parts: list[tuple[Any, PassIndex, str, str]], dim) -> dict:
     """The plan of one entry from ``(src, pass, source key, label)`` parts, in order."""
     _, pi0, k0, _ = parts[0]

@@ -45,7 +45,7 @@ _SHOWN.maxlevel = 2
 MATCH_SECONDS = 1.0  # one rule against one name: microseconds, unless the pattern backtracks without end
 
 
-def _quoted(pattern: str) -> str:
+def quoted_rule(pattern: str) -> str:
     """A rule's pattern as messages quote it: cut short (a file may hold megabytes of one)."""
     return pattern if len(pattern) <= 120 else f"{pattern[:80]}...{pattern[-20:]} ({len(pattern)} characters)"
 
@@ -171,7 +171,7 @@ class Mapping:
                     m = rule.pattern.fullmatch(a_base, timeout=MATCH_SECONDS)
                 except TimeoutError:
                     raise MappingError(
-                        f"rule '{_quoted(rule.source)}': matching {_SHOWN.repr(a_base)} took more "
+                        f"rule '{quoted_rule(rule.source)}': matching {_SHOWN.repr(a_base)} took more "
                         f"than {MATCH_SECONDS} s (a pattern that backtracks without end): write it without "
                         "nested repeats"
                     ) from None
@@ -180,7 +180,7 @@ class Mapping:
                         hit = (m.expand(rule.template), rule.transform, n)
                     except (regex.error, IndexError) as exc:
                         raise MappingError(
-                            f"rule '{_quoted(rule.source)}': template {_SHOWN.repr(rule.template)} "
+                            f"rule '{quoted_rule(rule.source)}': template {_SHOWN.repr(rule.template)} "
                             f"cannot be expanded for {_SHOWN.repr(a_base)} ({exc})"
                         ) from None
                     break
@@ -226,21 +226,21 @@ def _rule(pattern: Any, target: Any) -> Rule:
     try:
         compiled = regex.compile(pattern)
     except (regex.error, TypeError, ValueError, OverflowError) as exc:
-        raise MappingError(f"rule '{_quoted(pattern)}': invalid regex ({exc})") from None
+        raise MappingError(f"rule '{quoted_rule(pattern)}': invalid regex ({exc})") from None
     transform = None
     if isinstance(target, (list, tuple)):
         if len(target) != 2 or not isinstance(target[0], str):
             raise MappingError(
-                f"rule '{_quoted(pattern)}': expected b_template or [b_template, transform], got {_SHOWN.repr(target)}"
+                f"rule '{quoted_rule(pattern)}': expected b_template or [b_template, transform], got {_SHOWN.repr(target)}"
             )
         target, spec = target
         try:
             transform = as_transform(spec)
         except TransformError as exc:
-            raise MappingError(f"rule '{_quoted(pattern)}': {exc}") from None
+            raise MappingError(f"rule '{quoted_rule(pattern)}': {exc}") from None
     if not isinstance(target, str) or not target:
         raise MappingError(
-            f"rule '{_quoted(pattern)}': the B template must be a non-empty string, got {_SHOWN.repr(target)}"
+            f"rule '{quoted_rule(pattern)}': the B template must be a non-empty string, got {_SHOWN.repr(target)}"
         )
     try:
         plain = re.compile(pattern)  # group references are checked as re checks them (regex: on a match)
@@ -251,6 +251,6 @@ def _rule(pattern: Any, target: Any) -> Rule:
             plain.sub(target, "")
         except (re.error, IndexError) as exc:
             raise MappingError(
-                f"rule '{_quoted(pattern)}': bad template {_SHOWN.repr(target)} ({exc})"
+                f"rule '{quoted_rule(pattern)}': bad template {_SHOWN.repr(target)} ({exc})"
             ) from None
     return Rule(compiled, target, transform)

@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
-from tdinspect.align.mapping import Mapping, mapped_key
+from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
 from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
@@ -146,9 +146,14 @@ class Diff:
         if unshard:
             a, b = a.unshard(), b.unshard()
         if concat is not None:
-            from tdinspect.align.concat import parse_concat
+            from tdinspect.align.concat import names_dim, parse_concat
 
             over, dim = parse_concat(concat)
+            if not (names_dim(a.pass_map, dim) or names_dim(b.pass_map, dim)):
+                raise ValueError(
+                    f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
+                    "or DumpSet.open(dims=...)), or give dim as an int"
+                )
             a, b = a.concat(over, dim), b.concat(over, dim)
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
@@ -291,7 +296,7 @@ class Diff:
                     "a_key": a_key,
                     "b_key": pb.keys[ib] if ib is not None else "",
                     "transform": transform.spec if transform is not None else "",
-                    "rule": self.mapping.rule_of(split_call(a_key)[0])
+                    "rule": quoted_rule(self.mapping.rule_of(split_call(a_key)[0]))
                     if self.mapping is not None and ia is not None
                     else "",
                     "shape_a": pa.shape[ia] if ia is not None else None,

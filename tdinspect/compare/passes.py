@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from tdinspect.align.logical import LogicalPass
-from tdinspect.align.mapping import mapped_key
+from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare.pairing import pairs, unchanged_since
 from tdinspect.compare.passframes import typed_columns
 from tdinspect.compare.plainpairs import compare_plain, plain_dtypes
@@ -62,7 +62,7 @@ class PassJob:
             base = split_call(self.a.keys[ia])[0]
             rule = self.mapping.rule_of(base)
             if rule:
-                return f"only in A (its rule '{rule}' names '{mapped_key(self.mapping, self.a.keys[ia])}', not in B)"
+                return f"only in A (its rule '{quoted_rule(rule)}' names '{mapped_key(self.mapping, self.a.keys[ia])}', not in B)"
         return f"only in {side}"
 
 

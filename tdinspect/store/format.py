@@ -284,6 +284,10 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
                 f"(read with weights_only=True): {detail[0]}"
             ) from None
         opcode = re.search(r"Unsupported operand (\d+)", str(exc))
+        if opcode and not _starts_like_torch_save(path):
+            raise DumpFormatError(
+                f"{path}: not a torch.save file (neither a zip archive nor a pickle: text, or another format)"
+            ) from None
         if opcode:  # torch.save(..., pickle_protocol=4) writes opcodes this reader refuses
             raise DumpFormatError(
                 f"{path}: unreadable pass file: torch.load(weights_only=True) does not take "
@@ -312,6 +316,16 @@ def load_pass(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, torch
 
 
 _EXPANSION = 16  # compressed records may hold at most this many times the file's size
+
+
+def _starts_like_torch_save(path: Path) -> bool:
+    """Whether ``path`` begins as torch.save writes: a zip archive, or a legacy pickle (protocol 2)."""
+    try:
+        with open_regular(path) as f:
+            head = f.read(4)
+    except OSError:
+        return True  # say nothing new: the caller's message stands
+    return head.startswith((b"PK\x03\x04", b"\x80"))
 
 
 def _load_source(f, path: Path, mmap: bool) -> tuple[Any, bool]:
