@@ -610,17 +610,21 @@ def main(argv: list[str] | None = None) -> int:
     :func:`tdinspect.util.terminal.visible`.
     """
     args = build_parser().parse_args(argv)
-    with visible_streams(), warnings.catch_warnings():  # names from files: never control characters
-        warnings.showwarning = _show_warning
-        return _run(args)
+    shown = warnings.formatwarning
+    warnings.formatwarning = _format_warning  # how a warning is printed (recording is untouched)
+    try:
+        with visible_streams():  # names from files never reach the terminal as control characters
+            return _run(args)
+    finally:
+        warnings.formatwarning = shown
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def _format_warning(message, category, filename, lineno, line=None) -> str:
     """A warning as one line of the command's own (``tdinspect: ...``), never the source line of
     tdinspect that raised it (``.../cli.py:107: RunWarning:`` meant nothing to a user)."""
     text = str(message)
     text = text if text.startswith("tdinspect") else f"tdinspect: {text}"
-    print(f"{text} [{category.__name__}]", file=file or sys.stderr)
+    return f"{text} [{category.__name__}]\n"
 
 
 def _arguments_escaped(msg: str, args) -> str:

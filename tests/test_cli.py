@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,9 +185,14 @@ def test_warnings_are_one_line_of_the_command_never_a_source_line(tmp_path, caps
                 m(torch.ones(1, 2))
                 cap.step()
     capsys.readouterr()
-    assert main(["ls", str(tmp_path / "d")]) == 0
-    err = capsys.readouterr().err
-    assert "holds 2 runs" in err and "[RunWarning]" in err and ".py:" not in err
+    out = subprocess.run(  # pytest records warnings in-process: the command's own output, as a user sees it
+        [sys.executable, "-m", "tdinspect", "ls", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0
+    assert "holds 2 runs" in out.stderr and "[RunWarning]" in out.stderr and ".py:" not in out.stderr
     assert main(["stats", str(tmp_path / "d"), "--op", "["]) == 2
     assert "error: --op: invalid regex '['" in capsys.readouterr().err
     assert main(["first-divergence", str(tmp_path / "d"), str(tmp_path / "d"), "--threshold", "abc"]) == 2
