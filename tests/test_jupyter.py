@@ -576,3 +576,25 @@ def test_many_passes_on_one_side_are_named_as_a_range(tmp_path):
     text = str(DiffSummary(DumpSet.open(tmp_path / "one").diff(tmp_path / "loop")))
     assert "passes only in B: [1..39] (39)" in text, text
     assert ", 2," not in text
+
+
+def test_a_capture_cell_whose_code_raises_fails_the_cell_and_stops_run_all(tmp_path):
+    """%%tdi_capture ran its body as a cell of its own: an error there did not fail the
+    magic's cell, so Run All went on (later cells diffed a partial dump) and the traceback was
+    labelled with another cell's number. Now the cell fails, after the pass is written marked
+    failed, and the cells after it never run."""
+    cells = [
+        "%load_ext tdinspect\nimport torch\nm = torch.nn.Sequential(torch.nn.Linear(2, 2))",
+        f"%%tdi_capture {tmp_path / 'cap'} --model m\nm(torch.ones(1, 2))\nraise ValueError('boom in the cell')",
+        "after = 1",
+    ]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    with pytest.raises(CellExecutionError, match="boom in the cell"):
+        NotebookClient(
+            nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+        ).execute()
+    assert nb.cells[2].get("execution_count") is None  # Run All stopped at the failing cell
+    assert "marked failed in its sidecar" in _text(nb.cells[1])
+    ds = DumpSet.open(tmp_path / "cap")
+    assert ds.passes == [0] and ds.ops == ["model.0"]

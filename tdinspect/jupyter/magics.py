@@ -185,9 +185,15 @@ class TdinspectMagics(Magics):
                 cap = tdinspect.capture(model, args.dir, filter=args.filter, overwrite=args.overwrite, **live)
         except (ValueError, TypeError, OSError) as exc:
             raise _usage(exc) from exc
+        error = None
         with cap:
-            result = self.shell.run_cell(cell)
-            error = result.error_in_exec
+            # in this cell, as %%timeit runs its body (run_cell ran a cell of its own: its error did
+            # not fail this one, so Run All went on to diff a partial dump, and its traceback was
+            # labelled with another cell's number)
+            try:
+                self.shell.ex(cell)
+            except Exception as exc:  # noqa: BLE001 - the pass is written marked failed, then it goes on
+                error = exc
             failed = None if error is None else f"{type(error).__name__}: {error}"
             path = cap.step(failed=failed)
         if live:
@@ -207,6 +213,8 @@ class TdinspectMagics(Magics):
                 f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before the "
                 f"error to {path}, marked failed in its sidecar"
             )
+        if error is not None:
+            raise error  # the cell fails: Run All stops here
 
 
 _TENSOR_CALL = re.compile(r"([A-Za-z_]\w*)\.tensor\(\s*(?:op\s*=\s*)?(['\"])([^'\"]*)$")
