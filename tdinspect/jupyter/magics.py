@@ -191,7 +191,7 @@ class TdinspectMagics(Magics):
             # not fail this one, so Run All went on to diff a partial dump, and its traceback was
             # labelled with another cell's number)
             try:
-                self.shell.ex(cell)
+                self.shell.ex(self.shell.transform_cell(cell))  # IPython syntax in the body too
             except Exception as exc:  # noqa: BLE001 - the pass is written marked failed, then it goes on
                 error = exc
             failed = None if error is None else f"{type(error).__name__}: {error}"
