@@ -84,6 +84,9 @@ class KeyParts(NamedTuple):
         return "module" if self.op is None else "op"
 
 
+_CALL_INSIDE = re.compile(r"::call\d")  # a call number belongs at the end of a key
+
+
 def parse_key(key: str) -> KeyParts:
     """Split a key into base, call, module, op and labels.
 
@@ -97,7 +100,8 @@ def parse_key(key: str) -> KeyParts:
     m = _KEY_RE.match(key)
     base, call = m.group("base"), int(m.group("call") or 0)
     b = _BASE_RE.match(base)
-    if b is None:
+    if b is None or _CALL_INSIDE.search(b.group("module") + (b.group("op") or "")):
+        # a '::callN' before the labels ('m::call2[0]') read as part of the module's name
         raise KeyGrammarError(f"invalid key {key!r}: expected 'module[/op][label]...[::callN]'")
     labels = tuple(_LABEL_RE.findall(b.group("labels")))
     return KeyParts(base, call, b.group("module"), b.group("op"), labels)

@@ -77,3 +77,19 @@ def test_no_pattern_over_names_from_files_lets_a_final_newline_through():
         assert pattern.match(name) and not pattern.match(name + "\n"), pattern.pattern
     for pattern, name in [(_INPUT, "m/aten.add[in0]"), (_OUTPUT, "m/aten.add[out0]")]:
         assert pattern.search(name) and not pattern.search(name + "\n"), pattern.pattern
+
+
+def test_a_call_number_before_the_labels_is_refused_not_read_as_a_module_name():
+    """parse_key('model.layers.0.attn::call2[0][logits]') gave module 'model.layers.0.attn::call2':
+    the call number belongs at the end of a key ('...[0][logits]::call2')."""
+    import pytest
+
+    from tdinspect.errors import KeyGrammarError
+    from tdinspect.naming import parse_key
+
+    with pytest.raises(KeyGrammarError, match="expected 'module"):
+        parse_key("model.layers.0.attn::call2[0][logits]")
+    with pytest.raises(KeyGrammarError):
+        parse_key("model/aten.add.Tensor::call1[out0]")
+    good = parse_key("model.layers.0.attn[0][logits]::call2")
+    assert (good.module, good.call, good.labels) == ("model.layers.0.attn", 2, ("0", "logits"))
