@@ -432,3 +432,39 @@ def test_a_transform_rule_keeps_the_rank_of_a_sharded_a_side(tmp_path):
     assert div is not None and "rank 0 (tp 0 of 2)" in div.reason and "rank 1 (tp 1" not in div.reason, (
         div.reason
     )
+
+
+def test_a_tp_shape_mismatch_without_unshard_names_the_ranks_and_unshard(tmp_path):
+    """A full run against a TP=2 dump without unshard: the shape mismatch says B holds the
+    entry in 2 ranks (tp) and to compare with unshard, in the API and the CLI; the other
+    way round A is the sharded side."""
+    ref, tp2 = _emulated_tp2(tmp_path)
+    hint = "holds this entry in 2 ranks (tp); compare with unshard=True / --unshard"
+    div = tdinspect.DumpSet.open(ref).diff(tp2).first_divergence()
+    assert div.structural and div.reason.startswith("shape [2, 4, 6] vs [2, 4, 3]"), div.reason
+    assert f"B {hint}" in div.reason, div.reason
+    back = tdinspect.DumpSet.open(tp2).diff(ref).first_divergence()
+    assert f"A {hint}" in back.reason, back.reason
+    assert tdinspect.DumpSet.open(ref).diff(tp2, unshard=True).first_divergence() is None
+    out = subprocess.run(
+        [sys.executable, "-m", "tdinspect", "first-divergence", str(ref), str(tp2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert f"B {hint}" in out.stdout, out.stdout + out.stderr
+
+
+def test_shards_without_coordinates_that_add_up_are_hinted(tmp_path):
+    """Ranks that record no parallel coordinates but whose shapes add up along one dim to
+    the other side's are hinted too (without an axis name); shapes that do not add up
+    are not."""
+    _write_rank(tmp_path / "a", 0, {}, {"m.q": torch.ones(2, 6)}, {})
+    for r in range(2):
+        _write_rank(tmp_path / "b", r, {}, {"m.q": torch.ones(2, 3)}, {})
+        _write_rank(tmp_path / "c", r, {}, {"m.q": torch.ones(2, 2)}, {})
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b").first_divergence()
+    assert "(B holds this entry in 2 ranks; compare with unshard=True / --unshard)" in div.reason, div.reason
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "c").first_divergence()
+    assert div.reason.startswith("shape ") and "unshard" not in div.reason, div.reason

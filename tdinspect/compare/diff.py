@@ -205,9 +205,25 @@ class Diff:
                     self.chunk,
                     reason,
                     self.mapping,
+                    *self._peers(rank, p, pa, pb),
                 )
             )
         return jobs
+
+    def _peers(self, rank: int, p: int, pa, pb) -> tuple[tuple, tuple]:
+        """Each side's pass ``p`` in its other ranks, where that side has more ranks than the
+        other (a tensor-parallel run against a smaller one): its shape mismatches are
+        hinted as shards (:func:`tdinspect.compare.passes._hint_shards`); ``((), ())`` else."""
+        if pa is None or pb is None:
+            return (), ()
+        out = []
+        for mine, theirs in ((self.a, self.b), (self.b, self.a)):
+            if len(mine.ranks) > len(theirs.ranks):
+                found = (mine.pass_map.get((r, p)) for r in mine.ranks if r != rank)
+                out.append(tuple(pi for pi in found if pi is not None))
+            else:
+                out.append(())
+        return out[0], out[1]
 
     def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], pd.DataFrame]]:
         """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached.
