@@ -379,3 +379,92 @@ def test_tp2_fault_in_rank1_shard_is_named_with_its_rank(tp_runs):
         )
         == 1
     )
+
+
+def _emulated_tp2(root, fault_rank=None):
+    """A full Linear (``root/ref``) and its column-parallel TP=2 shards captured in one
+    process (``root/tp2``); ``fault_rank``'s shard gets a perturbed bias."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    x = torch.randn(2, 4, 8, generator=gen)
+    with torch.no_grad(), tdinspect.capture(full, root / "ref") as dump:
+        full(x)
+        dump.step()
+    for rank in range(2):
+        part = torch.nn.Sequential(torch.nn.Linear(8, 3))
+        part[0].weight.data.copy_(full[0].weight.data.chunk(2)[rank])
+        part[0].bias.data.copy_(full[0].bias.data.chunk(2)[rank] + (0.5 if rank == fault_rank else 0.0))
+        with (
+            torch.no_grad(),
+            tdinspect.capture(
+                part, root / "tp2", parallel={"tp": (rank, 2)}, dims={"0$": "b s h(tp)"}
+            ) as dump,
+        ):
+            part(x)
+            dump.step()
+    return root / "ref", root / "tp2"
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        None,
+        {r"model\.0": ["model.0", "reshape(2, 4, 6)"]},
+        {r"model\.0": ["model.0", "flatten(0, 1).reshape(2, 4, 6)"]},
+    ],
+    ids=["no-rule", "noop-reshape", "flatten-reshape"],
+)
+def test_a_transform_rule_keeps_the_faulty_rank(tmp_path, mapping):
+    """A mapping rule with a transform (here one that changes nothing) still names the rank
+    whose shard differs: the shards' slices are followed through the transform."""
+    ref, tp2 = _emulated_tp2(tmp_path, fault_rank=1)
+    div = tdinspect.DumpSet.open(ref).diff(tp2, mapping=mapping, unshard=True).first_divergence()
+    assert div is not None and div.key == "model.0"
+    assert "rank 1 (tp 1 of 2)" in div.reason and "rank 0 (tp 0" not in div.reason, div.reason
+
+
+def test_a_transform_rule_keeps_the_rank_of_a_sharded_a_side(tmp_path):
+    """A the sharded run, B the full one behind a transform: A's slices are in the
+    transform's output, and still name the rank."""
+    ref, tp2 = _emulated_tp2(tmp_path, fault_rank=0)
+    rule = {r"model\.0": ["model.0", "flatten(0, 1).reshape(2, 4, 6)"]}
+    div = tdinspect.DumpSet.open(tp2).diff(ref, mapping=rule, unshard=True).first_divergence()
+    assert div is not None and "rank 0 (tp 0 of 2)" in div.reason and "rank 1 (tp 1" not in div.reason, (
+        div.reason
+    )
+
+
+def test_a_tp_shape_mismatch_without_unshard_names_the_ranks_and_unshard(tmp_path):
+    """A full run against a TP=2 dump without unshard: the shape mismatch says B holds the
+    entry in 2 ranks (tp) and to compare with unshard, in the API and the CLI; the other
+    way round A is the sharded side."""
+    ref, tp2 = _emulated_tp2(tmp_path)
+    hint = "holds this entry in 2 ranks (tp); compare with unshard=True / --unshard"
+    div = tdinspect.DumpSet.open(ref).diff(tp2).first_divergence()
+    assert div.structural and div.reason.startswith("shape [2, 4, 6] vs [2, 4, 3]"), div.reason
+    assert f"B {hint}" in div.reason, div.reason
+    back = tdinspect.DumpSet.open(tp2).diff(ref).first_divergence()
+    assert f"A {hint}" in back.reason, back.reason
+    assert tdinspect.DumpSet.open(ref).diff(tp2, unshard=True).first_divergence() is None
+    out = subprocess.run(
+        [sys.executable, "-m", "tdinspect", "first-divergence", str(ref), str(tp2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert f"B {hint}" in out.stdout, out.stdout + out.stderr
+
+
+def test_shards_without_coordinates_that_add_up_are_hinted(tmp_path):
+    """Ranks that record no parallel coordinates but whose shapes add up along one dim to
+    the other side's are hinted too (without an axis name); shapes that do not add up
+    are not."""
+    _write_rank(tmp_path / "a", 0, {}, {"m.q": torch.ones(2, 6)}, {})
+    for r in range(2):
+        _write_rank(tmp_path / "b", r, {}, {"m.q": torch.ones(2, 3)}, {})
+        _write_rank(tmp_path / "c", r, {}, {"m.q": torch.ones(2, 2)}, {})
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b").first_divergence()
+    assert "(B holds this entry in 2 ranks; compare with unshard=True / --unshard)" in div.reason, div.reason
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "c").first_divergence()
+    assert div.reason.startswith("shape ") and "unshard" not in div.reason, div.reason

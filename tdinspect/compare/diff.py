@@ -45,7 +45,7 @@ from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
-from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, problem_of
+from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
 from tdinspect.compare.thresholds import (
     BEFORE,
     Divergence,
@@ -205,9 +205,25 @@ class Diff:
                     self.chunk,
                     reason,
                     self.mapping,
+                    *self._peers(rank, p, pa, pb),
                 )
             )
         return jobs
+
+    def _peers(self, rank: int, p: int, pa, pb) -> tuple[tuple, tuple]:
+        """Each side's pass ``p`` in its other ranks, where that side has more ranks than the
+        other (a tensor-parallel run against a smaller one): its shape mismatches are
+        hinted as shards (:func:`tdinspect.compare.passes._hint_shards`); ``((), ())`` else."""
+        if pa is None or pb is None:
+            return (), ()
+        out = []
+        for mine, theirs in ((self.a, self.b), (self.b, self.a)):
+            if len(mine.ranks) > len(theirs.ranks):
+                found = (mine.pass_map.get((r, p)) for r in mine.ranks if r != rank)
+                out.append(tuple(pi for pi in found if pi is not None))
+            else:
+                out.append(())
+        return out[0], out[1]
 
     def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], pd.DataFrame]]:
         """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached.
@@ -695,9 +711,13 @@ class Diff:
                 )
 
     def _locate(self, row: dict, m, thr: float) -> str:
-        """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ."""
-        if self.mapping is not None and self.mapping.partner(row["op"])[1] is not None:
-            return ""  # B is transformed: its slices are no longer the shards' slices
+        """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ.
+
+        A transformed B (a mapping rule's transform) is compared as the diff compares it:
+        A's parts are slices of the transform's output, B's are followed through the
+        transform (:func:`_part_masks`).
+        """
+        transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
         for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
             pi = side.pass_map.get((row["rank"], row["pass"]))
             node = pi.plans.get(key) if isinstance(pi, LogicalPass) else None
@@ -712,10 +732,22 @@ class Diff:
                 continue
             ya = self.a.get_pass(row["pass"], row["rank"]).tensor(row["key"])
             xb = self.b.get_pass(row["pass"], row["rank"]).tensor(row["key_b"])
+            masks = None
+            if transform is not None:
+                if side is self.b:
+                    masks = _part_masks(transform, xb.shape, parts, ya.shape)
+                    if masks is None:
+                        continue  # the transform does not only move elements: no slices to follow
+                xb, why = apply_transform(transform, xb, ya)
+                if why:
+                    return ""
             bad = []
-            for label, spans, dim in parts:
-                y = torch.cat([ya.narrow(dim, s, n) for s, n in spans], dim)
-                x = torch.cat([xb.narrow(dim, s, n) for s, n in spans], dim)
+            for n_part, (label, spans, dim) in enumerate(parts):
+                if masks is not None:
+                    y, x = ya[masks[n_part]], xb[masks[n_part]]
+                else:
+                    y = torch.cat([ya.narrow(dim, s, n) for s, n in spans], dim)
+                    x = torch.cat([xb.narrow(dim, s, n) for s, n in spans], dim)
                 value = compare_tensors(x, y, chunk=self.chunk)[m.name]
                 if m.diverges(value, thr):
                     bad.append(f"{label}: {m.name} {value:.3g}")
@@ -999,3 +1031,28 @@ class Diff:
 
 def _num(v: float):
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def _part_masks(transform, shape, parts, out_shape) -> list[torch.Tensor] | None:
+    """Where each part of B (``slices_of``'s spans in B's shape) lands after ``transform``:
+    one boolean mask of ``out_shape`` per part, each element in exactly one. ``None`` when
+    the transform does not only move elements (it computes, drops or repeats them)."""
+    masks, seen = [], None
+    for _label, spans, dim in parts:
+        mark = torch.zeros(tuple(shape), dtype=torch.float32)
+        for s, n in spans:
+            mark.narrow(dim, s, n).fill_(1.0)
+        try:
+            out = transform(mark)
+        except Exception:  # a user's callable: no masks, no rank named
+            return None
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(out_shape):
+            return None
+        if not bool(((out == 0) | (out == 1)).all()):
+            return None
+        mask = out == 1
+        seen = mask.to(torch.int64) if seen is None else seen + mask
+        masks.append(mask)
+    if seen is None or not bool((seen == 1).all()):
+        return None
+    return masks

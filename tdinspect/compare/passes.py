@@ -44,6 +44,10 @@ class PassJob:
     chunk: int
     missing_reason: str = ""
     mapping: Any = None
+    # each side's same pass in its other ranks, where the other side has fewer ranks: a
+    # shape mismatch that is a tensor-parallel shard says so (_hint_shards)
+    peers_a: tuple = ()
+    peers_b: tuple = ()
 
     def keep(self, key: str) -> bool:
         return self.pattern is None or bool(self.pattern.search(split_call(key)[0]))
@@ -104,6 +108,7 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
             job.chunk,
         )
     _hint_concat(rows, pa, pb)
+    _hint_shards(rows, job)
     return rows
 
 
@@ -205,6 +210,34 @@ def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> No
                     f"{side}.concat('call', dim={dim}), or capture {other} on those "
                     f"{total} tokens and use CLI --concat call:{dim})"
                 )
+            break
+
+
+def _hint_shards(rows: list[dict[str, Any]], job: PassJob) -> None:
+    """Say so where a shape mismatch is one side's tensor-parallel shard: that side holds
+    the entry in several ranks whose shapes along one dim add up to the other side's, or
+    records parallel coordinates (compare with ``unshard=True``)."""
+    mismatched = [r for r in rows if r["structural"] and r["reason"].startswith("shape ")]
+    if not mismatched or not (job.peers_a or job.peers_b):
+        return
+    for row in mismatched:
+        for side, mine, peers, key, other, theirs in (
+            ("B", job.b, job.peers_b, row["key_b"] or row["key"], job.a, row["key"]),
+            ("A", job.a, job.peers_a, row["key"], job.b, row["key_b"] or row["key"]),
+        ):
+            if not peers or mine is None or other is None:
+                continue
+            shapes = [pi.shape[pi.position[key]] for pi in (mine, *peers) if key in pi.position]
+            target = other.shape[other.position[theirs]] if theirs in other.position else None
+            axes = [a for a, (_i, size) in sorted(mine.parallel.items()) if size > 1]
+            found = _concat_dim(shapes, [target])  # None unless two or more shapes
+            adds_up = found is not None and found[1] == found[2]
+            if not (adds_up or axes):
+                continue
+            held = f"{side} holds this entry in {len(shapes)} ranks" + (
+                f" ({', '.join(axes)})" if axes else ""
+            )
+            row["reason"] += f" ({held}; compare with unshard=True / --unshard)"
             break
 
 
