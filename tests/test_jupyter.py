@@ -598,3 +598,28 @@ def test_a_capture_cell_whose_code_raises_fails_the_cell_and_stops_run_all(tmp_p
     assert "marked failed in its sidecar" in _text(nb.cells[1])
     ds = DumpSet.open(tmp_path / "cap")
     assert ds.passes == [0] and ds.ops == ["model.0"]
+
+
+def test_dumpset_explorer_clears_stale_views_and_the_call_slider_follows_the_op(runs):
+    ex = tdinspect.explore(DumpSet.open(runs["ref"]))
+    ex.search.value = r"expert"
+    assert ex.call.max == 2  # model.expert is called three times
+    ex.call.value = 2
+    assert ex.fig.axes[0].images  # its heatmap
+    ex.search.value = r"embed"
+    assert ex.op.value == "model.embed"
+    assert (ex.call.max, ex.call.value) == (0, 0)  # one call: the slider clamped, not "no call 2"
+    assert ex.fig.axes[0].images and ex.fig._suptitle.get_text() == "model.embed"
+    ex.search.value = r"nothing matches this"
+    assert "no op matches" in ex.stats.value
+    assert len(ex.fig.axes) == 1 and not ex.fig.axes[0].images  # no heatmap left over
+    assert "no op matches" in ex.fig.axes[0].get_title()
+    ex.search.value = r"expert"
+    assert (ex.call.max, ex.call.value) == (2, 0)
+    e = ex.entries  # model.expert without its call 2 in pass 1 (called twice in that pass)
+    ex.entries = e[~((e["op"] == "model.expert") & (e["call"] == 2) & (e["pass"] == 1))]
+    ex.pass_.value = 1
+    ex.call.value = 2
+    assert "has no call 2 in pass 1" in ex.stats.value
+    assert not any(ax.images for ax in ex.fig.axes)  # not model.expert::call1's heatmap
+    assert "has no call 2" in ex.fig.axes[0].get_title()

@@ -461,8 +461,8 @@ class DumpSetExplorer:
         self.entries = ds.entries(progress=False)
         self.search = W.Text(description="search", placeholder="regex on names")
         self.op = W.Dropdown(options=_labelled(ds.ops), description="op")
-        calls = int(self.entries["call"].max())
-        self.call = W.IntSlider(0, 0, max(calls, 0), description="call", continuous_update=False)
+        self.call = W.IntSlider(0, 0, 0, description="call", continuous_update=False)
+        self._quiet = False
         self.pass_ = W.SelectionSlider(options=ds.passes, description="pass", continuous_update=False)
         self.stats = W.HTML()
         self.view = FigureView((10, 3.5))
@@ -490,7 +490,28 @@ class DumpSetExplorer:
         self.update()
 
     def _on_change(self, change) -> None:
-        self.update()
+        if not self._quiet:
+            self.update()
+
+    def _follow_calls(self) -> None:
+        """The call slider spans the picked op's calls (its value clamped into them)."""
+        calls = self.entries.loc[self.entries["op"] == self.op.value, "call"]
+        top = int(calls.max()) if len(calls) else 0
+        quiet, self._quiet = self._quiet, True
+        try:
+            if self.call.value > top:
+                self.call.value = top
+            self.call.max = top
+        finally:
+            self._quiet = quiet
+
+    def _blank(self, message: str) -> None:
+        """Nothing to draw: an empty axes saying why (never the previous op's picture)."""
+        self.fig.clear()
+        ax = self.fig.add_subplot()
+        ax.set_axis_off()
+        ax.set_title(plots._plain(message), fontsize=9)
+        self.view.refresh()
 
     def update(self) -> None:
         """Show the picked op's statistics and tensor."""
@@ -500,16 +521,18 @@ class DumpSetExplorer:
 
         if self.op.value is None:
             self.stats.value = f"no op matches {html_text(repr(self.search.value))}"
+            self._blank(f"no op matches {self.search.value!r}")
             return
+        self._follow_calls()
         rows = self.entries[
             (self.entries["op"] == self.op.value)
             & (self.entries["call"] == self.call.value)
             & (self.entries["pass"] == self.pass_.value)
         ]
         if rows.empty:
-            self.stats.value = (
-                f"{html_text(self.op.value)} has no call {self.call.value} in pass {self.pass_.value}"
-            )
+            text = f"{self.op.value} has no call {self.call.value} in pass {self.pass_.value}"
+            self.stats.value = html_text(text)
+            self._blank(text)
             return
         r = rows.iloc[0]
         cols = ["key", "dtype", "shape", "min", "max", "mean", "std", "nan", "inf"]
