@@ -255,14 +255,24 @@ class DiffExplorer:
                 slider.min, slider.max = lo, max(sc.hi, math.ceil(math.log10(value)))
             else:
                 slider.min, slider.max = sc.lo, max(sc.hi, value)
-            slider.step, slider.readout_format = sc.step, sc.fmt
+            slider.step = sc.step
             slider.value = value
+            self._readout(name)
             slider.disabled = name == "equal"  # bitwise equality has one threshold: 1
         self.threshold_box.children = [slider, self.auto]
         self.direction.value = (
             f"<small>diverges {'above' if m.higher_is_worse else 'below'}"
             f"{' (0 = not bitwise equal)' if name == 'equal' else ''}</small>"
         )
+
+    def _readout(self, name: str) -> None:
+        """The slider shows its value with the digits that tell it from 1 (cosine 0.99999999 is
+        not 1.000000), and its step is fine enough to hold that value."""
+        sc, slider = plots.scale(name), self.threshold
+        fmt = sc.readout(slider.value)
+        slider.readout_format = fmt
+        if sc.near_one and fmt != sc.fmt:
+            slider.step = min(sc.step, 10.0 ** -int(fmt[1:-1]))
 
     # -- callbacks ---------------------------------------------------------------------------
     def _timed(self, kind: str, fn, *args) -> None:
@@ -289,6 +299,7 @@ class DiffExplorer:
         if not self._quiet and change["owner"] is self.threshold:
             with self._hold():
                 self.auto.value = False  # a number for every entry now
+                self._readout(self.metric.value)
             self._timed("threshold", self.update, True)
 
     def _on_auto(self, change) -> None:
@@ -297,6 +308,7 @@ class DiffExplorer:
         if change["new"]:
             with self._hold():
                 self.threshold.value = self._auto_shown(self.metric.value)
+                self._readout(self.metric.value)
         self._timed("threshold", self.update, True)
 
     def _on_pick(self, change) -> None:
