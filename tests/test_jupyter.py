@@ -598,3 +598,72 @@ def test_a_capture_cell_whose_code_raises_fails_the_cell_and_stops_run_all(tmp_p
     assert "marked failed in its sidecar" in _text(nb.cells[1])
     ds = DumpSet.open(tmp_path / "cap")
     assert ds.passes == [0] and ds.ops == ["model.0"]
+
+
+def test_dumpset_explorer_clears_stale_views_and_the_call_slider_follows_the_op(runs):
+    ex = tdinspect.explore(DumpSet.open(runs["ref"]))
+    ex.search.value = r"expert"
+    assert ex.call.max == 2  # model.expert is called three times
+    ex.call.value = 2
+    assert ex.fig.axes[0].images  # its heatmap
+    ex.search.value = r"embed"
+    assert ex.op.value == "model.embed"
+    assert (ex.call.max, ex.call.value) == (0, 0)  # one call: the slider clamped, not "no call 2"
+    assert ex.fig.axes[0].images and ex.fig._suptitle.get_text() == "model.embed"
+    ex.search.value = r"nothing matches this"
+    assert "no op matches" in ex.stats.value
+    assert len(ex.fig.axes) == 1 and not ex.fig.axes[0].images  # no heatmap left over
+    assert "no op matches" in ex.fig.axes[0].get_title()
+    ex.search.value = r"expert"
+    assert (ex.call.max, ex.call.value) == (2, 0)
+    e = ex.entries  # model.expert without its call 2 in pass 1 (called twice in that pass)
+    ex.entries = e[~((e["op"] == "model.expert") & (e["call"] == 2) & (e["pass"] == 1))]
+    ex.pass_.value = 1
+    ex.call.value = 2
+    assert "has no call 2 in pass 1" in ex.stats.value
+    assert not any(ax.images for ax in ex.fig.axes)  # not model.expert::call1's heatmap
+    assert "has no call 2" in ex.fig.axes[0].get_title()
+
+
+def test_cosine_near_1_is_written_with_the_digits_that_tell_it_from_1(runs):
+    import numpy as np
+    import torch
+
+    from tdinspect.jupyter import plots
+    from tdinspect.jupyter.dashboard import Dashboard
+
+    diff = DumpSet.open(runs["ref"]).diff(runs["wrong"])
+    board = Dashboard(diff, metric="cosine", threshold=0.99999999)
+    ex = board.explorer
+    slider = ex.threshold
+    shown = format(slider.value, slider.readout_format)  # what the slider's readout shows
+    assert shown not in ("1", "1.000000") and float(shown) == 0.99999999
+    ex.threshold.value = 0.9999999
+    assert format(slider.value, slider.readout_format) != shown
+    texts = {v: plots.value_text("cosine", v) for v in (0.99999999, 0.9999999)}
+    assert texts[0.99999999] == "0.99999999" and texts[0.9999999] == "0.9999999"
+    # the dashboard's rows: a diverging cosine is not "cosine: 1"
+    t = ex.table
+    board._labels.clear()
+    t.loc[t.index[0], "cosine"] = 0.99999999
+    t.loc[t.index[1], "cosine"] = 0.9999999
+    labels = board._row_labels("cosine")
+    assert labels[0].endswith(" 0.99999999") and labels[1].endswith(" 0.9999999")
+    # the side-by-side panel's metrics
+    a = torch.ones(1000, dtype=torch.float64)
+    b = a.clone()
+    b[0] += 2e-4  # cosine 1 - 2e-11: written apart from 1
+    from matplotlib.figure import Figure
+
+    sbs = plots.SideBySide(Figure())
+    sbs.update(a, b, "x")
+    cos = next(line for line in sbs.metrics.get_text().splitlines() if line.startswith("cosine"))
+    assert cos != "cosine: 1" and not cos.endswith(" 1")
+    # the divergence plot's y axis: values near 1 on their own, no offset printed over the labels
+    t["cosine"] = np.linspace(0.9999999, 0.99999999, len(t))
+    ex._redraw_plot()
+    ex.plot.png()  # drawn: the tick labels and offset are computed
+    ax = ex.ax
+    assert ax.yaxis.get_offset_text().get_text() == ""
+    ticks = [lbl.get_text() for lbl in ax.get_yticklabels() if lbl.get_text()]
+    assert len(set(ticks)) == len(ticks) > 1 and all(float(x.replace("\u2212", "-")) < 1 for x in ticks[:-1])

@@ -18,6 +18,7 @@ import time
 import ipywidgets as W
 from IPython.display import display
 
+from tdinspect.jupyter.plots import value_text
 from tdinspect.jupyter.widgets import DiffExplorer
 from tdinspect.util.terminal import html_text, visible
 
@@ -82,7 +83,7 @@ class Dashboard:
         if labels is None:
             t = self.explorer.table
             texts = [
-                reason if structural else (f"{v:.3g}" if v == v else "-")
+                reason if structural else value_text(name, v)
                 for v, structural, reason in zip(
                     t[name].to_numpy(float).tolist(), t["structural"].tolist(), t["reason"].tolist()
                 )

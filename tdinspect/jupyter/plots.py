@@ -40,10 +40,34 @@ class Scale:
     hi: float
     step: float
     fmt: str  # the slider's readout format; thresholds are written the same way
+    near_one: bool = False  # values crowd at 1 (cosine): written with the digits that tell them from 1
+
+    def readout(self, value: float) -> str:
+        """The slider's readout format for ``value`` (cosine: ``.8f`` for 0.99999999, never 1.000000)."""
+        if self.near_one and math.isfinite(value):
+            return f".{max(int(self.fmt[1:-1]), _digits_from_one(value))}f"
+        return self.fmt
 
     def text(self, value: float) -> str:
         """A threshold written as the slider shows it."""
-        return format(value, self.fmt)
+        return format(value, self.readout(value))
+
+
+def _digits_from_one(value: float) -> int:
+    """Significant digits that tell ``value`` from 1 (:func:`~tdinspect.compare.thresholds.digits_apart`)."""
+    from tdinspect.compare.thresholds import digits_apart
+
+    return digits_apart(value, 1.0)
+
+
+def value_text(metric_name: str, value: float) -> str:
+    """A metric's value as the views write it: 3 significant digits; a cosine with the digits
+    that tell it from 1 (``0.99999999``, never ``1``), as the CLI does."""
+    if value != value:
+        return "-"
+    if metric_name == "cosine" and math.isfinite(value):
+        return f"{value:.{_digits_from_one(value)}g}"
+    return f"{value:.3g}"
 
 
 _SCALES = {
@@ -54,7 +78,7 @@ _SCALES = {
     "mean_abs": Scale(True, -12, 3, 0.25, ".1e"),
     "max_rel": Scale(True, -12, 3, 0.25, ".1e"),
     "stats_rel": Scale(True, -12, 3, 0.25, ".1e"),
-    "cosine": Scale(False, 0.0, 1.0, 1e-6, ".6f"),
+    "cosine": Scale(False, 0.0, 1.0, 1e-6, ".6f", near_one=True),
     "sqnr_db": Scale(False, 0.0, 200.0, 0.5, ".1f"),
     "mismatch": Scale(False, 0.0, 1.0, 1e-3, ".3f"),
     "equal": Scale(False, 0.0, 1.0, 1.0, ".0f"),
@@ -153,6 +177,10 @@ class DivergencePlot:
         inf = np.isinf(y) & (y > 0)
         bad_band = 0.97 if metric.higher_is_worse else 0.03
         ax.set_yscale("log" if sc.log else "linear")
+        if not sc.log:  # no "1e-6+9.9999e-1" offset over the labels: each tick written in full
+            from matplotlib.ticker import ScalarFormatter
+
+            ax.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
         self.line.set_data(x, np.where(shown, y, np.nan))
         self.line.set_label(metric.name)
         for artist, mask, at in (
@@ -456,7 +484,9 @@ class SideBySide:
         ax.axis("on" if nonzero.size else "off")
         m = compare_tensors(b, a) if a.shape == b.shape else {}
         self.metrics.set_text(
-            "\n".join(f"{k}: {v:.3g}" for k, v in m.items() if isinstance(v, float) and not math.isnan(v))
+            "\n".join(
+                f"{k}: {value_text(k, v)}" for k, v in m.items() if isinstance(v, float) and not math.isnan(v)
+            )
         )
         self.title.set_text(_plain(title))
 

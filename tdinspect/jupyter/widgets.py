@@ -255,14 +255,24 @@ class DiffExplorer:
                 slider.min, slider.max = lo, max(sc.hi, math.ceil(math.log10(value)))
             else:
                 slider.min, slider.max = sc.lo, max(sc.hi, value)
-            slider.step, slider.readout_format = sc.step, sc.fmt
+            slider.step = sc.step
             slider.value = value
+            self._readout(name)
             slider.disabled = name == "equal"  # bitwise equality has one threshold: 1
         self.threshold_box.children = [slider, self.auto]
         self.direction.value = (
             f"<small>diverges {'above' if m.higher_is_worse else 'below'}"
             f"{' (0 = not bitwise equal)' if name == 'equal' else ''}</small>"
         )
+
+    def _readout(self, name: str) -> None:
+        """The slider shows its value with the digits that tell it from 1 (cosine 0.99999999 is
+        not 1.000000), and its step is fine enough to hold that value."""
+        sc, slider = plots.scale(name), self.threshold
+        fmt = sc.readout(slider.value)
+        slider.readout_format = fmt
+        if sc.near_one and fmt != sc.fmt:
+            slider.step = min(sc.step, 10.0 ** -int(fmt[1:-1]))
 
     # -- callbacks ---------------------------------------------------------------------------
     def _timed(self, kind: str, fn, *args) -> None:
@@ -289,6 +299,7 @@ class DiffExplorer:
         if not self._quiet and change["owner"] is self.threshold:
             with self._hold():
                 self.auto.value = False  # a number for every entry now
+                self._readout(self.metric.value)
             self._timed("threshold", self.update, True)
 
     def _on_auto(self, change) -> None:
@@ -297,6 +308,7 @@ class DiffExplorer:
         if change["new"]:
             with self._hold():
                 self.threshold.value = self._auto_shown(self.metric.value)
+                self._readout(self.metric.value)
         self._timed("threshold", self.update, True)
 
     def _on_pick(self, change) -> None:
@@ -461,8 +473,8 @@ class DumpSetExplorer:
         self.entries = ds.entries(progress=False)
         self.search = W.Text(description="search", placeholder="regex on names")
         self.op = W.Dropdown(options=_labelled(ds.ops), description="op")
-        calls = int(self.entries["call"].max())
-        self.call = W.IntSlider(0, 0, max(calls, 0), description="call", continuous_update=False)
+        self.call = W.IntSlider(0, 0, 0, description="call", continuous_update=False)
+        self._quiet = False
         self.pass_ = W.SelectionSlider(options=ds.passes, description="pass", continuous_update=False)
         self.stats = W.HTML()
         self.view = FigureView((10, 3.5))
@@ -490,7 +502,28 @@ class DumpSetExplorer:
         self.update()
 
     def _on_change(self, change) -> None:
-        self.update()
+        if not self._quiet:
+            self.update()
+
+    def _follow_calls(self) -> None:
+        """The call slider spans the picked op's calls (its value clamped into them)."""
+        calls = self.entries.loc[self.entries["op"] == self.op.value, "call"]
+        top = int(calls.max()) if len(calls) else 0
+        quiet, self._quiet = self._quiet, True
+        try:
+            if self.call.value > top:
+                self.call.value = top
+            self.call.max = top
+        finally:
+            self._quiet = quiet
+
+    def _blank(self, message: str) -> None:
+        """Nothing to draw: an empty axes saying why (never the previous op's picture)."""
+        self.fig.clear()
+        ax = self.fig.add_subplot()
+        ax.set_axis_off()
+        ax.set_title(plots._plain(message), fontsize=9)
+        self.view.refresh()
 
     def update(self) -> None:
         """Show the picked op's statistics and tensor."""
@@ -500,16 +533,18 @@ class DumpSetExplorer:
 
         if self.op.value is None:
             self.stats.value = f"no op matches {html_text(repr(self.search.value))}"
+            self._blank(f"no op matches {self.search.value!r}")
             return
+        self._follow_calls()
         rows = self.entries[
             (self.entries["op"] == self.op.value)
             & (self.entries["call"] == self.call.value)
             & (self.entries["pass"] == self.pass_.value)
         ]
         if rows.empty:
-            self.stats.value = (
-                f"{html_text(self.op.value)} has no call {self.call.value} in pass {self.pass_.value}"
-            )
+            text = f"{self.op.value} has no call {self.call.value} in pass {self.pass_.value}"
+            self.stats.value = html_text(text)
+            self._blank(text)
             return
         r = rows.iloc[0]
         cols = ["key", "dtype", "shape", "min", "max", "mean", "std", "nan", "inf"]
