@@ -23,18 +23,10 @@ def _stance() -> str:
 
 
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    pytest.importorskip("transformers")
+    from tdinspect.examples.port import make_hf_llama  # the project's tiny Llama (random weights)
+
+    return make_hf_llama(vocab_size=64, max_position_embeddings=32)
 
 
 def test_every_path_out_of_a_capture_of_a_compiled_model_restores_the_stance(tmp_path):
