@@ -46,6 +46,7 @@ from tdinspect.compare.baseline import FACTOR, LACKING, Budget, check_factor
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
+from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
 from tdinspect.compare.thresholds import (
     BEFORE,
@@ -421,14 +422,8 @@ class Diff:
         self._want_stats_rel = self._want_stats_rel or metric_name == "stats_rel"
         if self.mode == "stats" and metric_name == "equal":
             for name, side in (("A", self.a), ("B", self.b)):
-                if not any(
-                    pi.checksum and any(c is not None for c in pi.checksum) for pi in side.pass_indexes()
-                ):
-                    raise ValueError(
-                        f"metric='equal' on a statistics-only diff compares checksums, "
-                        f"and {name} ({side.path}) has none: capture it with "
-                        "checksum=True"
-                    )
+                if not any(_has_checksums(pi) for pi in side.pass_indexes()):
+                    raise ValueError(_no_checksums(name, side))
         elif self.mode == "stats" and metric_name != "stats_rel":
             raise ValueError(
                 f"this diff compares statistics only (a side is stats_only): "
@@ -770,6 +765,21 @@ class Diff:
                     "capture again)"
                 )
 
+    def _rows_located(self, row: dict, m) -> str:
+        """For an entry paired row by row along its checksum dim (a batch of 4 against a batch
+        of 1, :mod:`tdinspect.compare.rows`): which rows differ in their bits."""
+        pa = self.a.pass_map.get((row["rank"], row["pass"]))
+        pb = self.b.pass_map.get((row["rank"], row["pass"]))
+        if pa is None or pb is None or not (pa.checksum_rows and pb.checksum_rows):
+            return ""
+        ia, ib = pa.position.get(row["key"]), pb.position.get(row["key_b"])
+        if ia is None or ib is None:
+            return ""
+        text = rows_text(pa.shape[ia], pb.shape[ib], pa.checksum_rows[ia], pb.checksum_rows[ib])
+        if text and m.name == "stats_rel":
+            text += "; statistics of tensors of other shapes do not compare: metric='equal' compares the rows"
+        return text
+
     def _locate(self, row: dict, m, thr: float) -> str:
         """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ.
 
@@ -777,6 +787,9 @@ class Diff:
         A's parts are slices of the transform's output, B's are followed through the
         transform (:func:`_part_masks`).
         """
+        by_rows = self._rows_located(row, m)
+        if by_rows:
+            return by_rows
         transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
         for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
             pi = side.pass_map.get((row["rank"], row["pass"]))
@@ -1093,6 +1106,31 @@ class Diff:
         from tdinspect.report import diff_html
 
         return diff_html(self)
+
+
+def _has_checksums(pi) -> bool:
+    return bool(pi.checksum) and any(c is not None for c in pi.checksum)
+
+
+def _no_checksums(name: str, side) -> str:
+    """Why ``metric='equal'`` cannot compare a statistics-only side: never captured with
+    checksums, or a derived dump (``narrow``, ``concat``, ``unshard``) of one that was: its
+    entries are parts of stored tensors, and a checksum fingerprints a whole tensor."""
+    derived = [pi for pi in side.pass_indexes() if isinstance(pi, LogicalPass)]
+    if derived and any(_has_checksums(src) for pi in derived for src in pi.sources.values()):
+        what = f" ({visible(derived[0].what)})" if derived[0].what else ""
+        return (
+            f"metric='equal' on a statistics-only diff compares checksums, and {name} ({side.path}) "
+            f"is derived by narrow, concat or unshard{what} from a statistics-only run: its entries are parts or assemblies of the "
+            "tensors captured, and a checksum fingerprints a whole tensor, so they have none. Compare "
+            "the runs as captured; for one batch row against another run, capture both with "
+            "checksum=True, checksum_dim=D (a fingerprint per row along D: rows are paired when "
+            "shapes differ in D only)"
+        )
+    return (
+        f"metric='equal' on a statistics-only diff compares checksums, and {name} ({side.path}) "
+        "has none: capture it with checksum=True"
+    )
 
 
 def _num(v: float):
