@@ -139,5 +139,11 @@ def test_cli_baseline(runs, capsys):
     assert "x the baseline's" in out and "threshold: 10x the baseline's rel_diff against A" in out
     assert main([*fd, str(runs["good"]), *options, "--baseline", str(runs["ref32"])]) == 0
     capsys.readouterr()
+    diff = ["diff", str(runs["ref64"]), str(runs["bad"]), "--mapping", str(runs["rules"])]
+    assert main([*diff, "--allow-uncompared", ONE_SIDED, "--baseline", str(runs["ref32"])]) == 1
+    out = capsys.readouterr().out
+    assert "baseline=" in out.splitlines()[0]
+    assert f"first divergence: {FAULT} (pass 0): rel_diff 5.49e-10, " in out
+    capsys.readouterr()
     assert main([*fd, str(runs["good"]), *options, "--baseline-factor", "5"]) == 2
     assert "--baseline DIR" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 ``capture(stats_only=True, checksum=True, checksum_dim=0)`` stores one fingerprint per row of
 dim 0, so row 0 of a batch-4 run compares bitwise with a batch-1 run: entries whose shapes differ
 only in that dim pair their rows instead of being a shape mismatch. The planted fault is a
-split-K path taken only when the batch is larger than 1 (two halves of K summed separately: the
+split-K path taken only when the batch is larger than 1 (two parts of K summed separately: the
 float result differs in the last bits); the batch-invariant model computes each row alone.
 """
 
@@ -24,7 +24,7 @@ from tdinspect.numerics.checksum import checksum_hex, row_checksums, tensor_chec
 
 class RowLinear(nn.Module):
     """A Linear computed one row at a time (batch-invariant by construction), or, with
-    ``split_k``, summing two halves of K separately when the batch is larger than 1."""
+    ``split_k``, summing two parts of K separately when the batch is larger than 1."""
 
     def __init__(self, n_in: int, n_out: int, split_k: bool = False):
         super().__init__()
@@ -35,7 +35,7 @@ class RowLinear(nn.Module):
     def forward(self, x):
         w, b = self.weight, self.bias
         if self.split_k and x.shape[0] > 1:
-            h = w.shape[1] // 2
+            h = w.shape[1] // 3  # uneven: no kernel blocks K this way
             return F.linear(x[:, :h], w[:, :h]) + F.linear(x[:, h:], w[:, h:]) + b
         return torch.cat([F.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
 
@@ -47,8 +47,11 @@ def _model(split_k: bool) -> nn.Module:
     )
 
 
-def _capture(model, path, x, **options):
-    with torch.no_grad(), tdinspect.capture(model, path, stats_only=True, checksum=True, **options) as dump:
+def _capture(model, path, x, stats_only=True, **options):
+    with (
+        torch.no_grad(),
+        tdinspect.capture(model, path, stats_only=stats_only, checksum=True, **options) as dump,
+    ):
         model(x)
         dump.step()
     return path
@@ -64,6 +67,10 @@ def runs(tmp_path_factory):
         out[name + "1"] = _capture(model, root / f"{name}1", x[:1], checksum_dim=0)
         out[name + "4"] = _capture(model, root / f"{name}4", x, checksum_dim=0)
     out["whole4"] = _capture(_model(True), root / "whole4", x)  # checksum=True alone
+    for n, rows in (("1", x[:1]), ("4", x)):  # tensors stored too
+        out["tensors" + n] = _capture(
+            _model(True), root / f"tensors{n}", rows, stats_only=False, checksum_dim=0
+        )
     return out
 
 
@@ -135,3 +142,14 @@ def test_narrow_of_a_checksummed_statistics_dump_does_not_say_capture_with_check
     text = str(info.value)
     assert "capture it with checksum=True" not in text
     assert "narrow" in text and "checksum_dim" in text
+
+
+def test_with_tensors_the_rows_are_compared_in_numbers(runs):
+    d = DumpSet.open(runs["tensors1"]).diff(runs["tensors4"])
+    div = d.verdict(metric="equal").divergence
+    assert (div.key, div.structural) == ("model.2", False)
+    assert "row 0 of dim 0 differs in its bits" in div.reason
+    rows = d.table().set_index("key")
+    assert 0 < rows.at["model.2", "rel_diff"] < 1e-12  # last-bit differences: split-K rounding
+    assert rows.at["model.0", "equal"] == 1 and rows.at["model.0", "rel_diff"] == 0
+    assert d.verdict().outcome == "matches"  # under float32's auto threshold: only bits differ
