@@ -153,3 +153,19 @@ def test_with_tensors_the_rows_are_compared_in_numbers(runs):
     assert 0 < rows.at["model.2", "rel_diff"] < 1e-12  # last-bit differences: split-K rounding
     assert rows.at["model.0", "equal"] == 1 and rows.at["model.0", "rel_diff"] == 0
     assert d.verdict().outcome == "matches"  # under float32's auto threshold: only bits differ
+
+
+def test_op_level_capture_stores_rows_too(tmp_path):
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    model = _model(False)
+    with (
+        torch.no_grad(),
+        tdinspect.capture_ops(tmp_path, model=model, stats_only=True, checksum=True, checksum_dim=0) as dump,
+    ):
+        model(x)
+        dump.step()
+    entries = json.loads(next(tmp_path.glob("*/pass00000.json")).read_text())["entries"]
+    rows = [r for r in entries["checksum_rows"] if r is not None]
+    assert rows and all(r["dim"] == 0 for r in rows)
+    last = dict(zip(entries["key"], entries["checksum_rows"]))[entries["key"][-1]]
+    assert len(last["rows"]) == 3
