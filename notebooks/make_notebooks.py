@@ -244,6 +244,53 @@ def main():
                 "tdinspect first-divergence ref/ port/ --mapping map.yaml --structural report\n```"
             ),
             CODE("print(s.to_yaml()[:600])"),
+            MD(
+                "## A fault below the threshold: an error budget from a baseline run\n\n"
+                "Some faults stay under float32's `auto` threshold. Here a float32 port whose layer 1 "
+                "post-attention RMSNorm uses eps 1e-5 instead of 1e-6, against a **float64** reference "
+                "(weights of std 0.1: activations of order 1). Judged by `auto`, it matches:"
+            ),
+            CODE(
+                "import copy, torch\n"
+                "from tdinspect.examples.port import LlamaPort, make_hf_llama, port_tokens\n"
+                "def run(model, path):\n"
+                "    with torch.no_grad(), tdinspect.capture(model, path) as dump:\n"
+                "        model(port_tokens(0))\n        dump.step()\n    return path\n"
+                "hf = make_hf_llama(0, initializer_range=0.1)\n"
+                "eps_port = LlamaPort.from_hf(hf)\neps_port.blocks[1].mlp_norm.eps = 1e-5\n"
+                "ref64 = run(copy.deepcopy(hf).double(), root + '/ref64')\n"
+                "ref32 = run(hf, root + '/ref32')                     # the baseline: the reference in float32\n"
+                "good32 = run(LlamaPort.from_hf(hf), root + '/good32')\n"
+                "eps32 = run(eps_port, root + '/eps32')\n"
+                "rules64 = tdinspect.suggest_mapping(ref64, good32).rules\n"
+                "one_sided = 'rotary_emb|act_fn'  # the reference's entries the port computes inline\n"
+                "plain = tdinspect.DumpSet.open(ref64).diff(eps32, mapping=rules64)\n"
+                "print(plain.verdict(structural='report', allow_uncompared=one_sided).text)\n"
+                "t = plain.table(progress=False).set_index('key')\n"
+                "print('rel_diff at the faulty norm:', t.at['model.model.layers.1.post_attention_layernorm', 'rel_diff'])"
+            ),
+            MD(
+                "Its error, 5e-10, is far above float32 rounding noise but under `auto`'s 1.5e-8. A "
+                "numerical analyst measures the noise with a third run: the reference itself in float32 "
+                "(the **baseline**), against the same float64 reference. With `baseline=`, B diverges where "
+                "its error exceeds 10x the baseline's at that entry (`baseline_factor`; at least 8 units "
+                "of roundoff). The baseline pairs with A by name; the mapping pairs B. The plan shows it:"
+            ),
+            CODE(
+                "budget = tdinspect.DumpSet.open(ref64).diff(eps32, mapping=rules64, baseline=ref32)\n"
+                "print(budget)\n"
+                "budget.plan()[['a_key', 'b_key', 'baseline', 'status']].head(6)"
+            ),
+            CODE("budget.verdict(structural='report', allow_uncompared=one_sided).text"),
+            MD("The correct port, against the same baseline: no false alarm (its noise is the baseline's)."),
+            CODE(
+                "ok = tdinspect.DumpSet.open(ref64).diff(good32, mapping=rules64, baseline=ref32)\n"
+                "ok.verdict(structural='report', allow_uncompared=one_sided).text"
+            ),
+            MD(
+                "From the command line: `tdinspect first-divergence ref64/ port32/ --mapping map.yaml "
+                "--baseline ref32/` (`--baseline-factor K` sets k)."
+            ),
         ],
     )
 

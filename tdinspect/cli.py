@@ -209,7 +209,14 @@ def _diff(args):
         from tdinspect.align.mapping import Mapping
 
         mapping = Mapping.from_file(args.mapping)
-    return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat)
+    budget = {}
+    if args.baseline is not None:
+        budget["baseline"] = DumpSet.open(args.baseline, on_error=args.on_error)
+        if args.baseline_factor is not None:
+            budget["baseline_factor"] = args.baseline_factor
+    elif args.baseline_factor is not None:
+        raise _Fail("--baseline-factor K: give the baseline run too (--baseline DIR)")
+    return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat, **budget)
 
 
 # the exit status of each outcome of first-divergence and diff (2: an error)
@@ -469,6 +476,22 @@ def build_parser() -> argparse.ArgumentParser:
                 help="entries (re.search on A's or B's name) that may be one-sided or never "
                 "compared by design: they neither diverge for it nor make the result "
                 "incomplete (exit 3); repeatable",
+            )
+            p.add_argument(
+                "--baseline",
+                metavar="DIR",
+                default=None,
+                help="an error budget: a run of the trusted implementation in B's precision "
+                "(the reference in float32 against a float64 A), paired with A by name; B "
+                "diverges where its error exceeds --baseline-factor times the baseline's "
+                "(at least 4 units of roundoff) instead of the auto rule",
+            )
+            p.add_argument(
+                "--baseline-factor",
+                metavar="K",
+                type=float,
+                default=None,
+                help="how many times the baseline's error B may make (default 10)",
             )
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")

@@ -494,14 +494,19 @@ class DumpSet:
     def diff(self, other: DumpSet | str | os.PathLike, **kwargs) -> Diff:
         """Compare against ``other``; this DumpSet is the reference (``y``).
 
-        See :class:`tdinspect.compare.diff.Diff` for the keyword arguments.
+        See :class:`tdinspect.compare.diff.Diff` for the keyword arguments; ``baseline``
+        (a run of the trusted implementation in B's precision: an error budget) may be a
+        DumpSet or a path.
 
         Examples
         --------
         >>> div = DumpSet.open("a").diff("b").first_divergence()   # doctest: +SKIP
+        >>> DumpSet.open("ref64").diff("port32", baseline="ref32").verdict()  # doctest: +SKIP
         """
         from tdinspect.compare.diff import Diff
 
+        if kwargs.get("baseline") is not None:
+            kwargs["baseline"] = DumpSet.coerce(kwargs["baseline"], client=self.client)
         return Diff(self, DumpSet.coerce(other, client=self.client), **kwargs)
 
     def first_nonfinite(self):

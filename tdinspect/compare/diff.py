@@ -42,9 +42,11 @@ import torch
 from tdinspect.align.logical import LogicalPass, slices_of
 from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
 from tdinspect.compare import cube, growth
+from tdinspect.compare.baseline import FACTOR, LACKING, Budget, check_factor
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
+from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
 from tdinspect.compare.thresholds import (
     BEFORE,
@@ -121,6 +123,18 @@ class Diff:
         ``rotary_emb`` a port computes inline): they never diverge for being one-sided
         and do not make :meth:`verdict` ``"incomplete"``. The answers take their own
         ``allow_uncompared`` too (used instead of this one).
+    baseline : DumpSet, optional
+        An error budget (:mod:`tdinspect.compare.baseline`): a run of the trusted
+        implementation in B's working precision (the reference model in float32 against a
+        float64 A). Paired with A by name (never through ``mapping``, which pairs B), and
+        unsharded / concatenated as A is. Then B diverges where its error against A exceeds
+        ``baseline_factor`` times the baseline's error against A at that entry (at least a
+        few units of roundoff of the dtype), instead of the ``"auto"`` rule; a threshold
+        given to an answer is used instead. Entries the baseline lacks are judged by
+        ``"auto"`` and make the verdict incomplete.
+    baseline_factor : float
+        ``k`` of the budget (default 10: a correct port's rounding noise sits within about
+        1x of the baseline's).
 
     Examples
     --------
@@ -142,9 +156,12 @@ class Diff:
         unshard: bool = False,
         concat: str | tuple | None = None,
         allow_uncompared: str | list[str] | None = None,
+        baseline: Any = None,
+        baseline_factor: float = FACTOR,
     ):
         if unshard:
             a, b = a.unshard(), b.unshard()
+            baseline = baseline.unshard() if baseline is not None else None
         if concat is not None:
             from tdinspect.align.concat import names_dim, parse_concat
 
@@ -155,6 +172,7 @@ class Diff:
                     "or DumpSet.open(dims=...)), or give dim as an int"
                 )
             a, b = a.concat(over, dim), b.concat(over, dim)
+            baseline = baseline.concat(over, dim) if baseline is not None else None
         if align not in ("name", "sequence"):
             raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
         self.mapping = Mapping.coerce(mapping)
@@ -177,6 +195,13 @@ class Diff:
         # entry; row dictionaries took ~1.1 KB)
         self._results = PassFrames()
         self.passes_read: list[tuple[int, int]] = []
+        self.baseline_factor = check_factor(baseline_factor)
+        self.baseline = None  # A against the baseline, by name: the budget's rows
+        if baseline is not None:
+            self.baseline = Diff(
+                a, baseline, client=self.client, chunk=chunk, mode=mode, passes_in_flight=passes_in_flight
+            )
+        self._budgets: dict[str, Budget] = {}
 
     # -- jobs ---------------------------------------------------------------------------
     def _jobs(self) -> list[PassJob]:
@@ -285,7 +310,9 @@ class Diff:
         (after the transform), ``status`` (``"ok"`` or the structural reason
         the diff will give), and ``assembled_a`` / ``assembled_b``: how an
         unsharded or concatenated entry is put together (``cat(dim 2: rank 0
-        (tp 0 of 2), rank 1 (tp 1 of 2))``; ``""`` for a stored entry).
+        (tp 0 of 2), rank 1 (tp 1 of 2))``; ``""`` for a stored entry). With a
+        ``baseline``, ``baseline``: the baseline's entry that sets the A entry's
+        budget (paired by name; ``""`` when the baseline lacks it).
 
         Parameters
         ----------
@@ -330,7 +357,7 @@ class Diff:
                     why, row["shape_b_after"] = layout(pa, ia, pb, ib, transform)
                     row["status"] = why or "ok"
                 out.append(row)
-        return pd.DataFrame(
+        plan = pd.DataFrame(
             out,
             columns=[
                 "rank",
@@ -347,8 +374,38 @@ class Diff:
                 "assembled_b",
             ],
         )
+        if self.baseline is not None:
+            plan["baseline"] = self._baseline_keys(plan)
+        return plan
+
+    def _baseline_keys(self, plan: pd.DataFrame) -> list[str]:
+        """The baseline's entry each plan row's A entry meets (by name), ``""`` when it has none."""
+        out = []
+        for rank, p, a_key in zip(plan["rank"], plan["pass"], plan["a_key"]):
+            pc = self.baseline.b.pass_map.get((rank, p))
+            out.append(a_key if a_key and pc is not None and a_key in pc.position else "")
+        return out
 
     # -- thresholds ---------------------------------------------------------------------
+    def _thresholds(self, threshold, metric_name: str):
+        """The per-row thresholds of an answer: the baseline's budget when the diff has a
+        baseline and no threshold is given, else :func:`threshold_fn`'s."""
+        if self.baseline is None or not (
+            threshold is None or (isinstance(threshold, str) and threshold == AUTO)
+        ):
+            return threshold_fn(threshold, metric_name)
+        if metric_name not in self._budgets:
+            self._budgets[metric_name] = Budget(self.baseline, metric_name, self.baseline_factor)
+        return self._budgets[metric_name]
+
+    def pass_rows(self, rank: int, pass_: int) -> pd.DataFrame | None:
+        """The rows of one (rank, pass) (:data:`COLUMNS`), computed with the passes before it
+        when not cached; ``None`` when neither side holds it."""
+        for k in self._computed(growing=True):
+            if k == (rank, pass_):
+                return self._results[k]
+        return None
+
     @staticmethod
     def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
         """Which rows diverge (a boolean array), by :func:`divergent`."""
@@ -365,14 +422,8 @@ class Diff:
         self._want_stats_rel = self._want_stats_rel or metric_name == "stats_rel"
         if self.mode == "stats" and metric_name == "equal":
             for name, side in (("A", self.a), ("B", self.b)):
-                if not any(
-                    pi.checksum and any(c is not None for c in pi.checksum) for pi in side.pass_indexes()
-                ):
-                    raise ValueError(
-                        f"metric='equal' on a statistics-only diff compares checksums, "
-                        f"and {name} ({side.path}) has none: capture it with "
-                        "checksum=True"
-                    )
+                if not any(_has_checksums(pi) for pi in side.pass_indexes()):
+                    raise ValueError(_no_checksums(name, side))
         elif self.mode == "stats" and metric_name != "stats_rel":
             raise ValueError(
                 f"this diff compares statistics only (a side is stats_only): "
@@ -620,7 +671,7 @@ class Diff:
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         report = structural == "report"
         aside = []
         unseen: list[pd.DataFrame] = []  # the first rows not compared (named in the gap)
@@ -633,17 +684,21 @@ class Diff:
             remaining[p] -= 1
             hit = self._hits(rows, m, thr_fn)
             layout, never = self._layout_rows(rows), self._never_rows(rows)
-            allowed = self._allowed(rows, allow_uncompared) & (layout | never)
+            named = self._allowed(rows, allow_uncompared)
+            allowed = named & (layout | never)
+            # compared in numbers, but not against the budget asked for: judged by "auto"
+            lacking = thr_fn.lacking(rows) if isinstance(thr_fn, Budget) else np.zeros(len(rows), bool)
             if report:
                 aside.append(rows[layout])
                 hit &= ~layout
             hit &= ~allowed  # one-sided by design: never a divergence
-            missed = ((layout & report) | never) & ~allowed
-            counts["compared"] += int((~(layout | never)).sum())
+            missed = ((layout & report) | never | lacking) & ~named
+            counts["compared"] += int((~(layout | never | lacking)).sum())
             counts["uncompared"] += int(missed.sum())
-            counts["allowed"] += int(allowed.sum())
+            counts["allowed"] += int((named & (layout | never | lacking)).sum())
             if missed.any() and sum(map(len, unseen)) < 3:
-                unseen.append(rows[missed].head(3))
+                shown = rows[missed].head(3)
+                unseen.append(shown.assign(reason=np.where(lacking[missed][:3], LACKING, shown["reason"])))
             hits = np.flatnonzero(hit)
             if len(hits):
                 n = int(hits[0])
@@ -710,6 +765,21 @@ class Diff:
                     "capture again)"
                 )
 
+    def _rows_located(self, row: dict, m) -> str:
+        """For an entry paired row by row along its checksum dim (a batch of 4 against a batch
+        of 1, :mod:`tdinspect.compare.rows`): which rows differ in their bits."""
+        pa = self.a.pass_map.get((row["rank"], row["pass"]))
+        pb = self.b.pass_map.get((row["rank"], row["pass"]))
+        if pa is None or pb is None or not (pa.checksum_rows and pb.checksum_rows):
+            return ""
+        ia, ib = pa.position.get(row["key"]), pb.position.get(row["key_b"])
+        if ia is None or ib is None:
+            return ""
+        text = rows_text(pa.shape[ia], pb.shape[ib], pa.checksum_rows[ia], pb.checksum_rows[ib])
+        if text and m.name == "stats_rel":
+            text += "; statistics of tensors of other shapes do not compare: metric='equal' compares the rows"
+        return text
+
     def _locate(self, row: dict, m, thr: float) -> str:
         """For an assembled entry (unshard, concat): the parts (ranks, calls) that differ.
 
@@ -717,6 +787,9 @@ class Diff:
         A's parts are slices of the transform's output, B's are followed through the
         transform (:func:`_part_masks`).
         """
+        by_rows = self._rows_located(row, m)
+        if by_rows:
+            return by_rows
         transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
         for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
             pi = side.pass_map.get((row["rank"], row["pass"]))
@@ -836,7 +909,7 @@ class Diff:
         ``threshold`` and ``allow_uncompared`` as for :meth:`first_divergence`
         (``"auto"`` by default); the column ``threshold`` holds each entry's."""
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         df = self.table(progress)
         df["threshold"] = thr_fn.of_rows(df)
         allowed = self._allowed(df, allow_uncompared) & (self._layout_rows(df) | self._never_rows(df))
@@ -889,7 +962,7 @@ class Diff:
         'model.model.layers.1.mlp.down_proj (pass 0): rel_diff 5e-05, 41% of its threshold 0.000122; 238x the largest error before it in its pass'
         """
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         return growth.nearest(self.table(progress), m, thr_fn, self._where)
 
     def introduced(self, metric: str | None = None, progress: bool = True) -> pd.DataFrame:
@@ -926,7 +999,7 @@ class Diff:
         :meth:`first_divergence` (``"auto"`` by default).
         """
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         out = []
         for (rank, p), rows in self.iter_passes():
             hits = np.flatnonzero(self._hits(rows, m, thr_fn))
@@ -1005,7 +1078,7 @@ class Diff:
         """``threshold`` in words (:meth:`Thresholds.describe`), with the ``"auto"`` values of
         the dtypes compared so far."""
         read = [f for f in self._results.values() if len(f)]
-        return threshold_fn(threshold, metric or self.default_metric).describe(
+        return self._thresholds(threshold, metric or self.default_metric).describe(
             pd.concat(read) if read else None
         )
 
@@ -1019,6 +1092,12 @@ class Diff:
             f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, "
             f"mode={self.mode}, align={self.align}"
         )
+        if self.baseline is not None:
+            head += (
+                f", baseline={str(self.baseline.b.path)!r} (budget: {self.baseline_factor:g}x its error "
+                "against A)"
+            )
+            return head + ")"
         if threshold is not None and not (isinstance(threshold, str) and threshold == AUTO):
             return head + ")"
         return f"{head}, threshold: auto by default ({auto_rule(metric or self.default_metric)}))"
@@ -1027,6 +1106,31 @@ class Diff:
         from tdinspect.report import diff_html
 
         return diff_html(self)
+
+
+def _has_checksums(pi) -> bool:
+    return bool(pi.checksum) and any(c is not None for c in pi.checksum)
+
+
+def _no_checksums(name: str, side) -> str:
+    """Why ``metric='equal'`` cannot compare a statistics-only side: never captured with
+    checksums, or a derived dump (``narrow``, ``concat``, ``unshard``) of one that was: its
+    entries are parts of stored tensors, and a checksum fingerprints a whole tensor."""
+    derived = [pi for pi in side.pass_indexes() if isinstance(pi, LogicalPass)]
+    if derived and any(_has_checksums(src) for pi in derived for src in pi.sources.values()):
+        what = f" ({visible(derived[0].what)})" if derived[0].what else ""
+        return (
+            f"metric='equal' on a statistics-only diff compares checksums, and {name} ({side.path}) "
+            f"is derived by narrow, concat or unshard{what} from a statistics-only run: its entries are parts or assemblies of the "
+            "tensors captured, and a checksum fingerprints a whole tensor, so they have none. Compare "
+            "the runs as captured; for one batch row against another run, capture both with "
+            "checksum=True, checksum_dim=D (a fingerprint per row along D: rows are paired when "
+            "shapes differ in D only)"
+        )
+    return (
+        f"metric='equal' on a statistics-only diff compares checksums, and {name} ({side.path}) "
+        "has none: capture it with checksum=True"
+    )
 
 
 def _num(v: float):

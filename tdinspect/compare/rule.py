@@ -18,6 +18,7 @@ import torch
 from tdinspect.align.args import arg_difference
 from tdinspect.align.logical import LogicalPass, matching_slices
 from tdinspect.compare.pairing import layout_shapes
+from tdinspect.compare.rows import differing_rows, paired_rows
 from tdinspect.errors import AlignError
 from tdinspect.naming import split_call
 from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors, stats_rel
@@ -88,6 +89,7 @@ class Side:
     dtype: Any = None
     pieces: Any = None  # () -> a concatenation's parts (align.logical.pieces), or None
     replica: bool = False  # an unsharded entry without dims: every rank's copy, checked equal
+    rows: Any = None  # capture(checksum_dim=...): {"dim": d, "rows": [fingerprint per index]}
 
 
 def _replica_problem(a: Side, b: Side, mode: str) -> str:
@@ -115,6 +117,10 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
             row["reason"] = a.problem.split(": ", 1)[1]
             return
         row.update(structural=True, reason=a.problem or b.problem)
+        return
+    paired = paired_rows(a.shape, b.shape, a.rows, b.rows) if transform is None else None
+    if paired is not None:  # a batch of 4 against a batch of 1: their common rows
+        _compare_rows(row, a, b, *paired, mode, chunk)
         return
     why, _ = layout_shapes(a.shape, b.shape, transform)
     if why:
@@ -145,6 +151,25 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
             row.update(structural=True, reason=f"{NONFINITE} ({int(bad)} elements)")
     if args_why:  # the metrics stay in the row: how much the other argument changed
         row.update(structural=True, reason=args_why)
+
+
+def _compare_rows(row: dict[str, Any], a: Side, b: Side, dim: int, n: int, mode: str, chunk: int) -> None:
+    """Fill ``row`` for a pair whose shapes differ only along its checksum dim
+    (:func:`tdinspect.compare.rows.paired_rows`): ``equal`` from the first ``n`` rows'
+    fingerprints; in tensor mode the other metrics from those rows of both tensors (statistics
+    of whole tensors of other shapes say nothing: ``stats_rel`` stays NaN)."""
+    if mode == "tensor":
+        try:
+            ya, xb = a.tensor().narrow(dim, 0, n), b.tensor().narrow(dim, 0, n)
+        except AlignError as exc:
+            row.update(structural=True, reason=str(exc))
+            return
+        row.update(compare_tensors(xb, ya, chunk=chunk))
+        bad = row.pop("nonfinite_mismatch", 0)
+        if bad:
+            row.update(structural=True, reason=f"{NONFINITE} ({int(bad)} elements)")
+    if mode == "stats":
+        row["equal"] = float(not differing_rows(a.rows, b.rows, n) and a.dtype == b.dtype)
 
 
 def _tensor_metrics(a: Side, b: Side, transform, chunk: int) -> dict[str, float] | str:
@@ -188,6 +213,7 @@ def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
         pi.dtype[i],
         pieces,
         isinstance(pi, LogicalPass) and pi.plans[pi.keys[i]]["op"] == "same",
+        pi.checksum_rows[i] if pi.checksum_rows else None,
     )
 
 

@@ -251,6 +251,12 @@ class Thresholds:
         ops = rows["op"].to_numpy(object) if self.rules else np.full(n, "", object)
         return np.fromiter((self.lookup(o, a, b, u)[0] for o, a, b, u in zip(ops, da, db, up)), float, n)
 
+    def explain(self, row, value: float) -> str | None:
+        """A divergent row's reason in this threshold's own words, or ``None`` for the usual
+        ``metric value > threshold (source)`` (a baseline's budget says how many times the
+        baseline's error it is: :class:`tdinspect.compare.baseline.Budget`)."""
+        return None
+
     def given(self) -> str:
         """The threshold as given, short: ``1e-05``, ``auto``, ``fc=0.001, else auto``.
 
@@ -452,6 +458,9 @@ def reason_of(row, m, thr_fn) -> str:
     if value is None or math.isnan(value):
         return f"{m.name} could not be computed"
     thr_fn = threshold_fn(thr_fn, m.name)
+    own = thr_fn.explain(row, value)
+    if own:
+        return own
     thr, source = thr_fn.lookup(*thr_fn._args(row))
     op = ">" if m.higher_is_worse else "<"
     q = digits_apart(value, thr)

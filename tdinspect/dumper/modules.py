@@ -274,6 +274,7 @@ class ModuleCapture(StopsOnCheck):
         compare_to=None,
         compare_options: dict | None = None,
         overwrite: bool = False,
+        checksum_dim: int | None = None,
     ):
         self.config = config
         rank = current_rank(parallel_coords(parallel))
@@ -321,6 +322,7 @@ class ModuleCapture(StopsOnCheck):
             level="module",
             stats_only=stats_only,
             checksum=checksum,
+            checksum_dim=checksum_dim,
             max_pending_bytes=max_pending_bytes,
             fsync=fsync,
             background_write=background_write,
@@ -610,6 +612,7 @@ def capture(
     modules: str = "leaves",
     stats_only: bool = False,
     checksum: bool = False,
+    checksum_dim: int | None = None,
     max_pending_bytes: int = 2 << 30,
     fsync: bool = False,
     warn_unfired: bool = True,
@@ -656,6 +659,12 @@ def capture(
         device, one int64 to the host; :mod:`tdinspect.numerics.checksum` states its
         collision rate), so that two ``stats_only`` runs can be checked for
         bitwise equality: ``diff.first_divergence(metric="equal")``.
+    checksum_dim : int, optional
+        With ``checksum``, also one fingerprint per index along this dim (a batch
+        dim: :func:`tdinspect.numerics.checksum.row_checksums`), so that a batch-4
+        run's row 0 compares bitwise with a batch-1 run: batch invariance without
+        storing tensors (entries whose shapes differ only in this dim pair their
+        rows; ``metric="equal"``).
     max_pending_bytes : int
         Host memory that queued passes may hold before ``step()`` waits.
     fsync : bool
@@ -748,6 +757,7 @@ def capture(
         modules=modules,
         stats_only=stats_only,
         checksum=checksum,
+        checksum_dim=checksum_dim,
         max_pending_bytes=max_pending_bytes,
         fsync=fsync,
         warn_unfired=warn_unfired,

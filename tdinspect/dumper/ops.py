@@ -240,6 +240,7 @@ class OpCapture(StopsOnCheck):
         compare_options: dict | None = None,
         overwrite: bool = False,
         checksum: bool = False,
+        checksum_dim: int | None = None,
     ):
         self.config = config
         self._rank = current_rank(parallel_coords(parallel))
@@ -273,6 +274,7 @@ class OpCapture(StopsOnCheck):
             dims=dims,
             overwrite=overwrite,
             checksum=checksum,
+            checksum_dim=checksum_dim,
         )
         if config.enabled:  # bad coordinates or dims specs are errors here, not at start()
             parallel_coords(parallel)
@@ -610,6 +612,7 @@ def capture_ops(
     on_uncompared: str = "warn",
     allow_uncompared=None,
     checksum: bool = False,
+    checksum_dim: int | None = None,
     environ=None,
 ) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
@@ -634,6 +637,9 @@ def capture_ops(
         Statistics only, no tensors.
     checksum : bool
         Also store a bitwise fingerprint of every recorded tensor (as for
+        :func:`tdinspect.capture`).
+    checksum_dim : int, optional
+        With ``checksum``, one fingerprint per row along this dim too (as for
         :func:`tdinspect.capture`).
     background_write, overwrite : bool, optional
         As for :func:`tdinspect.capture`.
@@ -675,6 +681,7 @@ def capture_ops(
         dims=dims,
         compare_to=compare_to,
         checksum=checksum,
+        checksum_dim=checksum_dim,
         compare_options=dict(
             metric=metric,
             threshold=threshold,

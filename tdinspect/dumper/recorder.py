@@ -18,8 +18,9 @@ import torch
 
 from tdinspect.dumper.kinds import is_plain, prepare, safe_stats, shape_of
 from tdinspect.dumper.writer import AsyncWriter, PendingPass
+from tdinspect.errors import ConfigError
 from tdinspect.naming import make_key, split_call
-from tdinspect.numerics.checksum import tensor_checksum
+from tdinspect.numerics.checksum import row_checksums, tensor_checksum
 from tdinspect.numerics.stats import stats_and_checksum
 from tdinspect.store.format import pass_filename, sidecar_filename
 from tdinspect.store.runs import new_run_folder, release_run_folder
@@ -185,6 +186,10 @@ class Recorder:
         Also record a bitwise fingerprint of each tensor, computed on its
         device (:func:`tdinspect.numerics.checksum.tensor_checksum`), in the sidecar's
         ``checksum`` column.
+    checksum_dim : int, optional
+        With ``checksum``, also one fingerprint per index along this dim
+        (:func:`tdinspect.numerics.checksum.row_checksums`), in the sidecar's
+        ``checksum_rows`` column: row 0 of a batch of 4 compares with a batch of 1.
     overwrite : bool
         Remove earlier runs in ``dump_dir`` (they are kept otherwise; this
         capture is a new run in its own folder either way, see
@@ -204,7 +209,16 @@ class Recorder:
         dims: dict[str, str] | None = None,
         checksum: bool = False,
         overwrite: bool = False,
+        checksum_dim: int | None = None,
     ):
+        if checksum_dim is not None and (
+            not checksum or isinstance(checksum_dim, bool) or not isinstance(checksum_dim, int)
+        ):
+            raise ConfigError(
+                f"checksum_dim={checksum_dim!r}: an int (the dim whose rows get a fingerprint each), "
+                "with checksum=True"
+            )
+        self.checksum_dim = checksum_dim
         self.parallel = parallel_coords(parallel)
         self.dims = None
         if dims:
@@ -380,6 +394,10 @@ class Recorder:
                 stat = safe_stats(tensor)
         elif self.checksum and measured:
             digest = tensor_checksum(tensor)
+        if self.checksum_dim is not None and plain:
+            rows = row_checksums(tensor, self.checksum_dim)
+            if rows is not None:  # the entry's index once appended (under the lock)
+                p.row_checksums[len(p.keys)] = (self.checksum_dim % tensor.dim(), rows)
         if shared is not None:
             self._append(key, tensor, None, shared, module_type, extra, digest)
             return shared
@@ -500,6 +518,7 @@ class Recorder:
             p.header = {**p.header, "failed": failed}
         p.host_stats = self._gathered([s if s is None else s.to(torch.float64) for s in p.stats])
         p.host_checksums = self._gathered(p.checksums)
+        p.host_row_checksums = self._gathered([r for _, r in p.row_checksums.values()], torch.cat)
         if self._in_flight:
             p.ready = torch.cuda.Event()
             p.ready.record()
@@ -512,13 +531,13 @@ class Recorder:
             self._new_pass()
         return path
 
-    def _gathered(self, values: list) -> torch.Tensor | None:
-        """The non-``None`` per-entry values stacked into one host tensor (``None`` if
-        none): one copy per pass, asynchronous from CUDA (``_in_flight``)."""
+    def _gathered(self, values: list, join=torch.stack) -> torch.Tensor | None:
+        """The non-``None`` per-entry values stacked (or ``join``ed) into one host tensor
+        (``None`` if none): one copy per pass, asynchronous from CUDA (``_in_flight``)."""
         present = [v for v in values if v is not None]
         if not present:
             return None
-        stacked = torch.stack(present)
+        stacked = join(present)
         if stacked.device.type != "cuda":
             return stacked.cpu()
         host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)

@@ -38,6 +38,9 @@ class PendingPass:
     host_stats: torch.Tensor | None = None  # stats gathered on device, copied once per step
     checksums: list[torch.Tensor | None] = field(default_factory=list)
     host_checksums: torch.Tensor | None = None  # likewise for checksums
+    # checksum_dim: entry index -> (dim, one fingerprint per row, on the device); host copies
+    row_checksums: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    host_row_checksums: torch.Tensor | None = None
     nbytes: int = 0
 
     def write(self, fsync: bool) -> None:
@@ -49,6 +52,8 @@ class PendingPass:
         if self.host_checksums is not None:
             digests = iter(self.host_checksums.tolist())
             entries["checksum"] = [None if c is None else checksum_hex(next(digests)) for c in self.checksums]
+        if self.host_row_checksums is not None:
+            entries["checksum_rows"] = _rows_column_of(self)
         sidecar = self.folder / sidecar_filename(self.index)
         meta = {**self.header, "pass": self.index, "entries": entries}
         if self.header.get("stats_only"):
@@ -71,6 +76,17 @@ class PendingPass:
             except BaseException:
                 sidecar.unlink(missing_ok=True)  # no sidecar of a pass that was never written
                 raise
+
+
+def _rows_column_of(p: PendingPass) -> list[dict | None]:
+    """The ``checksum_rows`` column: per entry ``{"dim": d, "rows": [16 hex digits, ...]}`` or
+    ``None``, from the one host copy of the pass's row fingerprints."""
+    flat = iter(p.host_row_checksums.tolist())
+    out: list[dict | None] = [None] * len(p.keys)
+    for i in sorted(p.row_checksums):
+        dim, rows = p.row_checksums[i]
+        out[i] = {"dim": dim, "rows": [checksum_hex(next(flat)) for _ in range(rows.numel())]}
+    return out
 
 
 def _os_error(exc: BaseException) -> OSError | None:

@@ -98,6 +98,61 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def row_checksums(t: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """One fingerprint per index along ``dim``, as a 1-d int64 tensor on ``t``'s device.
+
+    Row ``i``'s is :func:`tensor_checksum` of ``t.select(dim, i)`` (the same formula on that
+    slice's words, zero-padded per row), so row 0 of a batch of 4 and the one row of a batch
+    of 1 have the same fingerprint exactly when they hold the same bits: batch invariance
+    checked without writing tensors. ``None`` for a 0-d tensor, a ``dim`` it does not have,
+    or a huge broadcast view (its rows would have to be materialised).
+
+    Examples
+    --------
+    >>> x = torch.arange(6.0).reshape(3, 2)
+    >>> bool((row_checksums(x, 0) == torch.stack([tensor_checksum(r) for r in x])).all())
+    True
+    >>> row_checksums(x, 1).shape, row_checksums(x, 2) is None
+    (torch.Size([2]), True)
+    """
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if not -t.dim() <= dim < t.dim() or t.dim() == 0:
+        return None
+    if t.numel() > _MATERIALISE_LIMIT and broadcast_dims(t):
+        return None
+    d = dim % t.dim()
+    n = t.shape[d]
+    rows = t.movedim(d, 0).reshape(n, t.numel() // n if n else 0)
+    if rows.dtype == torch.bool:
+        rows = rows.view(torch.uint8)
+    rows = rows.contiguous()
+    if not (n and rows.shape[1]):
+        return torch.zeros(n, dtype=torch.int64, device=rows.device)  # no words: 0, as tensor_checksum
+    if rows.element_size() == 4:
+        words = rows.view(torch.int32)
+    else:
+        raw = rows.view(torch.uint8)
+        pad = -raw.shape[1] % 4
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros((n, pad))], 1)
+        words = raw.view(torch.int32)
+    width = words.shape[1]
+    h = torch.zeros(n, dtype=torch.int64, device=words.device)
+    full, tail = divmod(width, BLOCK)
+    k = multipliers(SEED_K, min(width, BLOCK), words.device)
+    r = multipliers(SEED_R, full + 1, words.device)
+    step = max(1, CHUNK_BLOCKS * BLOCK // min(width, BLOCK))  # rows at a time: bounded temporaries
+    for c in range(full + (1 if tail else 0)):
+        block = words[:, c * BLOCK : (c + 1) * BLOCK]
+        for s in range(0, n, step):
+            part = block[s : s + step].to(torch.int64)
+            part *= k[: block.shape[1]]
+            h[s : s + step] += part.sum(1) * r[c]
+    return h
+
+
 def checksum_hex(value: torch.Tensor | int) -> str:
     """A fingerprint as 16 hex digits (how sidecars store it: JSON numbers lose 64-bit ints)."""
     v = int(value.item() if isinstance(value, torch.Tensor) else value)

@@ -293,6 +293,54 @@ def auto_rule(metric_name: str) -> str:
     return f"{m.name} {rule}, u = unit roundoff of the coarser dtype"
 
 
+# metrics a baseline run can budget (errors: 0 when equal, growing with the difference), and how
+# an error of n units of roundoff reads in each (values of order 1 for the absolute ones)
+_FLOOR_RULES = {
+    "rel_diff": "½·(n·u)²",
+    "rel_diff_cast": "½·(n·u)²",
+    "max_rel": "n·u",
+    "max_abs": "n·u",
+    "max_abs_cast": "n·u",
+    "mean_abs": "n·u",
+    "stats_rel": "n·u",
+    "mismatch": "0",
+}
+
+
+@functools.lru_cache(maxsize=1024)
+def roundoff_floor(metric_name: str, dtype_a, dtype_b, units: float = 4) -> float:
+    """The error of ``units`` units of roundoff of the coarser dtype, as ``metric_name`` reads it.
+
+    The least error a baseline's budget allows (:mod:`tdinspect.compare.baseline`): a baseline
+    bitwise equal to the reference would otherwise make every last-bit difference a divergence.
+    A relative error ``ε`` gives ``rel_diff ≈ ½·ε²``, so ``rel_diff`` gets ``½·(n·u)²``
+    (float32, n = 4: 2.8e-14); ``max_rel``, ``stats_rel`` and the absolute metrics ``n·u`` (for
+    values of order 1); ``mismatch`` 0. 0 when a dtype is unknown or integer (exact).
+
+    Raises
+    ------
+    ValueError
+        For metrics that are not errors (``cosine``, ``sqnr_db``, ``equal``).
+
+    Examples
+    --------
+    >>> f"{roundoff_floor('rel_diff', 'torch.float64', 'torch.float32'):.2g}"
+    '2.8e-14'
+    """
+    m = metric(metric_name)
+    if m.name not in _FLOOR_RULES:
+        raise ValueError(
+            f"metric {m.name!r} is not an error a baseline can budget: use one of {sorted(_FLOOR_RULES)}"
+        )
+    ua, ub = unit_roundoff(dtype_a), unit_roundoff(dtype_b)
+    u = max(ua or 0.0, ub or 0.0) if ua is not None and ub is not None else 0.0
+    if m.name == "mismatch":
+        return 0.0
+    if m.name in ("rel_diff", "rel_diff_cast"):
+        return 0.5 * (units * u) ** 2
+    return units * u
+
+
 @functools.cache  # torch's lookup costs ~60 us; diffs call it per entry
 def tolerances(*dtypes: torch.dtype) -> tuple[float, float]:
     """``(rtol, atol)``: ``assert_close`` defaults, the looser over ``dtypes``."""

@@ -29,7 +29,15 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  # geometry = [sizes, strides, storage_offset] in the storage they shared;
                  # a view is rebuilt by indexing the stored tensor (tdinspect.store.reindex), never
                  # by running an operator
-                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]}}
+                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}],
+                 # capture(checksum=True): a 64-bit fingerprint per tensor, 16 hex digits
+                 "checksum": [null | "0123456789abcdef"],
+                 # capture(checksum=True, checksum_dim=d): one fingerprint per index along d
+                 # (the row's own checksum, tdinspect.numerics.checksum.row_checksums)
+                 "checksum_rows": [null | {"dim": d, "rows": ["0123456789abcdef", ...]}]}}
+
+Columns are added where they apply; a reader ignores those it does not know, so dumps
+written without them open as before.
 
 Writes are atomic: a temporary name in the same folder, then ``os.replace``.
 """

@@ -70,6 +70,8 @@ class PassIndex:
     skipped: list[Any] | None = None  # why a tensor was not stored (meta, FakeTensor...)
     raw: list[Any] | None = None  # where stored tensors lie in the archive (tdinspect.store.rawpass)
     module_call: list[Any] | None = None  # op level: which call of its module ran the op
+    # capture(checksum_dim=d): per entry {"dim": d, "rows": [16 hex digits per index]} or None
+    checksum_rows: list[Any] | None = None
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -136,6 +138,7 @@ class PassIndex:
                 skipped=e.get("skipped"),
                 raw=e.get("raw"),
                 module_call=e.get("module_call"),
+                checksum_rows=e.get("checksum_rows"),
             )
             if pi.raw is not None:
                 pi._zip = index

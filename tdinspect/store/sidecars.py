@@ -159,6 +159,23 @@ _SCALARS = {
 }
 
 
+def _rows_ok(v: Any) -> bool:
+    """A ``checksum_rows`` value: ``None`` or ``{"dim": int >= 0, "rows": [16 hex digits, ...]}``."""
+    if v is None:
+        return True
+    return (
+        isinstance(v, dict)
+        and set(v) == {"dim", "rows"}
+        and _is_int(v["dim"])
+        and v["dim"] >= 0
+        and isinstance(v["rows"], list)
+        and all(isinstance(r, str) and len(r) == 16 and all(c in _HEX for c in r) for r in v["rows"])
+    )
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
 def _all_plain(col: str, values: list, stat_width: int) -> bool:
     """The common case of a column, checked a column at a time (``False``: look row by row,
     which names the bad row). Same rules as the row checks: opening 100 passes of 1,500
@@ -222,6 +239,7 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
         "ref": _ref_ok,
         "call_args": _call_ok,
         "module_call": lambda v: v is None or type(v) is int,
+        "checksum_rows": _rows_ok,
     }
     for col, ok in checks.items():
         if _all_plain(col, entries.get(col, ()), stat_width):

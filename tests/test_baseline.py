@@ -1,0 +1,149 @@
+"""An error budget from a baseline run (issue 27 case 8).
+
+A float32 port of a tiny Hugging Face Llama whose one RMSNorm uses eps 1e-5 for 1e-6 parts from
+a float64 reference by ``rel_diff`` 5e-10: under float32's ``"auto"`` threshold (1.5e-8), far
+above the port's rounding noise (1e-14). The float32 reference is the baseline: B diverges where
+its error against A exceeds k times the baseline's, which names the faulty norm, and a correct
+port against the same baseline matches.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import tdinspect  # noqa: E402
+from tdinspect import DumpSet, suggest_mapping  # noqa: E402
+from tdinspect.cli import main  # noqa: E402
+from tdinspect.examples.port import LlamaPort, make_hf_llama, port_tokens  # noqa: E402
+from tdinspect.numerics.metrics import auto_threshold  # noqa: E402
+
+FAULT = "model.model.layers.1.post_attention_layernorm"
+ONE_SIDED = r"rotary_emb|act_fn"  # the reference's entries the port computes inline
+
+
+def _capture(model, path, **options):
+    with torch.no_grad(), tdinspect.capture(model, path, **options) as dump:
+        model(port_tokens(0))
+        dump.step()
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The reference in float64 and float32, a correct float32 port and one with eps 1e-5 in
+    layer 1's post-attention norm (weights of std 0.1: activations of order 1, where the eps
+    changes the norm's output by ~2e-5 relative, rel_diff ~5e-10)."""
+    root = tmp_path_factory.mktemp("baseline")
+    hf = make_hf_llama(0, initializer_range=0.1)
+    bad = LlamaPort.from_hf(hf)
+    bad.blocks[1].mlp_norm.eps = 1e-5
+    out = {
+        "ref64": _capture(copy.deepcopy(hf).double(), root / "ref64"),
+        "ref32": _capture(hf, root / "ref32"),
+        "good": _capture(LlamaPort.from_hf(hf), root / "good"),
+        "bad": _capture(bad, root / "bad"),
+        "ref32_layer0": _capture(hf, root / "ref32_layer0", filter=r"layers\.0\."),
+    }
+    out["rules"] = suggest_mapping(DumpSet.open(out["ref64"]), DumpSet.open(out["good"])).save(
+        root / "map.yaml"
+    )
+    return out
+
+
+def _diff(runs, port, **options):
+    return DumpSet.open(runs["ref64"]).diff(runs[port], mapping=str(runs["rules"]), **options)
+
+
+def test_the_baseline_names_a_fault_the_auto_threshold_misses(runs):
+    plain = _diff(runs, "bad")
+    v = plain.verdict(structural="report", allow_uncompared=ONE_SIDED)
+    assert v.outcome == "matches"  # what float32's "auto" rule says: the fault is missed
+    value = plain.table().set_index("key").at[FAULT, "rel_diff"]
+    assert 1e-12 < value < auto_threshold("rel_diff", "torch.float64", "torch.float32")[0]
+
+    d = _diff(runs, "bad", baseline=runs["ref32"])
+    v = d.verdict(structural="report", allow_uncompared=ONE_SIDED)
+    assert v.outcome == "diverges"
+    div = v.divergence
+    assert (div.key, div.pass_) == (FAULT, 0)
+    base = d.baseline.table().set_index("key").at[FAULT, "rel_diff"]
+    ratio = value / base
+    assert ratio > 1000
+    assert div.reason.startswith(f"rel_diff {value:.3g}, {ratio:,.0f}x the baseline's {base:.3g} (budget 10x")
+    assert "the baseline's" in v.text
+
+
+def test_a_correct_port_against_the_same_baseline_matches(runs):
+    d = _diff(runs, "good", baseline=runs["ref32"])
+    v = d.verdict(structural="report", allow_uncompared=ONE_SIDED)
+    assert v.outcome == "matches" and v.compared == 21
+
+
+def test_the_factor_is_settable(runs):
+    d = _diff(runs, "bad", baseline=runs["ref32"], baseline_factor=1e6)
+    v = d.verdict(structural="report", allow_uncompared=ONE_SIDED)
+    assert v.outcome == "matches"  # the fault is ~25,000x the baseline's noise: within 1e6x
+    with pytest.raises(ValueError, match="baseline_factor"):
+        _diff(runs, "bad", baseline=runs["ref32"], baseline_factor=0.5)
+
+
+def test_a_baseline_equal_to_the_reference_keeps_a_floor_of_roundoff(runs):
+    """A baseline bitwise equal to A gives a budget of 0: the floor (8 units of float32 roundoff)
+    keeps the float32 reference's own noise (rel_diff up to ~3e-14) from diverging."""
+    ref = DumpSet.open(runs["ref64"])
+    assert ref.diff(runs["ref32"], baseline=runs["ref64"]).verdict().outcome == "matches"
+    div = _diff(runs, "bad", baseline=runs["ref64"]).verdict(structural="report", allow_uncompared=ONE_SIDED)
+    assert div.divergence.key == FAULT
+    assert div.divergence.reason.endswith("8 units of float32 roundoff (the baseline's error is 0)")
+
+
+def test_entries_the_baseline_lacks_are_said(runs):
+    """A baseline captured with a filter holds layer 0 only: the other entries are judged by the
+    auto rule, and the verdict is incomplete, naming them."""
+    d = _diff(runs, "good", baseline=runs["ref32_layer0"])
+    v = d.verdict(structural="report", allow_uncompared=ONE_SIDED)
+    assert v.outcome == "incomplete"
+    assert "model.model.embed_tokens (pass 0): no baseline entry" in v.gap
+    assert (v.compared, v.uncompared) == (9, 12)  # layer 0: 2 norms, q, k, v, o, gate, up, down
+    # a fault where the baseline has nothing is judged by the auto rule, which misses it: never "matches"
+    assert (
+        _diff(runs, "bad", baseline=runs["ref32_layer0"])
+        .verdict(structural="report", allow_uncompared=ONE_SIDED)
+        .outcome
+        == "incomplete"
+    )
+
+
+def test_plan_and_repr_show_the_baseline(runs):
+    d = _diff(runs, "good", baseline=runs["ref32_layer0"])
+    plan = d.plan().set_index("a_key")
+    assert plan.at["model.model.layers.0.mlp.down_proj", "baseline"] == "model.model.layers.0.mlp.down_proj"
+    assert plan.at["model.lm_head", "baseline"] == ""
+    assert "baseline=" in repr(d) and "10x" in repr(d)
+    assert "baseline" not in _diff(runs, "good").plan().columns
+
+
+def test_cli_baseline(runs, capsys):
+    fd = ["first-divergence", str(runs["ref64"])]
+    options = ["--mapping", str(runs["rules"]), "--structural", "report", "--allow-uncompared", ONE_SIDED]
+    assert main([*fd, str(runs["bad"]), *options]) == 0  # the auto rule alone: no divergence
+    capsys.readouterr()
+    assert main([*fd, str(runs["bad"]), *options, "--baseline", str(runs["ref32"])]) == 1
+    out = capsys.readouterr().out
+    assert f"first divergence: {FAULT} (pass 0, call 0)" in out
+    assert "x the baseline's" in out and "threshold: 10x the baseline's rel_diff against A" in out
+    assert main([*fd, str(runs["good"]), *options, "--baseline", str(runs["ref32"])]) == 0
+    capsys.readouterr()
+    diff = ["diff", str(runs["ref64"]), str(runs["bad"]), "--mapping", str(runs["rules"])]
+    assert main([*diff, "--allow-uncompared", ONE_SIDED, "--baseline", str(runs["ref32"])]) == 1
+    out = capsys.readouterr().out
+    assert "baseline=" in out.splitlines()[0]
+    assert f"first divergence: {FAULT} (pass 0): rel_diff 5.49e-10, " in out
+    capsys.readouterr()
+    assert main([*fd, str(runs["good"]), *options, "--baseline-factor", "5"]) == 2
+    assert "--baseline DIR" in capsys.readouterr().err
