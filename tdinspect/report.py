@@ -229,7 +229,7 @@ class DiffSummary:
         diff,
         threshold: float | dict | None = None,
         metric: str | None = None,
-        structural: str = "diverge",
+        structural: str | None = None,
     ):
         self.diff = diff
         self.metric = metric or diff.default_metric

@@ -30,6 +30,7 @@ Divergence(model.layers.2.mlp.down pass 0: rel_diff 0.0321 > 0.001)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
@@ -40,12 +41,13 @@ import pandas as pd
 import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
-from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
+from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
+from tdinspect.compare.spec import CompareSpec
 from tdinspect.compare.thresholds import (
     BEFORE,
     Divergence,
@@ -115,6 +117,14 @@ class Diff:
     concat : str or (over, dim), optional
         ``"pass:1"``, ``"call:s"`` or ``("call", 1)``: compare both sides'
         :meth:`DumpSet.concat` (decode steps put end to end), after unsharding.
+    spec : CompareSpec or dict, optional
+        Every option of the comparison as one value (:class:`~tdinspect.compare.spec.CompareSpec`:
+        the keywords below, plus ``structural``, ``metric``, ``threshold``); the keywords
+        given override its fields. The diff keeps it as :attr:`spec`: its repr shows it, and
+        every answer, view and the CLI use it where they are not told otherwise.
+    structural, metric, threshold : optional
+        The defaults of the answers (:meth:`first_divergence`, :meth:`verdict`...; default
+        ``"diverge"``, ``rel_diff``, ``"auto"``).
     allow_uncompared : str or list of str, optional
         Regexes (``re.search`` on entry names, A's or B's, without ``::callN``) of
         entries that may be one-sided or never compared by design (a reference's
@@ -133,45 +143,59 @@ class Diff:
         a,
         b,
         *,
-        align: str = "name",
+        spec: CompareSpec | dict | None = None,
+        align: str | None = None,
         client: Any = None,
         chunk: int = 1 << 18,
         mode: str = "auto",
         passes_in_flight: int | None = None,
         mapping: Any = None,
-        unshard: bool = False,
+        unshard: bool | None = None,
         concat: str | tuple | None = None,
         allow_uncompared: str | list[str] | None = None,
+        structural: str | None = None,
+        metric: str | None = None,
+        threshold: float | str | dict | None = None,
     ):
-        if unshard:
+        # one value holds every option of the comparison; the keywords given override the spec's
+        spec = CompareSpec.coerce(spec).replace(
+            align=align,
+            mapping=mapping,
+            unshard=unshard,
+            concat=concat,
+            allow_uncompared=allow_uncompared,
+            structural=structural,
+            metric=metric,
+            threshold=threshold,
+        )
+        if spec.baseline is not None:
+            raise ValueError("baseline= is not supported by this version of Diff")
+        self.spec = spec
+        if spec.unshard:
             a, b = a.unshard(), b.unshard()
-        if concat is not None:
+        if spec.concat is not None:
             from tdinspect.align.concat import names_dim, parse_concat
 
-            over, dim = parse_concat(concat)
+            over, dim = parse_concat(spec.concat)
             if not (names_dim(a.pass_map, dim) or names_dim(b.pass_map, dim)):
                 raise ValueError(
                     f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
                     "or DumpSet.open(dims=...)), or give dim as an int"
                 )
             a, b = a.concat(over, dim), b.concat(over, dim)
-        if align not in ("name", "sequence"):
-            raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
-        self.mapping = Mapping.coerce(mapping)
-        if self.mapping is not None and align != "name":
-            raise ValueError("mapping= pairs entries by rule: use it with align='name'")
+        self.mapping = spec.mapping
         if mode not in ("auto", "tensor", "stats"):
             raise ValueError(f"mode={mode!r}: expected 'auto', 'tensor' or 'stats'")
         self.a, self.b = a, b
-        self.allow_uncompared = allowed_patterns(allow_uncompared)
-        self.align = align
+        self.allow_uncompared = allowed_patterns(spec.allow_uncompared)
+        self.align = spec.align
         self.client = client if client is not None else a.client
         self.chunk = chunk
         self.passes_in_flight = passes_in_flight
         self.mode = "stats" if (a.stats_only or b.stats_only or mode == "stats") else "tensor"
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
-        self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
+        self.default_metric = spec.metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
         self._want_stats_rel = False  # tensor mode: statistics compared once that is asked for
         # one DataFrame per pass read, kept as typed columns until asked for (~560 B an
         # entry; row dictionaries took ~1.1 KB)
@@ -286,6 +310,7 @@ class Diff:
         the diff will give), and ``assembled_a`` / ``assembled_b``: how an
         unsharded or concatenated entry is put together (``cat(dim 2: rank 0
         (tp 0 of 2), rank 1 (tp 1 of 2))``; ``""`` for a stored entry).
+        ``attrs["spec"]`` is the diff's :class:`~tdinspect.compare.spec.CompareSpec`.
 
         Parameters
         ----------
@@ -330,7 +355,7 @@ class Diff:
                     why, row["shape_b_after"] = layout(pa, ia, pb, ib, transform)
                     row["status"] = why or "ok"
                 out.append(row)
-        return pd.DataFrame(
+        df = pd.DataFrame(
             out,
             columns=[
                 "rank",
@@ -347,6 +372,8 @@ class Diff:
                 "assembled_b",
             ],
         )
+        df.attrs["spec"] = self.spec  # what the pairs are made with (mapping, unshard, concat...)
+        return df
 
     # -- thresholds ---------------------------------------------------------------------
     @staticmethod
@@ -380,6 +407,26 @@ class Diff:
                 f"not {metric_name!r}"
             )
         return metric(metric_name)
+
+    def diverging(
+        self, rows: pd.DataFrame, metric=None, threshold=None, structural=None, allow_uncompared=None
+    ) -> np.ndarray:
+        """Which of ``rows`` (a :meth:`table`) diverge, by the rule :meth:`verdict` applies:
+        past their threshold or structural, less those ``structural="report"`` sets aside and
+        those ``allow_uncompared`` names (defaults: the diff's :attr:`spec`)."""
+        m = self._check_metric(metric)
+        hit = self._hits(rows, m, self._thresholds(threshold, m.name))
+        layout = self._layout_rows(rows)
+        if (self.spec.structural if structural is None else structural) == "report":
+            hit &= ~layout
+        return hit & ~(self._allowed(rows, allow_uncompared) & (layout | self._never_rows(rows)))
+
+    def _thresholds(self, threshold, metric_name: str):
+        """The :class:`Thresholds` of ``threshold``; ``None`` is the spec's threshold for the
+        spec's metric (another metric asked for without one: ``"auto"``)."""
+        if threshold is None and metric_name == self.default_metric:
+            threshold = self.spec.threshold
+        return threshold_fn(threshold, metric_name)
 
     @staticmethod
     def _layout_rows(rows: pd.DataFrame) -> np.ndarray:
@@ -534,7 +581,7 @@ class Diff:
         self,
         threshold: float | str | dict | None = None,
         metric: str | None = None,
-        structural: str = "diverge",
+        structural: str | None = None,
         *,
         allow_uncompared: str | list[str] | None = None,
     ) -> Divergence | None:
@@ -598,7 +645,7 @@ class Diff:
         self,
         threshold: float | str | dict | None = None,
         metric: str | None = None,
-        structural: str = "diverge",
+        structural: str | None = None,
         *,
         allow_uncompared: str | list[str] | None = None,
     ) -> Verdict:
@@ -617,10 +664,11 @@ class Diff:
         >>> v.outcome                                                              # doctest: +SKIP
         'matches'
         """
+        structural = self.spec.structural if structural is None else structural
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         report = structural == "report"
         aside = []
         unseen: list[pd.DataFrame] = []  # the first rows not compared (named in the gap)
@@ -801,7 +849,7 @@ class Diff:
         m = self._check_metric(metric)
         if self.mode == "stats":
             raise ValueError("per_position compares tensors: a side is statistics-only")
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         return cube.per_position(
             self.iter_passes(), self.a, self.b, key, dim, m, thr_fn, self.mapping, self.chunk
         )
@@ -829,18 +877,18 @@ class Diff:
         metric: str | None = None,
         progress: bool | None = None,
         *,
+        structural: str | None = None,
         allow_uncompared: str | list[str] | None = None,
     ) -> pd.DataFrame:
         """All divergent entries in execution order, with their reasons (a DataFrame).
 
-        ``threshold`` and ``allow_uncompared`` as for :meth:`first_divergence`
-        (``"auto"`` by default); the column ``threshold`` holds each entry's."""
+        ``threshold``, ``structural`` and ``allow_uncompared`` as for :meth:`first_divergence`
+        (default: the diff's :attr:`spec`); the column ``threshold`` holds each entry's."""
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         df = self.table(progress)
         df["threshold"] = thr_fn.of_rows(df)
-        allowed = self._allowed(df, allow_uncompared) & (self._layout_rows(df) | self._never_rows(df))
-        df["diverges"] = self._hits(df, m, thr_fn) & ~allowed
+        df["diverges"] = self.diverging(df, m.name, threshold, structural, allow_uncompared)
         df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
         df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
         return df
@@ -889,7 +937,7 @@ class Diff:
         'model.model.layers.1.mlp.down_proj (pass 0): rel_diff 5e-05, 41% of its threshold 0.000122; 238x the largest error before it in its pass'
         """
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         return growth.nearest(self.table(progress), m, thr_fn, self._where)
 
     def introduced(self, metric: str | None = None, progress: bool = True) -> pd.DataFrame:
@@ -926,10 +974,10 @@ class Diff:
         :meth:`first_divergence` (``"auto"`` by default).
         """
         m = self._check_metric(metric)
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         out = []
         for (rank, p), rows in self.iter_passes():
-            hits = np.flatnonzero(self._hits(rows, m, thr_fn))
+            hits = np.flatnonzero(self.diverging(rows, m.name, threshold))
             values = rows[m.name].to_numpy(float)
             values = values[~np.isnan(values)]
             worst = (values.max() if m.higher_is_worse else values.min()) if len(values) else math.nan
@@ -953,7 +1001,7 @@ class Diff:
         return cube.to_xarray(self.table(), attrs)
 
     def summary(
-        self, threshold=None, metric=None, structural: str = "diverge", *, allow_uncompared=None
+        self, threshold=None, metric=None, structural: str | None = None, *, allow_uncompared=None
     ) -> dict[str, Any]:
         """The verdict as a dict (what the CLI's ``--json`` prints): ``outcome``
         (``"diverges"``, ``"matches"``, ``"incomplete"``), ``verdict`` (its line, see
@@ -972,6 +1020,7 @@ class Diff:
             "align": self.align,
             "metric": name,
             "threshold": self.threshold_text(threshold, name),
+            "spec": self.spec.to_dict(),
             "outcome": v.outcome,
             "verdict": v.text,
             "gap": v.gap,
@@ -994,7 +1043,7 @@ class Diff:
         }
         if div is None:
             out["nearest"] = self.nearest(threshold, name, progress=False)
-        if structural == "report":
+        if (self.spec.structural if structural is None else structural) == "report":
             se = div.structural_entries if div is not None else self.structural_entries(False)
             out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
             if div is None:
@@ -1005,7 +1054,7 @@ class Diff:
         """``threshold`` in words (:meth:`Thresholds.describe`), with the ``"auto"`` values of
         the dtypes compared so far."""
         read = [f for f in self._results.values() if len(f)]
-        return threshold_fn(threshold, metric or self.default_metric).describe(
+        return self._thresholds(threshold, metric or self.default_metric).describe(
             pd.concat(read) if read else None
         )
 
@@ -1019,6 +1068,9 @@ class Diff:
             f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, "
             f"mode={self.mode}, align={self.align}"
         )
+        shown = dataclasses.replace(self.spec, align="name").describe()  # align is said above
+        if shown:
+            head += f", {shown}"
         if threshold is not None and not (isinstance(threshold, str) and threshold == AUTO):
             return head + ")"
         return f"{head}, threshold: auto by default ({auto_rule(metric or self.default_metric)}))"
