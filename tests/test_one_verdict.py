@@ -156,6 +156,7 @@ def test_one_spec_gives_one_verdict_on_every_surface(port, case, capsys, monkeyp
     for name, value in dash.page_environment(a, b, spec).items():
         monkeypatch.setenv(name, value)
     page = tdinspect.dashboard()
+    assert "compared with: <code>mapping 12 rules, structural report" in page.header.value
     assert page.diff.spec == spec and _answer(page.explorer.verdict) == expected
 
     # %tdi_diff with the same flags, and %%tdi_capture --compare-to with them (live)
@@ -171,7 +172,7 @@ def test_one_spec_gives_one_verdict_on_every_surface(port, case, capsys, monkeyp
             "incomplete": "incomplete: no divergence",
             "matches": "no divergence",
         }
-        assert words[expected[0]] in shown_text
+        assert words[expected[0]] in shown_text and "compared with: mapping 12 rules" in shown_text
         shell.user_ns["model"] = LlamaPort.from_hf(
             make_hf_llama(0), rope="interleaved" if which == "bad" else "half"
         )

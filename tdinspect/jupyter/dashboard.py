@@ -72,6 +72,11 @@ class Dashboard:
         self.header.value = (
             f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
             f"<code>{html_text(diff.a.path)}</code> &nbsp; B: <code>{html_text(diff.b.path)}</code>"
+            + (
+                f" &nbsp; compared with: <code>{html_text(diff.spec.describe())}</code>"
+                if diff.spec.describe()
+                else ""
+            )
         )
         self.widget = W.VBox([self.header, W.HBox([table, main])])
         self.build_seconds = time.perf_counter() - t0
