@@ -204,10 +204,12 @@ def main():
             MD(
                 "Same weights: with the rules, nothing diverges even at a float32-noise threshold. The "
                 "entries only the reference has (its rotary-embedding module, the activation the port computes "
-                "inline) are set aside and listed with `structural='report'`."
+                "inline) are set aside and listed with `structural='report'`; the verdict is *incomplete* "
+                "until they are named as one-sided by design (`allow_uncompared`): then it *matches*."
             ),
             CODE(
-                "print(d.first_divergence(threshold=1e-10, structural='report'))\n"
+                "print(d.verdict(threshold=1e-10, structural='report'))\n"
+                "print(d.verdict(threshold=1e-10, structural='report', allow_uncompared=r'rotary_emb|act_fn'))\n"
                 "d.structural_entries(progress=False)"
             ),
             MD(
@@ -217,9 +219,13 @@ def main():
                 "(rel_diff 2e-5: a fixed 1e-3 would let it through), but the default threshold, "
                 '`"auto"`, takes it from the dtypes: float32\'s `u/4` = 1.5e-8.'
             ),
+            MD(
+                "The options go into the diff once (its `spec`): every answer, plot, the explorer and the "
+                "dashboard of this diff then use them."
+            ),
             CODE(
-                "bug = ref.diff(buggy_dir, mapping=rules)\n"
-                "div = bug.first_divergence(structural='report')\ndiv"
+                "bug = ref.diff(buggy_dir, mapping=rules, structural='report', allow_uncompared=r'rotary_emb|act_fn')\n"
+                "print(bug)\ndiv = bug.first_divergence()\ndiv"
             ),
             MD("Per entry, in execution order (A key, the B entry it met, the error):"),
             CODE(

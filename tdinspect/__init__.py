@@ -43,6 +43,7 @@ _LAZY = {
     "Diff": ("tdinspect.compare.diff", "Diff"),
     "Divergence": ("tdinspect.compare.thresholds", "Divergence"),
     "Verdict": ("tdinspect.compare.thresholds", "Verdict"),
+    "CompareSpec": ("tdinspect.compare.spec", "CompareSpec"),
     "replay": ("tdinspect.rerun", "replay"),
     "suggest_mapping": ("tdinspect.suggest", "suggest_mapping"),
     "explore": ("tdinspect.jupyter.widgets", "explore"),
@@ -67,6 +68,7 @@ __all__ = [
     "Diff",
     "Divergence",
     "Verdict",
+    "CompareSpec",
     "replay",
     "suggest_mapping",
     # look

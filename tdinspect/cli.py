@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import traceback
 import warnings
@@ -41,38 +40,12 @@ from typing import Any
 
 from tdinspect.numerics.metrics import METRICS
 from tdinspect.report import text_table
-from tdinspect.util.arguments import number_or_auto, threshold_arg
+from tdinspect.util.arguments import add_spec_arguments
 from tdinspect.util.terminal import visible, visible_streams
 
 
 class _Fail(Exception):
     pass
-
-
-def _threshold(values: list[str] | None):
-    """``--threshold auto`` (the default), ``--threshold 1e-3`` or repeated
-    ``--threshold REGEX=VALUE`` (VALUE a number or ``auto``)."""
-    if not values:
-        return "auto"
-    plain = [v for v in values if "=" not in v]
-    named = [v for v in values if "=" in v]
-    try:
-        if plain and not named and len(plain) == 1:
-            return number_or_auto(plain[0])
-        out = {}
-        for v in named:
-            pattern, _, number = v.rpartition("=")
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise _Fail(f"--threshold {v!r}: invalid regular expression {pattern!r} ({exc})") from None
-            out[pattern] = number_or_auto(number)
-        if plain:
-            out[".*"] = number_or_auto(plain[-1])
-        return out
-    except ValueError:
-        shown = " ".join(f"--threshold {v}" for v in values)
-        raise _Fail(f"{shown}: expected auto, a number (not NaN) or REGEX=NUMBER") from None
 
 
 def _json_default(o: Any):
@@ -199,45 +172,35 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def _spec(args):
+    """The comparison spec of the command's flags (a bad value: exit 2, naming the flag)."""
+    from tdinspect.compare.spec import CompareSpec
+
+    if getattr(args, "baseline_factor", None) is not None and getattr(args, "baseline", None) is None:
+        raise _Fail("--baseline-factor K: give the baseline run too (--baseline DIR)")
+    try:
+        return CompareSpec.from_args(args)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+
+
 def _diff(args):
     from tdinspect.dumpset import DumpSet
 
+    spec = _spec(args)
     a = DumpSet.open(args.a, on_error=args.on_error)
-    b = DumpSet.open(args.b, on_error=args.on_error)
-    mapping = None
-    if args.mapping:
-        from tdinspect.align.mapping import Mapping
-
-        mapping = Mapping.from_file(args.mapping)
-    budget = {}
-    if args.baseline is not None:
-        budget["baseline"] = DumpSet.open(args.baseline, on_error=args.on_error)
-        if args.baseline_factor is not None:
-            budget["baseline_factor"] = args.baseline_factor
-    elif args.baseline_factor is not None:
-        raise _Fail("--baseline-factor K: give the baseline run too (--baseline DIR)")
-    return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat, **budget)
+    if spec.baseline is not None:  # opened here, so that its errors follow --on-error
+        spec = spec.replace(baseline=DumpSet.open(spec.baseline, on_error=args.on_error))
+    return a.diff(DumpSet.open(args.b, on_error=args.on_error), spec=spec)
 
 
 # the exit status of each outcome of first-divergence and diff (2: an error)
 EXIT = {"matches": 0, "diverges": 1, "incomplete": 3}
 
 
-def _allow(args) -> list[str] | None:
-    """``--allow-uncompared REGEX`` (repeatable), checked here: a bad one is exit 2."""
-    for p in args.allow_uncompared or []:
-        try:
-            re.compile(p)
-        except re.error as exc:
-            raise _Fail(f"--allow-uncompared {p!r}: invalid regular expression ({exc})") from None
-    return args.allow_uncompared
-
-
 def cmd_first_divergence(args) -> int:
     diff = _diff(args)
-    summary = diff.summary(
-        _threshold(args.threshold), args.metric, args.structural, allow_uncompared=_allow(args)
-    )
+    summary = diff.summary()  # the spec's metric, threshold, structural mode, allowed entries
     div = summary["first_divergence"]
     status = EXIT[summary["outcome"]]
     if args.json:
@@ -249,8 +212,7 @@ def cmd_first_divergence(args) -> int:
             f"{head} ({summary['metric']}, {diff.mode} mode): {diff.a.path} vs {diff.b.path}"
             f"\n  threshold: {summary['threshold']}"
         )
-        if summary["outcome"] == "incomplete":
-            print(f"  {visible(summary['verdict'])}")
+        print(f"  {visible(summary['verdict'])}")  # what %%tdi_capture --compare-to prints too
         if summary["nearest"]:
             print(f"  nearest: {visible(summary['nearest']['text'])}")
     else:
@@ -260,6 +222,8 @@ def cmd_first_divergence(args) -> int:
             f"  {visible(div['reason'])}"
             f"\n  threshold: {summary['threshold']}"
         )
+    if diff.spec.describe():
+        print(f"  compared with: {visible(diff.spec.describe())}")
     listed = summary.get("structural_entries")
     if listed:
         print(f"{len(listed)} structural entries set aside (--structural report):")
@@ -274,11 +238,9 @@ def cmd_first_divergence(args) -> int:
 
 def cmd_diff(args) -> int:
     diff = _diff(args)
-    thr = _threshold(args.threshold)
-    metric = args.metric or diff.default_metric
-    allow = _allow(args)
-    df = diff.divergences(thr, metric, progress=False, allow_uncompared=allow)
-    summary = diff.summary(thr, metric, allow_uncompared=allow)
+    metric, thr = diff.default_metric, diff.spec.threshold
+    df = diff.divergences(progress=False)
+    summary = diff.summary()
     status = EXIT[summary["outcome"]]
     if args.json:
         summary["divergences"] = (
@@ -378,14 +340,7 @@ def cmd_suggest_mapping(args) -> int:
 def cmd_dashboard(args) -> int:
     from tdinspect.jupyter.dashboard import serve
 
-    return serve(
-        args.a,
-        args.b,
-        port=args.port,
-        metric=args.metric,
-        threshold=args.threshold,
-        open_browser=not args.no_browser,
-    )
+    return serve(args.a, args.b, port=args.port, spec=_spec(args), open_browser=not args.no_browser)
 
 
 def cmd_demo(args) -> int:
@@ -424,75 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         if two:
             p.add_argument("a", help="reference dump (folder, rank folder or pass file)")
             p.add_argument("b", help="compared dump")
-            p.add_argument(
-                "--metric",
-                choices=sorted(METRICS),
-                default=None,
-                help="divergence metric (default rel_diff; stats_rel for stats-only)",
-            )
-            p.add_argument(
-                "--threshold",
-                action="append",
-                metavar="auto|T|REGEX=T",
-                help="auto (default): each entry's from its two dtypes, rel_diff u/4 "
-                "and cosine 1 - u/4 with u the unit roundoff of the coarser "
-                "(float32 1.5e-8, float16 1.2e-4, bfloat16 9.8e-4), sqnr_db "
-                "10*log10(2/u), integers exact, fixed defaults for the other "
-                "metrics; a number for every entry; REGEX=T per entry name "
-                "(repeatable, T a number or auto)",
-            )
-            p.add_argument(
-                "--align",
-                choices=["name", "sequence"],
-                default="name",
-                help="pair entries by name (default) or by aligning the two sequences "
-                "of (op, shape): op-level runs of two implementations whose op "
-                "sequences differ (eager vs SDPA attention)",
-            )
-            p.add_argument(
-                "--mapping",
-                metavar="FILE",
-                default=None,
-                help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} "
-                "pairing differently named entries",
-            )
-            p.add_argument(
-                "--unshard",
-                action="store_true",
-                help="reassemble tensor/context/expert-parallel ranks on both sides",
-            )
-            p.add_argument(
-                "--concat",
-                metavar="pass:DIM|call:DIM",
-                default=None,
-                help="put consecutive passes or calls end to end along DIM on both "
-                "sides (a decode run against one full forward)",
-            )
-            p.add_argument(
-                "--allow-uncompared",
-                action="append",
-                metavar="REGEX",
-                default=None,
-                help="entries (re.search on A's or B's name) that may be one-sided or never "
-                "compared by design: they neither diverge for it nor make the result "
-                "incomplete (exit 3); repeatable",
-            )
-            p.add_argument(
-                "--baseline",
-                metavar="DIR",
-                default=None,
-                help="an error budget: a run of the trusted implementation in B's precision "
-                "(the reference in float32 against a float64 A), paired with A by name; B "
-                "diverges where its error exceeds --baseline-factor times the baseline's "
-                "(at least 4 units of roundoff) instead of the auto rule",
-            )
-            p.add_argument(
-                "--baseline-factor",
-                metavar="K",
-                type=float,
-                default=None,
-                help="how many times the baseline's error B may make (default 10)",
-            )
+            add_spec_arguments(p, METRICS)
         else:
             p.add_argument("path", help="dump folder, rank folder or pass file")
             p.add_argument(
@@ -538,13 +425,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common(p, two=True)
-    p.add_argument(
-        "--structural",
-        choices=["diverge", "report"],
-        default="diverge",
-        help="report: set one-sided/unmatched/reshaped entries aside, list them and name the first "
-        "numerical divergence (none: exit 3 unless --allow-uncompared names them all)",
-    )
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser(
         "suggest-mapping",
@@ -569,13 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="reference dump")
     p.add_argument("b", help="compared dump")
-    p.add_argument("--metric", choices=sorted(METRICS), default=None)
-    p.add_argument(
-        "--threshold",
-        type=threshold_arg,
-        default="auto",
-        help="auto (default: from each entry's dtypes) or a number",
-    )
+    add_spec_arguments(p, METRICS)
     p.add_argument("--port", type=_port, default=8866, help="0 to 65535 (default 8866; 0: any free port)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
     p.add_argument(

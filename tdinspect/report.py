@@ -229,7 +229,7 @@ class DiffSummary:
         diff,
         threshold: float | dict | None = None,
         metric: str | None = None,
-        structural: str = "diverge",
+        structural: str | None = None,
     ):
         self.diff = diff
         self.metric = metric or diff.default_metric
@@ -254,6 +254,8 @@ class DiffSummary:
         d = self.diff
         lines = [f"Diff A={d.a.path} (reference), B={d.b.path}: {d.mode}, align={d.align}"]
         lines += [f"  sides differ: {x}" for x in side_differences(d)]
+        if d.spec.describe():
+            lines.append(f"  compared with: {d.spec.describe()}")
         lines.append(f"  threshold: {self.threshold_text()}")
         if self.divergence:
             lines.append(f"  first divergence: {self.divergence!r}")

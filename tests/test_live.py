@@ -336,10 +336,12 @@ def test_capture_magic_compare_to(runs, tmp_path):
         "%%tdi_capture --model w\n1",
     ]
     nb = _run(cells)
-    assert f"no divergence from {ref}" in _text(nb.cells[2])
-    assert "first divergence" in _text(nb.cells[3]) and "model.layers.2.mlp.down (call 0, pass 0)" in _text(
-        nb.cells[3]
+    # the verdict, in the CLI's words: one pass of a reference of three is incomplete
+    assert f"tdinspect: against {ref}: incomplete: no divergence among the 42 entries compared" in _text(
+        nb.cells[2]
     )
+    assert "stopped before the reference's passes 1, 2" in _text(nb.cells[2])
+    assert f"tdinspect: against {ref}: diverges: model.layers.2.mlp.down (pass 0)" in _text(nb.cells[3])
     assert "DivergenceError" in _text(nb.cells[4]) and "True" in _text(nb.cells[5])
     assert "give a dump directory" in "".join(o.get("text", "") for o in nb.cells[6].outputs)
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["evidence", "live"]

@@ -30,7 +30,9 @@ Divergence(model.layers.2.mlp.down pass 0: rel_diff 0.0321 > 0.001)
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -40,14 +42,15 @@ import pandas as pd
 import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
-from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
+from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, growth
-from tdinspect.compare.baseline import FACTOR, LACKING, Budget, check_factor
+from tdinspect.compare.baseline import FACTOR, LACKING, Budget
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
 from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
+from tdinspect.compare.spec import CompareSpec
 from tdinspect.compare.thresholds import (
     BEFORE,
     Divergence,
@@ -117,6 +120,14 @@ class Diff:
     concat : str or (over, dim), optional
         ``"pass:1"``, ``"call:s"`` or ``("call", 1)``: compare both sides'
         :meth:`DumpSet.concat` (decode steps put end to end), after unsharding.
+    spec : CompareSpec or dict, optional
+        Every option of the comparison as one value (:class:`~tdinspect.compare.spec.CompareSpec`:
+        the keywords below, plus ``structural``, ``metric``, ``threshold``); the keywords
+        given override its fields. The diff keeps it as :attr:`spec`: its repr shows it, and
+        every answer, view and the CLI use it where they are not told otherwise.
+    structural, metric, threshold : optional
+        The defaults of the answers (:meth:`first_divergence`, :meth:`verdict`...; default
+        ``"diverge"``, ``rel_diff``, ``"auto"``).
     allow_uncompared : str or list of str, optional
         Regexes (``re.search`` on entry names, A's or B's, without ``::callN``) of
         entries that may be one-sided or never compared by design (a reference's
@@ -147,25 +158,46 @@ class Diff:
         a,
         b,
         *,
-        align: str = "name",
+        spec: CompareSpec | dict | None = None,
+        align: str | None = None,
         client: Any = None,
         chunk: int = 1 << 18,
         mode: str = "auto",
         passes_in_flight: int | None = None,
         mapping: Any = None,
-        unshard: bool = False,
+        unshard: bool | None = None,
         concat: str | tuple | None = None,
         allow_uncompared: str | list[str] | None = None,
+        structural: str | None = None,
+        metric: str | None = None,
+        threshold: float | str | dict | None = None,
         baseline: Any = None,
-        baseline_factor: float = FACTOR,
+        baseline_factor: float | None = None,
     ):
-        if unshard:
+        # one value holds every option of the comparison; the keywords given override the spec's
+        spec = CompareSpec.coerce(spec).replace(
+            align=align,
+            mapping=mapping,
+            unshard=unshard,
+            concat=concat,
+            allow_uncompared=allow_uncompared,
+            structural=structural,
+            metric=metric,
+            threshold=threshold,
+            baseline=baseline,
+            baseline_factor=baseline_factor,
+        )
+        self.spec = spec
+        baseline = spec.baseline
+        if isinstance(baseline, (str, os.PathLike)):  # a spec from flags or JSON names a folder
+            baseline = type(a).coerce(baseline, client=a.client)
+        if spec.unshard:
             a, b = a.unshard(), b.unshard()
             baseline = baseline.unshard() if baseline is not None else None
-        if concat is not None:
+        if spec.concat is not None:
             from tdinspect.align.concat import names_dim, parse_concat
 
-            over, dim = parse_concat(concat)
+            over, dim = parse_concat(spec.concat)
             if not (names_dim(a.pass_map, dim) or names_dim(b.pass_map, dim)):
                 raise ValueError(
                     f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
@@ -173,29 +205,25 @@ class Diff:
                 )
             a, b = a.concat(over, dim), b.concat(over, dim)
             baseline = baseline.concat(over, dim) if baseline is not None else None
-        if align not in ("name", "sequence"):
-            raise ValueError(f"align={align!r}: expected 'name' or 'sequence'")
-        self.mapping = Mapping.coerce(mapping)
-        if self.mapping is not None and align != "name":
-            raise ValueError("mapping= pairs entries by rule: use it with align='name'")
+        self.mapping = spec.mapping
         if mode not in ("auto", "tensor", "stats"):
             raise ValueError(f"mode={mode!r}: expected 'auto', 'tensor' or 'stats'")
         self.a, self.b = a, b
-        self.allow_uncompared = allowed_patterns(allow_uncompared)
-        self.align = align
+        self.allow_uncompared = allowed_patterns(spec.allow_uncompared)
+        self.align = spec.align
         self.client = client if client is not None else a.client
         self.chunk = chunk
         self.passes_in_flight = passes_in_flight
         self.mode = "stats" if (a.stats_only or b.stats_only or mode == "stats") else "tensor"
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
-        self.default_metric = "stats_rel" if self.mode == "stats" else "rel_diff"
+        self.default_metric = spec.metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
         self._want_stats_rel = False  # tensor mode: statistics compared once that is asked for
         # one DataFrame per pass read, kept as typed columns until asked for (~560 B an
         # entry; row dictionaries took ~1.1 KB)
         self._results = PassFrames()
         self.passes_read: list[tuple[int, int]] = []
-        self.baseline_factor = check_factor(baseline_factor)
+        self.baseline_factor = spec.baseline_factor
         self.baseline = None  # A against the baseline, by name: the budget's rows
         if baseline is not None:
             self.baseline = Diff(
@@ -313,6 +341,7 @@ class Diff:
         (tp 0 of 2), rank 1 (tp 1 of 2))``; ``""`` for a stored entry). With a
         ``baseline``, ``baseline``: the baseline's entry that sets the A entry's
         budget (paired by name; ``""`` when the baseline lacks it).
+        ``attrs["spec"]`` is the diff's :class:`~tdinspect.compare.spec.CompareSpec`.
 
         Parameters
         ----------
@@ -376,6 +405,7 @@ class Diff:
         )
         if self.baseline is not None:
             plan["baseline"] = self._baseline_keys(plan)
+        plan.attrs["spec"] = self.spec  # what the pairs are made with (mapping, unshard, concat...)
         return plan
 
     def _baseline_keys(self, plan: pd.DataFrame) -> list[str]:
@@ -388,8 +418,11 @@ class Diff:
 
     # -- thresholds ---------------------------------------------------------------------
     def _thresholds(self, threshold, metric_name: str):
-        """The per-row thresholds of an answer: the baseline's budget when the diff has a
-        baseline and no threshold is given, else :func:`threshold_fn`'s."""
+        """The per-row thresholds of an answer. ``None`` is the spec's threshold for the spec's
+        metric (another metric asked for without one: ``"auto"``); with a baseline, ``"auto"``
+        is the baseline's budget; else :func:`threshold_fn`'s."""
+        if threshold is None and metric_name == self.default_metric:
+            threshold = self.spec.threshold
         if self.baseline is None or not (
             threshold is None or (isinstance(threshold, str) and threshold == AUTO)
         ):
@@ -431,6 +464,19 @@ class Diff:
                 f"not {metric_name!r}"
             )
         return metric(metric_name)
+
+    def diverging(
+        self, rows: pd.DataFrame, metric=None, threshold=None, structural=None, allow_uncompared=None
+    ) -> np.ndarray:
+        """Which of ``rows`` (a :meth:`table`) diverge, by the rule :meth:`verdict` applies:
+        past their threshold or structural, less those ``structural="report"`` sets aside and
+        those ``allow_uncompared`` names (defaults: the diff's :attr:`spec`)."""
+        m = self._check_metric(metric)
+        hit = self._hits(rows, m, self._thresholds(threshold, m.name))
+        layout = self._layout_rows(rows)
+        if (self.spec.structural if structural is None else structural) == "report":
+            hit &= ~layout
+        return hit & ~(self._allowed(rows, allow_uncompared) & (layout | self._never_rows(rows)))
 
     @staticmethod
     def _layout_rows(rows: pd.DataFrame) -> np.ndarray:
@@ -585,7 +631,7 @@ class Diff:
         self,
         threshold: float | str | dict | None = None,
         metric: str | None = None,
-        structural: str = "diverge",
+        structural: str | None = None,
         *,
         allow_uncompared: str | list[str] | None = None,
     ) -> Divergence | None:
@@ -649,7 +695,7 @@ class Diff:
         self,
         threshold: float | str | dict | None = None,
         metric: str | None = None,
-        structural: str = "diverge",
+        structural: str | None = None,
         *,
         allow_uncompared: str | list[str] | None = None,
     ) -> Verdict:
@@ -668,6 +714,7 @@ class Diff:
         >>> v.outcome                                                              # doctest: +SKIP
         'matches'
         """
+        structural = self.spec.structural if structural is None else structural
         if structural not in ("diverge", "report"):
             raise ValueError(f"structural={structural!r}: expected 'diverge' or 'report'")
         m = self._check_metric(metric)
@@ -874,7 +921,7 @@ class Diff:
         m = self._check_metric(metric)
         if self.mode == "stats":
             raise ValueError("per_position compares tensors: a side is statistics-only")
-        thr_fn = threshold_fn(threshold, m.name)
+        thr_fn = self._thresholds(threshold, m.name)
         return cube.per_position(
             self.iter_passes(), self.a, self.b, key, dim, m, thr_fn, self.mapping, self.chunk
         )
@@ -902,18 +949,18 @@ class Diff:
         metric: str | None = None,
         progress: bool | None = None,
         *,
+        structural: str | None = None,
         allow_uncompared: str | list[str] | None = None,
     ) -> pd.DataFrame:
         """All divergent entries in execution order, with their reasons (a DataFrame).
 
-        ``threshold`` and ``allow_uncompared`` as for :meth:`first_divergence`
-        (``"auto"`` by default); the column ``threshold`` holds each entry's."""
+        ``threshold``, ``structural`` and ``allow_uncompared`` as for :meth:`first_divergence`
+        (default: the diff's :attr:`spec`); the column ``threshold`` holds each entry's."""
         m = self._check_metric(metric)
         thr_fn = self._thresholds(threshold, m.name)
         df = self.table(progress)
         df["threshold"] = thr_fn.of_rows(df)
-        allowed = self._allowed(df, allow_uncompared) & (self._layout_rows(df) | self._never_rows(df))
-        df["diverges"] = self._hits(df, m, thr_fn) & ~allowed
+        df["diverges"] = self.diverging(df, m.name, threshold, structural, allow_uncompared)
         df = df[df["diverges"]].sort_values(["pass", "order", "rank"]).reset_index(drop=True)
         df["why"] = [reason_of(r, m, thr_fn) for r in df.to_dict("records")]
         return df
@@ -1002,7 +1049,7 @@ class Diff:
         thr_fn = self._thresholds(threshold, m.name)
         out = []
         for (rank, p), rows in self.iter_passes():
-            hits = np.flatnonzero(self._hits(rows, m, thr_fn))
+            hits = np.flatnonzero(self.diverging(rows, m.name, threshold))
             values = rows[m.name].to_numpy(float)
             values = values[~np.isnan(values)]
             worst = (values.max() if m.higher_is_worse else values.min()) if len(values) else math.nan
@@ -1026,7 +1073,7 @@ class Diff:
         return cube.to_xarray(self.table(), attrs)
 
     def summary(
-        self, threshold=None, metric=None, structural: str = "diverge", *, allow_uncompared=None
+        self, threshold=None, metric=None, structural: str | None = None, *, allow_uncompared=None
     ) -> dict[str, Any]:
         """The verdict as a dict (what the CLI's ``--json`` prints): ``outcome``
         (``"diverges"``, ``"matches"``, ``"incomplete"``), ``verdict`` (its line, see
@@ -1045,6 +1092,7 @@ class Diff:
             "align": self.align,
             "metric": name,
             "threshold": self.threshold_text(threshold, name),
+            "spec": self.spec.to_dict(),
             "outcome": v.outcome,
             "verdict": v.text,
             "gap": v.gap,
@@ -1067,7 +1115,7 @@ class Diff:
         }
         if div is None:
             out["nearest"] = self.nearest(threshold, name, progress=False)
-        if structural == "report":
+        if (self.spec.structural if structural is None else structural) == "report":
             se = div.structural_entries if div is not None else self.structural_entries(False)
             out["structural_entries"] = se[["rank", "pass", "key", "key_b", "reason"]].to_dict("records")
             if div is None:
@@ -1092,6 +1140,9 @@ class Diff:
             f"Diff(A={str(self.a.path)!r} (reference), B={str(self.b.path)!r}, "
             f"mode={self.mode}, align={self.align}"
         )
+        shown = dataclasses.replace(self.spec, align="name", baseline=None, baseline_factor=FACTOR).describe()
+        if shown:  # align is said above, the baseline below
+            head += f", {shown}"
         if self.baseline is not None:
             head += (
                 f", baseline={str(self.baseline.b.path)!r} (budget: {self.baseline_factor:g}x its error "

@@ -221,6 +221,35 @@ class Guarded(StopsOnCheck):
     def end_pass(self, pass_: int):
         return self._checked(self.inner.end_pass, pass_)
 
+    def finish(self):
+        return self.inner.finish()  # at close: the capture is closing already
+
+
+# the comparison options of capture(compare_to=...) a CompareSpec holds, and their defaults
+LIVE_DEFAULTS = {
+    "metric": None,
+    "threshold": None,
+    "mapping": None,
+    "structural": "diverge",
+    "allow_uncompared": None,
+}
+
+
+def live_options(arguments: dict) -> dict:
+    """The options of a live comparison from a capture function's ``arguments`` (its
+    ``locals()``): ``on_divergence``, ``on_uncompared`` and the keywords of
+    :data:`LIVE_DEFAULTS`, or, with ``spec`` (a :class:`~tdinspect.compare.spec.CompareSpec`),
+    those of ``spec.live_options()``; ``TypeError`` when both set some."""
+    given = {k: arguments[k] for k in LIVE_DEFAULTS}
+    out = {"on_divergence": arguments["on_divergence"], "on_uncompared": arguments["on_uncompared"]}
+    spec = arguments["spec"]
+    if spec is None:
+        return {**out, **given}
+    both = [k for k, v in given.items() if v is not LIVE_DEFAULTS[k] and v != LIVE_DEFAULTS[k]]
+    if both:
+        raise TypeError(f"give {', '.join(both)} in spec= or as keywords, not both")
+    return {**out, **spec.live_options()}
+
 
 def open_live(compare_to, *, evidence_dir, rank: int, level: str, **options):
     """The live comparison of a capture (:class:`tdinspect.dumper.live.LiveCompare`): the analysis code

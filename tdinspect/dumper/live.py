@@ -26,8 +26,12 @@ and with ``on_divergence="record"`` one CSV per pass of every entry's row
 Known differences from an offline diff: reference entries this run never
 produces are reported when the pass ends (``step()``), so a numeric
 divergence produced earlier in the pass is raised first even if such a
-missing entry comes before it in the reference's order; reference passes this
-run never reaches are not reported (an offline diff says ``pass N only in A``).
+missing entry comes before it in the reference's order. Reference passes this
+run never reaches (the reference has passes 0-3, the run stops after pass 1)
+are reported at ``close()`` as never compared (``on_uncompared``), whatever the
+structural mode, and make :meth:`LiveCompare.verdict` incomplete: a run stopped
+early is not a divergence (an offline diff says ``pass N only in A``, a
+divergence unless ``structural="report"``).
 
 Entries set aside (``structural="report"``) or never compared are reported when
 their pass ends (``on_uncompared``: one :class:`~tdinspect.errors.UncomparedWarning`
@@ -55,6 +59,7 @@ from tdinspect.align.mapping import Mapping, mapped_key
 from tdinspect.compare.pairing import same_ref_pass
 from tdinspect.compare.passes import PassJob
 from tdinspect.compare.rule import COLUMNS, NOT_STORED, Side, compare_pair, new_row, side_of
+from tdinspect.compare.spec import CompareSpec
 from tdinspect.compare.thresholds import (
     BEFORE,
     Verdict,
@@ -226,7 +231,15 @@ class LiveCompare:
         self._rows_folder: Path | None = None  # where record mode's CSVs go, made at the first
         self.rows: list[dict[str, Any]] = []  # every row so far ("record"); else this pass's
         self._pass: int | None = None
+        self._reached: set[int] = set()  # passes this run produced or ended
         self._warned: set[int] = set()
+        self.spec = CompareSpec(  # the one value an offline Diff of this comparison holds
+            mapping=self.mapping,
+            structural=structural,
+            metric=metric,
+            threshold=threshold,
+            allow_uncompared=tuple(p.pattern for p in self.allow),
+        )
 
     # -- per pass -----------------------------------------------------------------------
     def _open_pass(self, pass_: int) -> None:
@@ -237,6 +250,7 @@ class LiveCompare:
         elif pi is None:
             reason = f"pass {pass_} only in B"
         self._pass, self._pi, self._loaded = pass_, pi, None
+        self._reached.add(pass_)
         self._job = PassJob(
             self.rank, pass_, pi, None, None, "name", self.mode, self.chunk, reason, self.mapping
         )
@@ -330,6 +344,35 @@ class LiveCompare:
             self._pass, self._loaded = None, None
         self._report_uncompared(pass_)
 
+    def finish(self) -> None:
+        """At ``close()``: the reference's passes (of this rank) this run never reached, each
+        entry never compared (unless ``allow_uncompared`` names it), reported once
+        (``on_uncompared``). Nothing after a divergence: the verdict is that divergence."""
+        if self.first is not None:
+            return
+        unreached = sorted(p for r, p in self.ref.pass_map if r == self.rank and p not in self._reached)
+        rows = []
+        for p in unreached:
+            pi = self.ref.pass_map[(self.rank, p)]
+            for i, key in enumerate(pi.keys):
+                row = new_row(self.rank, p, key, "", float(i), pi.dtype[i], "", pi.shape[i])
+                row["reason"] = f"pass {p} only in A: this run stopped before it"  # never compared
+                if allowed_rows(self.allow, [row["op"]], [""])[0]:
+                    self.counts["allowed"] += 1
+                    continue
+                self.counts["uncompared"] += 1
+                self.uncompared.append(row)
+                rows.append(row)
+        if not rows:
+            return
+        n, passes = len(rows), ", ".join(map(str, unreached))
+        self._say_uncompared(
+            f"tdinspect: live comparison: this run stopped before the reference's "
+            f"pass{'es' if len(unreached) > 1 else ''} {passes}: their {n} "
+            f"{'entry was' if n == 1 else 'entries were'} never compared",
+            rows,
+        )
+
     def _report_uncompared(self, pass_: int) -> None:
         """The pass's entries set aside or never compared: one warning, or an error."""
         rows = self._pass_uncompared
@@ -337,11 +380,15 @@ class LiveCompare:
             return
         n = len(rows)
         shown = "; ".join(f"{r['key']}: {r['reason']}" for r in rows[:SHOWN]) + ("; ..." if n > SHOWN else "")
-        text = (
+        self._say_uncompared(
             f"tdinspect: live comparison, pass {pass_}: {n} "
-            f"{'entry was' if n == 1 else 'entries were'} set aside or never compared ({shown}); "
-            "allow_uncompared= names those one-sided by design"
+            f"{'entry was' if n == 1 else 'entries were'} set aside or never compared ({shown})",
+            rows,
         )
+
+    def _say_uncompared(self, text: str, rows: list) -> None:
+        """One :class:`UncomparedWarning` or :class:`UncomparedError` (``on_uncompared``)."""
+        text += "; allow_uncompared= names those one-sided by design"
         if self.on_uncompared == "raise":
             raise UncomparedError(text, rows)
         # names from the files; said at the user's step() or close(), however deep it was called

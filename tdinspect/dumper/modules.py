@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
 
 from tdinspect.config import DumpConfig, FilterSpec, parse_record
-from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, open_live
+from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, live_options, open_live
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
 from tdinspect.dumper.stance import hold_eager, release
@@ -627,6 +627,7 @@ def capture(
     structural: str = "diverge",
     on_uncompared: str = "warn",
     allow_uncompared=None,
+    spec=None,
     parallel: dict | None = None,
     dims: dict[str, str] | None = None,
     overwrite: bool = False,
@@ -714,6 +715,11 @@ def capture(
     allow_uncompared : str or list of str, optional
         Entries one-sided by design (regexes, as for :class:`tdinspect.Diff`): never a
         divergence for it, never reported.
+    spec : CompareSpec, optional
+        ``metric``, ``threshold``, ``mapping``, ``structural`` and ``allow_uncompared`` as
+        one value (:class:`tdinspect.compare.spec.CompareSpec`, the ``spec`` of a Diff):
+        the live comparison then is the one that Diff makes offline (giving those
+        keywords as well is a ``TypeError``).
     record : str or sequence of str, optional
         What to record for each selected module: any of ``"inputs"``,
         ``"outputs"``, ``"params"``, ``"grads"`` (default ``("outputs",)``,
@@ -766,14 +772,6 @@ def capture(
         parallel=parallel,
         dims=dims,
         compare_to=compare_to,
-        compare_options=dict(
-            metric=metric,
-            threshold=threshold,
-            on_divergence=on_divergence,
-            mapping=mapping,
-            structural=structural,
-            on_uncompared=on_uncompared,
-            allow_uncompared=allow_uncompared,
-        ),
+        compare_options=live_options(locals()),
         overwrite=overwrite,
     )

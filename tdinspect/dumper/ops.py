@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
 from tdinspect.config import DumpConfig, FilterSpec
-from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, open_live
+from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, live_options, open_live
 from tdinspect.dumper.kinds import holds_no_data
 from tdinspect.dumper.modules import resolve_config
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
@@ -611,6 +611,7 @@ def capture_ops(
     structural: str = "diverge",
     on_uncompared: str = "warn",
     allow_uncompared=None,
+    spec=None,
     checksum: bool = False,
     checksum_dim: int | None = None,
     environ=None,
@@ -650,7 +651,7 @@ def capture_ops(
     parallel, dims
         As for :func:`tdinspect.capture` (``dims`` regexes match ``module/op``
         names).
-    compare_to, metric, threshold, on_divergence, mapping, structural, on_uncompared, allow_uncompared
+    compare_to, metric, threshold, on_divergence, mapping, structural, on_uncompared, allow_uncompared, spec
         Live comparison with a reference op-level dump, forward and backward
         ops: as for :func:`tdinspect.capture`.
 
@@ -682,14 +683,6 @@ def capture_ops(
         compare_to=compare_to,
         checksum=checksum,
         checksum_dim=checksum_dim,
-        compare_options=dict(
-            metric=metric,
-            threshold=threshold,
-            on_divergence=on_divergence,
-            mapping=mapping,
-            structural=structural,
-            on_uncompared=on_uncompared,
-            allow_uncompared=allow_uncompared,
-        ),
+        compare_options=live_options(locals()),
         overwrite=overwrite,
     )

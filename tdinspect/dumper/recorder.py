@@ -559,6 +559,8 @@ class Recorder:
             finally:
                 if self._release is not None:
                     self._release()  # closed: an overwrite=True may now replace its run
+        if write_pending and self.observer is not None:
+            self.observer.finish()  # the run is over: what it never reached (live comparison)
 
     def warn_if_empty(self, what: str) -> None:
         if not len(self):

@@ -72,6 +72,11 @@ class Dashboard:
         self.header.value = (
             f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
             f"<code>{html_text(diff.a.path)}</code> &nbsp; B: <code>{html_text(diff.b.path)}</code>"
+            + (
+                f" &nbsp; compared with: <code>{html_text(diff.spec.describe())}</code>"
+                if diff.spec.describe()
+                else ""
+            )
         )
         self.widget = W.VBox([self.header, W.HBox([table, main])])
         self.build_seconds = time.perf_counter() - t0
@@ -97,12 +102,11 @@ class Dashboard:
     def _refresh_rows(self) -> None:
         """Mark the divergent rows at the explorer's metric and threshold; the options are
         rebuilt only when a mark or the metric changed."""
-        from tdinspect.compare.thresholds import threshold_fn
         from tdinspect.numerics.metrics import metric
 
         ex = self.explorer
         m = metric(ex.metric.value)
-        hits = ex.diff._hits(ex.table, m, threshold_fn(ex.threshold_value, m.name))
+        hits = ex.diff.diverging(ex.table, m.name, ex.threshold_value)  # the verdict's rule
         marked = (m.name, hits.tobytes())
         self.entries.unobserve(self._on_row, names="value")
         if marked != self._marked:
@@ -136,10 +140,11 @@ def dashboard(
         either, the paths come from ``TDINSPECT_DASHBOARD_A`` / ``_B`` (how
         ``tdinspect dashboard A B`` hands them to the Voilà page).
     metric, threshold : optional
-        What the page opens on (default: ``rel_diff`` at ``"auto"``, each
-        entry's threshold from its dtypes).
+        What the page opens on (default: the diff's own, from its
+        :attr:`~tdinspect.Diff.spec`: ``rel_diff`` at ``"auto"`` unless it says otherwise).
     **diff_kwargs
-        Passed to :meth:`DumpSet.diff` (``align="sequence"``, ...).
+        Passed to :meth:`DumpSet.diff` (``spec=``, ``mapping=``, ``structural="report"``,
+        ...). A Diff given brings its own spec: the page answers what the diff answers.
 
     Returns
     -------
@@ -155,17 +160,23 @@ def dashboard(
 
     if isinstance(a, Diff):
         return Dashboard(a, metric=metric, threshold=threshold)
-    if a is None:  # the page `tdinspect dashboard A B` serves
-        import json
+    if a is None:  # the page `tdinspect dashboard A B` serves: its spec comes as JSON (data)
+        from tdinspect.compare.spec import CompareSpec
 
         a, b = os.environ.get(ENV_A), os.environ.get(ENV_B)
         if not a or not b:
             raise ValueError("dashboard() needs two dumps (or TDINSPECT_DASHBOARD_A and _B set)")
-        options = json.loads(os.environ.get(ENV_OPTIONS) or "{}")
-        metric = metric or options.get("metric")
-        threshold = threshold if threshold is not None else options.get("threshold")
+        diff_kwargs = {"spec": CompareSpec.from_json(os.environ.get(ENV_OPTIONS) or "{}"), **diff_kwargs}
     ref = DumpSet.coerce(a)
     return Dashboard(ref.diff(b, **diff_kwargs), metric=metric, threshold=threshold)
+
+
+def page_environment(a, b, spec) -> dict[str, str]:
+    """What :func:`serve` hands its page (read back by :func:`dashboard` without arguments):
+    the two dump paths and ``spec`` (a :class:`~tdinspect.compare.spec.CompareSpec`) as JSON."""
+    from pathlib import Path
+
+    return {ENV_A: str(Path(a).resolve()), ENV_B: str(Path(b).resolve()), ENV_OPTIONS: spec.to_json()}
 
 
 def check_port(port) -> int:
@@ -188,19 +199,23 @@ def serve(
     b,
     *,
     port: int = 8866,
-    metric: str | None = None,
-    threshold: float | str | None = None,
+    spec=None,
     open_browser: bool = True,
+    **options,
 ) -> int:
     """Serve :func:`dashboard` of ``a`` and ``b`` with Voilà on 127.0.0.1 (until Ctrl-C).
+
+    ``spec`` (a :class:`~tdinspect.compare.spec.CompareSpec`) and ``options`` (its fields:
+    ``mapping=``, ``structural=``, ``metric=``...) make the comparison the page shows, as
+    ``tdinspect first-divergence`` makes it from the same flags.
 
     The page shows the dumps' data, so only its URL opens it, as with Jupyter: a
     random token (printed in the URL, never on a command line other users can
     read) is required by Voilà's Jupyter-server login, and requests whose
     ``Host`` is not this machine (``127.0.0.1``, ``localhost``, ``[::1]``: a
     DNS-rebinding page) are refused (Jupyter server's ``allow_remote_access=False``).
-    The dump paths reach the page through environment variables, never as
-    code. ``port`` 0 picks a free one. Returns Voilà's exit status.
+    The dump paths and the spec (JSON) reach the page through environment
+    variables, never as code. ``port`` 0 picks a free one. Returns Voilà's exit status.
 
     Raises
     ------
@@ -220,9 +235,12 @@ def serve(
 
     import nbformat
 
+    from tdinspect.compare.spec import CompareSpec
     from tdinspect.dumpset import DumpSet
 
     check_port(port)
+    spec = CompareSpec.coerce(spec).replace(**options)
+    spec.to_json()  # data, never code: a callable transform is refused before anything starts
     if importlib.util.find_spec("voila") is None:
         raise RuntimeError("tdinspect dashboard needs Voilà: pip install 'tdinspect[dashboard]'")
     for path in (a, b):
@@ -247,12 +265,7 @@ def serve(
     fd = os.open(folder / "voila.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(config, f)
-    env = {
-        **os.environ,
-        ENV_A: str(Path(a).resolve()),
-        ENV_B: str(Path(b).resolve()),
-        ENV_OPTIONS: json.dumps({"metric": metric, "threshold": threshold}),
-    }
+    env = {**os.environ, **page_environment(a, b, spec)}
     env.pop("JUPYTER_TOKEN", None)
     cmd = [
         sys.executable,

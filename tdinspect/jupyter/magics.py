@@ -2,9 +2,9 @@
 
 ``%tdi_open NAME PATH``
     open a DumpSet into the namespace as NAME and show its summary.
-``%tdi_diff A B [--metric M] [--threshold T] [--as NAME]``
-    diff two dumps (paths or DumpSet variables) and show one summary (first
-    divergence at the given metric and threshold); ``--as`` binds the Diff.
+``%tdi_diff A B [--mapping FILE] [--structural report] [--metric M] [--threshold T] ... [--as NAME]``
+    diff two dumps (paths or DumpSet variables) and show one summary (the verdict);
+    takes every flag of ``tdinspect first-divergence``; ``--as`` binds the Diff.
 ``%%tdi_capture DIR [--model VAR] [--ops] [--filter REGEX ...] [--overwrite]``
     capture what the cell runs into a new run (module level on the named
     model, or op level with ``--ops``). Re-running the cell makes a new run
@@ -13,7 +13,8 @@
     that raises still writes what ran before the error, marked ``failed``
     in the pass's sidecar, and says so. ``--compare-to REF`` compares each
     entry with the reference dump while the cell runs (DIR, then optional,
-    holds only the evidence; ``--on-divergence raise|warn|record``).
+    holds only the evidence; ``--on-divergence raise|warn|record`` and the comparison
+    flags of ``%tdi_diff``) and prints the verdict when the cell ends.
 
 A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
 raises ``UsageError`` with one line saying what was looked up, so "Run All"
@@ -31,7 +32,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from tdinspect.util.arguments import threshold_arg
+from tdinspect.numerics.metrics import METRICS
+from tdinspect.util.arguments import spec_flags
 from tdinspect.util.terminal import visible
 
 _NAMES = ("tdi_open", "tdi_diff", "tdi_capture")
@@ -40,6 +42,24 @@ _MISSING = object()
 
 def _usage(exc: Exception) -> UsageError:
     return UsageError(f"{type(exc).__name__}: {exc}")
+
+
+def spec_arguments(func):
+    """The comparison flags of ``tdinspect first-divergence`` (one definition,
+    :data:`tdinspect.util.arguments.SPEC_FLAGS`) on a magic."""
+    for flags, options in reversed(spec_flags(METRICS)):
+        func = argument(*flags, **options)(func)
+    return func
+
+
+def _spec(args):
+    """The comparison spec of a magic's flags (a bad one: ``UsageError`` naming it)."""
+    from tdinspect.compare.spec import CompareSpec
+
+    try:
+        return CompareSpec.from_args(args)
+    except (ValueError, TypeError, OSError) as exc:
+        raise _usage(exc) from exc
 
 
 @magics_class
@@ -94,42 +114,24 @@ class TdinspectMagics(Magics):
     @magic_arguments()
     @argument("a", help="reference: path or DumpSet variable")
     @argument("b", help="compared: path or DumpSet variable")
-    @argument("--metric", default=None, help="rel_diff (default), max_abs, cosine, ...")
-    @argument(
-        "--threshold",
-        type=threshold_arg,
-        default="auto",
-        help="divergence threshold: auto (default, from each entry's dtypes) or a number",
-    )
-    @argument("--mapping", default=None, help="YAML/JSON rules pairing differently named entries (a port)")
-    @argument(
-        "--concat",
-        default=None,
-        help="OVER:DIM, e.g. call:1: decode calls end to end (a decode run vs a forward)",
-    )
-    @argument(
-        "--structural",
-        default="diverge",
-        choices=["diverge", "report"],
-        help="report: set one-sided and reshaped entries aside",
-    )
+    @spec_arguments
     @argument("--as", dest="as_", default=None, help="bind the Diff to this variable")
     @line_magic
     def tdi_diff(self, line):
         """Diff two dumps and show one summary: ``%tdi_diff a b --metric cosine --as d``.
 
-        The summary's first divergence uses ``--metric`` and ``--threshold``;
-        ``--as d`` keeps the Diff (``d.first_divergence(...)``, ``explore(d)``).
+        Takes every flag ``tdinspect first-divergence`` takes (``--mapping``,
+        ``--structural``, ``--allow-uncompared``...); the summary is the verdict of that
+        spec, and ``--as d`` keeps the Diff with it (``d.verdict()``, ``explore(d)``).
         """
         from tdinspect.report import DiffSummary
 
         args = parse_argstring(self.tdi_diff, line)
+        spec = _spec(args)
         a, b = self._dumpset(args.a), self._dumpset(args.b)
         try:
-            diff = a.diff(b, mapping=args.mapping, concat=args.concat)
-            summary = DiffSummary(
-                diff, threshold=args.threshold, metric=args.metric, structural=args.structural
-            )
+            diff = a.diff(b, spec=spec)
+            summary = DiffSummary(diff)  # the diff's own spec
         except (ValueError, TypeError, OSError) as exc:  # a bad metric, mapping file, concat
             raise _usage(exc) from exc
         if args.as_:
@@ -160,6 +162,7 @@ class TdinspectMagics(Magics):
         choices=["raise", "warn", "record"],
         help="with --compare-to (default raise)",
     )
+    @spec_arguments
     @cell_magic
     def tdi_capture(self, line, cell):
         """Capture what the cell runs as a new run in DIR (one pass)."""
@@ -169,11 +172,9 @@ class TdinspectMagics(Magics):
         model = self._variable(args.model) if args.model else None
         if args.dir is None and args.compare_to is None:
             raise UsageError("give a dump directory (or --compare-to REF)")
-        live = (
-            {}
-            if args.compare_to is None
-            else {"compare_to": args.compare_to, "on_divergence": args.on_divergence}
-        )
+        live = {}
+        if args.compare_to is not None:  # the comparison flags of %tdi_diff
+            live = {"compare_to": args.compare_to, "on_divergence": args.on_divergence, "spec": _spec(args)}
         try:
             if args.ops:
                 cap = tdinspect.capture_ops(
@@ -196,16 +197,8 @@ class TdinspectMagics(Magics):
                 error = exc
             failed = None if error is None else f"{type(error).__name__}: {error}"
             path = cap.step(failed=failed)
-        if live:
-            first = cap.live.first
-            print(
-                visible(
-                    f"tdinspect: no divergence from {args.compare_to}"
-                    if first is None
-                    else f"tdinspect: first divergence from {args.compare_to}: {first.key} (call "
-                    f"{first.call}, pass {first.pass_}): {first.reason}"
-                )
-            )
+        if live:  # the verdict, in the words the CLI prints
+            print(visible(f"tdinspect: against {args.compare_to}: {cap.live.verdict().text}"))
         elif failed is None:
             print(f"tdinspect: wrote {path}")
         else:

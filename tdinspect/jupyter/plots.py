@@ -164,7 +164,7 @@ class DivergencePlot:
         )
         return float(hit[0]) if len(hit) else math.nan
 
-    def draw(self, metric, threshold, div, selected: float = math.nan) -> None:
+    def draw(self, metric, threshold, div, selected: float = math.nan, verdict=None) -> None:
         """Show ``metric`` (a :class:`~tdinspect.numerics.metrics.Metric`) at ``threshold``: one
         number (a line across), or one per row (``"auto"``: a step line along the rows)."""
         ax, df, x = self.ax, self.table, self.x
@@ -232,11 +232,12 @@ class DivergencePlot:
             if a.get_visible() and not (a in (self.first, self.selected) and np.isnan(a.get_xdata()[0]))
         ]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
-        title = (
-            "no divergence"
-            if div is None
-            else f"first divergence: {div.key} (pass {div.pass_}) — {div.reason}"
-        )
+        if div is not None:
+            title = f"first divergence: {div.key} (pass {div.pass_}) — {div.reason}"
+        elif verdict is not None and verdict.outcome == "incomplete":
+            title = f"incomplete: {verdict.uncompared} entries set aside or never compared"
+        else:
+            title = "no divergence"
         ax.set_title(_plain(title), fontsize=9, pad=14)
 
 
@@ -275,6 +276,7 @@ def divergence(
     from tdinspect.numerics.metrics import metric as get_metric
 
     m = get_metric(metric or diff.default_metric)
+    threshold = own_threshold(diff, threshold, m.name)
     df = sorted_table(diff)
     if pass_ is not None:
         df = df[df["pass"] == pass_]
@@ -282,11 +284,19 @@ def divergence(
         df = df[df["rank"] == rank]
     df = df.reset_index(drop=True)
     fig, ax = (ax.figure, ax) if ax is not None else _plt().subplots(figsize=(11, 3.8))
+    verdict = diff.verdict(threshold, m.name)  # the diff's spec: structural mode, allowed entries
     DivergencePlot(df, ax).draw(
-        m, drawn_threshold(threshold, m.name, df), diff.first_divergence(threshold, m.name)
+        m, drawn_threshold(threshold, m.name, df), verdict.divergence, verdict=verdict
     )
     fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
     return fig
+
+
+def own_threshold(diff, threshold, metric_name: str):
+    """``threshold``, or, when ``None``, the diff's own (its spec's) for the diff's metric."""
+    if threshold is None and metric_name == diff.default_metric:
+        return diff.spec.threshold
+    return threshold
 
 
 def drawn_threshold(threshold, metric_name: str, table):
@@ -553,6 +563,7 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
+    threshold = own_threshold(diff, threshold, m.name)
     by = diff.by_rank_pass(threshold, m.name)
     thrs = np.unique(np.atleast_1d(drawn_threshold(threshold, m.name, diff.table(progress=False))))
     ranks = sorted({r for r, _ in by.index})
@@ -631,6 +642,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
+    threshold = own_threshold(diff, threshold, m.name)
     if keys is None:
         table = diff.table(progress=False)
         table = table[~table["structural"]].sort_values(["pass", "order", "rank"])

@@ -135,7 +135,9 @@ class DiffExplorer:
         self.diff = diff
         self.timings: dict[str, float] = {}
         names = ["stats_rel"] if diff.mode == "stats" else [m for m in METRICS if m != "stats_rel"]
-        metric = metric or diff.default_metric
+        metric = metric or diff.default_metric  # the diff's own spec, unless told otherwise
+        if threshold is None and metric == diff.default_metric:
+            threshold = diff.spec.threshold
         self.metric = W.Dropdown(options=names, value=metric, description="metric")
         self._log_slider = W.FloatLogSlider(
             base=10,
@@ -179,6 +181,7 @@ class DiffExplorer:
         self._sbs: plots.SideBySide | None = None  # its axes, made on the first entry shown
         self._views: OrderedDict[tuple, bytes] = OrderedDict()  # (key, pass, rank) -> PNG
         self.divergence = None
+        self.verdict = None
         self.shown: str | None = None
         self.shown_at: tuple | None = None
         self._quiet = False
@@ -214,9 +217,13 @@ class DiffExplorer:
         return self._log_slider if plots.scale(self.metric.value).log else self._lin_slider
 
     @property
-    def threshold_value(self) -> float | str:
-        """What the answers use: ``"auto"`` while the box is ticked, else the slider's value."""
-        return "auto" if self.auto.value else self.threshold.value
+    def threshold_value(self) -> float | str | dict:
+        """What the answers use: ``"auto"`` while the box is ticked (the diff's own
+        ``{regex: value}`` thresholds when its spec has them), else the slider's value."""
+        if not self.auto.value:
+            return self.threshold.value
+        own = self.diff.spec.threshold
+        return own if isinstance(own, dict) and self.metric.value == self.diff.default_metric else "auto"
 
     def _auto_shown(self, name: str) -> float:
         """The slider's value under ``"auto"``: the threshold :class:`~tdinspect.Diff` applies
@@ -242,7 +249,11 @@ class DiffExplorer:
         from tdinspect.numerics.metrics import metric
 
         m, sc = metric(name), plots.scale(name)
-        auto = threshold is None or (isinstance(threshold, str) and threshold == "auto")
+        auto = (
+            threshold is None
+            or isinstance(threshold, dict)
+            or (isinstance(threshold, str) and threshold == "auto")
+        )
         value = self._auto_shown(name) if auto else float(threshold)
         if not math.isfinite(value):  # sqnr_db of integers: any difference
             value = sc.hi
@@ -358,16 +369,21 @@ class DiffExplorer:
         from tdinspect.numerics.metrics import metric
 
         m, thr = metric(self.metric.value), self.threshold_value
-        div = self.diff.first_divergence(thr, m.name)
-        self.divergence = div
+        # the verdict of the diff's own spec (structural mode, allowed entries), as the CLI's
+        self.verdict = self.diff.verdict(thr, m.name)
+        div = self.divergence = self.verdict.divergence
         sc = plots.scale(m.name)
         if div is None:
             from tdinspect.compare.thresholds import threshold_fn
 
-            text = threshold_fn(thr, m.name).describe(self.table) if thr == "auto" else sc.text(thr)
+            fixed = isinstance(thr, (int, float))
+            text = sc.text(thr) if fixed else threshold_fn(thr, m.name).describe(self.table)
             near = self.diff.nearest(thr, m.name, progress=False)
-            self.label.value = f"<b>no divergence</b> at {html_text(m.name)} threshold {html_text(text)}" + (
-                f"<br>nearest: {html_text(near['text'])}" if near else ""
+            head = "no divergence" if self.verdict.outcome == "matches" else "incomplete"
+            self.label.value = (
+                f"<b>{head}</b> at {html_text(m.name)} threshold {html_text(text)}"
+                f"<br>{html_text(self.verdict.text)}"
+                + (f"<br>nearest: {html_text(near['text'])}" if near else "")
             )
         else:
             self.label.value = (
@@ -408,6 +424,7 @@ class DiffExplorer:
             plots.drawn_threshold(self.threshold_value, name, self.table),
             self.divergence,
             self._selected_row(),
+            verdict=self.verdict,
         )
         self.plot.refresh()
 
