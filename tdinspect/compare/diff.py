@@ -41,7 +41,7 @@ import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
 from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
-from tdinspect.compare import cube, growth
+from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
 from tdinspect.compare.passframes import PassFrames
@@ -915,6 +915,57 @@ class Diff:
         """
         m = self._check_metric(metric)
         return growth.introduced(self.table(progress), m, self.a)
+
+    def health(
+        self,
+        threshold: float | str | dict | None = None,
+        metric: str | None = None,
+        progress: bool | None = None,
+        *,
+        allow_uncompared: str | list[str] | None = None,
+    ) -> pd.DataFrame:
+        """Every entry's health, in execution order: its error, its share of its threshold, its
+        growth, NaN/Inf and one-sided (reads every pass).
+
+        The table the module tree, the health table of the explorer and the dashboard, and
+        ``tdinspect report`` show (:func:`tdinspect.compare.entries.health`); ``diverges`` is
+        what :meth:`divergences` lists. Arguments as for :meth:`first_divergence`.
+
+        Examples
+        --------
+        >>> diff.health().sort_values("share", ascending=False).head(3)   # doctest: +SKIP
+        """
+        m = self._check_metric(metric)
+        patterns = self.allow_uncompared if allow_uncompared is None else allowed_patterns(allow_uncompared)
+        return entries.health(self.table(progress), m, threshold_fn(threshold, m.name), patterns)
+
+    def tree(
+        self,
+        threshold: float | str | dict | None = None,
+        metric: str | None = None,
+        progress: bool | None = None,
+        *,
+        allow_uncompared: str | list[str] | None = None,
+    ):
+        """The module tree: the hierarchy of the entry names, each node with the worst share of
+        its threshold below it and its counts of diverging, one-sided and NaN/Inf entries
+        (a :class:`~tdinspect.compare.tree.ModuleTree`; reads every pass).
+
+        Its HTML repr needs no kernel (nested ``<details>``, the path to the first divergence
+        open), so a saved notebook shows it on GitHub and nbviewer. Arguments as for
+        :meth:`first_divergence`.
+
+        Examples
+        --------
+        >>> diff.tree()                                   # doctest: +SKIP
+        >>> diff.tree().node("model.layers.2").diverging   # doctest: +SKIP
+        3
+        """
+        from tdinspect.compare.tree import ModuleTree
+
+        m = self._check_metric(metric)
+        df = self.health(threshold, m.name, progress, allow_uncompared=allow_uncompared)
+        return ModuleTree(df, m.name, self.threshold_text(threshold, m.name))
 
     def by_rank_pass(self, threshold: float | str | dict | None = None, metric: str | None = None):
         """Per (rank, pass): how many entries diverge, the first of them and its reason.
