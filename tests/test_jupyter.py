@@ -532,13 +532,11 @@ def test_auto_slider_readout_is_the_threshold_diff_uses_upstream_included(tmp_pa
 def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
     """One user change, one verdict computation for the entry table (a metric switch or a
     ticked auto box fired it two or three times: the metric, the slider and the box each)."""
-    from tdinspect.jupyter import dashboard as dash
+    from tdinspect.compare import entries
 
     calls = []
-    real = dash.Dashboard._refresh_rows
-    monkeypatch.setattr(
-        dash.Dashboard, "_refresh_rows", lambda self, *args: calls.append(1) or real(self, *args)
-    )
+    real = entries.health
+    monkeypatch.setattr(entries, "health", lambda *args: calls.append(1) or real(*args))
     board = tdinspect.dashboard(runs["ref"], runs["wrong"])
     ex = board.explorer
 

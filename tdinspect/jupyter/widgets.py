@@ -28,6 +28,7 @@ import numpy as np
 from IPython.display import display
 
 from tdinspect.jupyter import plots
+from tdinspect.jupyter.overview import Overview
 from tdinspect.util.terminal import html_text, visible
 
 
@@ -115,6 +116,9 @@ class DiffExplorer:
         What the side-by-side view shows (it opens on the first divergence).
     label : ipywidgets.HTML
         Describes the current first divergence.
+    overview : Overview
+        The module tree and the health table (sortable, with a name filter), linked both
+        ways to the view (:mod:`tdinspect.jupyter.overview`).
     divergence : Divergence or None
     timings : dict
         Seconds the last build and the last callback of each kind took.
@@ -183,6 +187,7 @@ class DiffExplorer:
         self.shown_at: tuple | None = None
         self._quiet = False
         self.on_update: list = []  # called after each update (the dashboard's entry table)
+        self.on_show: list = []  # called after each entry shown (the health table, the tree)
         self.threshold_box = W.HBox()
         self._configure_slider(metric, threshold)
         self.metric.observe(self._on_metric, names="value")
@@ -204,6 +209,8 @@ class DiffExplorer:
                 self.view.widget,
             ]
         )
+        self.overview = Overview(self)  # the module tree and the health table
+        self.widget.children = (*self.widget.children, self.overview.widget)
         self.update(follow=True)
         self.timings["build"] = time.perf_counter() - t0
 
@@ -348,6 +355,8 @@ class DiffExplorer:
     def _show_picked(self) -> None:
         self.show_entry(self.entry.value, self.pass_.value, self.rank.value)
         self._redraw_plot()
+        for fn in self.on_show:
+            fn()
 
     def update(self, follow: bool = True) -> None:
         """Recompute the first divergence at the current metric and threshold; redraw the plot.
