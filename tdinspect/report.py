@@ -389,7 +389,15 @@ def _counts(node) -> str:
 
 def node_label(node) -> str:
     """A node's one-line summary: ``self_attn  worst 12x of threshold  (8 entries, 3 diverging)``."""
-    return f"{node.name}  worst {share_text(node.worst)} of threshold  ({_counts(node)})"
+    w = node.worst
+    worst = (
+        "nothing compared"
+        if w != w
+        else "structural"
+        if math.isinf(w)
+        else f"worst {share_text(w)} of threshold"
+    )
+    return f"{node.name}  {worst}  ({_counts(node)})"
 
 
 _SWATCH = (

@@ -62,7 +62,7 @@ def health(table: pd.DataFrame, m, thr_fn: Thresholds, allowed: list | None = No
         ``value`` (the metric), ``threshold`` (the row's), ``share`` (the error over the
         threshold as an error: ``(1 - cosine) / (1 - threshold)`` for cosine; ``inf`` for a
         structural row and for a metric that could not be computed, NaN for a row never
-        compared), ``growth`` (the error over the largest before it in its pass,
+        compared or named by ``allowed``), ``growth`` (the error over the largest before it in its pass,
         :meth:`tdinspect.Diff.growth`), ``nonfinite``, ``one_sided``, ``structural``,
         ``reason`` and ``diverges`` (:func:`~tdinspect.compare.thresholds.divergent`).
 
@@ -76,14 +76,17 @@ def health(table: pd.DataFrame, m, thr_fn: Thresholds, allowed: list | None = No
     structural = df["structural"].to_numpy(bool)
     reasons = df["reason"].to_numpy(object)
     hit = divergent(m, values, thr, structural, reasons != "")
+    excused = np.zeros(len(df), bool)
     if allowed:
         aside = set_aside(structural, reasons) | never_compared(structural, reasons)
-        hit &= ~(allowed_rows(allowed, df["op"].to_numpy(object), df["key_b"].to_numpy(object)) & aside)
+        excused = allowed_rows(allowed, df["op"].to_numpy(object), df["key_b"].to_numpy(object)) & aside
+        hit &= ~excused
     error = as_error(m.name, pd.Series(values)).to_numpy(float)
     limit = as_error(m.name, pd.Series(thr)).to_numpy(float)
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(limit > 0, error / limit, np.where(error > 0, np.inf, 0.0))
     share = np.where(structural | (np.isnan(values) & (reasons == "")), np.inf, share)
+    share = np.where(excused, np.nan, share)  # one-sided by design: not compared, not the worst
     grown = growth(df, m.name, all_entries=True)[["rank", "pass", "order", "key", "growth"]]
     out = df[["rank", "pass", "order", "op", "call", "key"]].copy()
     out["value"] = values
