@@ -3,6 +3,9 @@
 Notebook 02: move the threshold slider, switch the metric, pick a pass.
 Notebook 05: re-run a capture cell, open again (exactly the new run).
 ``tdinspect dashboard A B``: the Voila page's first view, then a pick in its table.
+A notebook of its own: the module tree without a kernel, the explorer's tree and health table
+linked both ways to the view, and the tree of a port diff with its mapping; the dashboard's
+table following the pass on show, filtered and sorted (screenshots in ``docs/images/``).
 
 Servers are started and stopped by the fixtures (by their own PIDs), with
 temporary Jupyter config and runtime folders, on free loopback ports.
@@ -409,7 +412,9 @@ def _text_box(page, description: str):
 
 
 def _selected_text(select) -> str:
-    return select.evaluate("s => s.selectedIndex < 0 ? '' : s.options[s.selectedIndex].textContent")
+    return select.evaluate("s => s.selectedIndex < 0 ? '' : s.options[s.selectedIndex].textContent").replace(
+        "\xa0", " "
+    )
 
 
 def test_tree_and_health_table_in_jupyterlab_linked_to_the_view(jupyterlab, tmp_path):
@@ -467,10 +472,10 @@ def test_tree_and_health_table_in_jupyterlab_linked_to_the_view(jupyterlab, tmp_
         _until(lambda: view.get_attribute("src"), src)
         times["node_to_view_s"] = time.perf_counter() - t0
         time.sleep(1.0)
-        overview = page.locator(".tdi-mono").first.locator("xpath=../../../..")
+        overview = page.locator(".tdi-overview").first
         overview.scroll_into_view_if_needed()
         shots["tree_explorer"] = ARTIFACTS / "browser_tree_explorer.png"
-        page.screenshot(path=str(shots["tree_explorer"]))
+        overview.screenshot(path=str(shots["tree_explorer"]))
         port = page.locator(".jp-OutputArea-output", has_text="module tree").last
         port_text = port.inner_text()
         port.scroll_into_view_if_needed()

@@ -48,7 +48,8 @@ def _flags(nonfinite: bool, one: bool, structural: bool) -> str:
 def row_label(metric_name: str, r: dict) -> str:
     """One row's text: divergence mark, share, value, growth, flags, pass (and rank), name."""
     g = r["growth"]
-    grown = "-" if g != g else ("first" if math.isinf(g) else f"{g:.3g}x")
+    # no error (identical): no growth to speak of
+    grown = "-" if g != g or r["share"] == 0 else ("first" if math.isinf(g) else f"{g:.3g}x")
     value = "-" if r["structural"] else value_text(metric_name, r["value"])
     where = f"p{r['pass']}" + (f"r{r['rank']}" if r["rank"] else "")
     mark = "⚠" if r["diverges"] else " "

@@ -45,6 +45,7 @@ class Overview:
                 W.Box([self.table.widget], layout=W.Layout(width="60%")),
             ]
         )
+        self.widget.add_class("tdi-overview")  # a name for the page (tests, screenshots)
         explorer.on_update.append(self.refresh)
         explorer.on_show.append(self.follow)
         self.refresh()

@@ -88,10 +88,17 @@ class TreePanel:
         for node, expanded in self.tree.lines():
             row = self._rows.get(node.path)
             if row is None:
-                swatch, button = W.HTML(), W.Button(layout=W.Layout(width="auto", height="24px"))
+                swatch = W.HTML(layout=W.Layout(margin="0 4px 0 0"))
+                button = W.Button(
+                    layout=W.Layout(width="auto", height="26px", padding="0 8px", margin="1px 0")
+                )
                 button.on_click(lambda _, path=node.path: self.click(path))
                 row = self._rows[node.path] = (
-                    W.HBox([swatch, button], layout=W.Layout(margin=f"0 0 0 {node.depth * 16}px")),
+                    # flex 0 0 auto: a long tree scrolls, its rows never squeeze into one another
+                    W.HBox(
+                        [swatch, button],
+                        layout=W.Layout(margin=f"0 0 0 {node.depth * 16}px", flex="0 0 auto"),
+                    ),
                     swatch,
                     button,
                 )
