@@ -110,25 +110,37 @@ class ModuleTree:
         self.root = Node("", "", -1)
         self._nodes: dict[str, Node] = {"": self.root}
         self.first = None
-        cols = ["op", "key", "pass", "rank", "share", "diverges", "one_sided", "nonfinite"]
-        for op, key, p, rank, share, bad, one, nonfinite in zip(*(health[c].tolist() for c in cols)):
-            at = (key, int(p), int(rank))
-            if bad and self.first is None:
-                self.first = at
+        # one pass over the distinct names (a 40-pass diff holds each name 40 times)
+        df = health.reset_index(drop=True)
+        df["score"] = df["share"].fillna(-1.0)
+        per_op = df.groupby("op", sort=False).agg(
+            entries=("key", "size"),
+            diverging=("diverges", "sum"),
+            one_sided=("one_sided", "sum"),
+            nonfinite=("nonfinite", "sum"),
+            best=("score", "idxmax"),  # the first row of the largest share
+        )
+        keys, passes, ranks = df["key"].tolist(), df["pass"].tolist(), df["rank"].tolist()
+        shares = df["share"].tolist()
+        for op, n, bad, one, nonfinite, best in per_op.itertuples(name=None):
+            share, at = shares[best], (keys[best], int(passes[best]), int(ranks[best]))
             chain = self._chain(op)
             for node in chain:
-                node.entries += 1
-                node.diverging += bool(bad)
-                node.one_sided += bool(one)
-                node.nonfinite += bool(nonfinite)
-                if _worse(share, node.worst):
+                node.entries += int(n)
+                node.diverging += int(bad)
+                node.one_sided += int(one)
+                node.nonfinite += int(nonfinite)
+                if node.worst_at is None or _worse(share, node.worst):
                     node.worst, node.worst_at = share, at
             leaf = chain[-1]
             if leaf.own_at is None or _worse(share, leaf.own_worst):
                 leaf.own_worst, leaf.own_at = share, at
-            if bad and self.first == at:
-                for node in chain:
-                    node.open = True
+        hits = df.index[df["diverges"].to_numpy(bool)]
+        if len(hits):
+            i = hits[0]
+            self.first = (keys[i], int(passes[i]), int(ranks[i]))
+            for node in self._chain(df["op"].iat[i]):
+                node.open = True
         self.root.open = True
 
     def _chain(self, op: str) -> list[Node]:

@@ -105,20 +105,9 @@ class HealthTable:
     def set_health(self, health, metric_name: str) -> None:
         """Show ``health`` (a :meth:`tdinspect.Diff.health` frame) at ``metric_name``."""
         self._health, self._metric = health, metric_name
-        records = health[
-            [
-                "key",
-                "pass",
-                "rank",
-                "value",
-                "share",
-                "growth",
-                "nonfinite",
-                "one_sided",
-                "structural",
-                "diverges",
-            ]
-        ].to_dict("records")
+        cols = ["key", "pass", "rank", "value", "share", "growth", "nonfinite", "one_sided", "structural"]
+        cols.append("diverges")
+        records = [dict(zip(cols, row)) for row in zip(*(health[c].tolist() for c in cols))]
         self._labels = [row_label(metric_name, r) for r in records]
         self._values = [(r["key"], int(r["pass"]), int(r["rank"])) for r in records]
         self._show()

@@ -69,7 +69,8 @@ class TreePanel:
                 node.open = True
             elif node.path in self._closed:
                 node.open = False
-        first = f"first divergence <b>{html_text(tree.first[0])}</b>" if tree.first else "no divergence"
+        # not the words of the explorer's label ("first divergence"), which pages look for
+        first = f"diverges first at <b>{html_text(tree.first[0])}</b>" if tree.first else "nothing diverges"
         self.title.value = f"<b>module tree</b> <small>({first}; colour: worst share of threshold)</small>"
         self.render()
 
