@@ -425,7 +425,7 @@ def _tree_node_html(node) -> str:
 
 def tree_html(tree) -> str:
     """A module tree (:class:`tdinspect.compare.tree.ModuleTree`) as nested ``<details>`` with
-    inline styles: it reads without a kernel or a script (GitHub, nbviewer, a saved report).
+    inline styles: it reads without a kernel or a script (nbviewer, an HTML export, a saved report).
     Each node's swatch is its worst share of its threshold (:func:`share_colour`); the path to
     the first divergence is open."""
     first = (

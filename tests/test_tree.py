@@ -196,3 +196,16 @@ def test_dashboard_table_follows_the_pass_on_show(runs):
     board.health.sort.value = "growth"
     assert board.entries.options[0][1][0] in {"model.layers.2.mlp.down"}  # the entry that made the error
     assert board.entries.value == ("model.lm_head", 1, 0)
+
+
+def test_op_level_entries_meet_under_their_op():
+    """``model.ln/aten.add.Tensor[in0]`` and ``[out0]`` are two leaves of one op node."""
+    from .conftest import ROOT
+
+    ref = DumpSet.open(ROOT / "sample_dumps" / "ops_layernorm_f32")
+    tree = ref.diff(ROOT / "sample_dumps" / "ops_layernorm").tree()
+    op = tree.node("model/aten._to_copy.default")
+    assert list(op.children) == ["[in0]", "[out0]"]
+    assert op.entries == op.children["[in0]"].entries + op.children["[out0]"].entries
+    assert tree.node("model/aten._to_copy.default[in0]").path == "model/aten._to_copy.default[in0]"
+    assert tree.first[0] == "model/aten._to_copy.default[in0]" and op.open

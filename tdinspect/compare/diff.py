@@ -951,9 +951,9 @@ class Diff:
         its threshold below it and its counts of diverging, one-sided and NaN/Inf entries
         (a :class:`~tdinspect.compare.tree.ModuleTree`; reads every pass).
 
-        Its HTML repr needs no kernel (nested ``<details>``, the path to the first divergence
-        open), so a saved notebook shows it on GitHub and nbviewer. Arguments as for
-        :meth:`first_divergence`.
+        Its HTML repr needs no kernel or script (nested ``<details>`` with inline styles, the
+        path to the first divergence open): a saved notebook shows it in nbviewer or an HTML
+        export. Arguments as for :meth:`first_divergence`.
 
         Examples
         --------

@@ -29,7 +29,8 @@ class Node:
     Attributes
     ----------
     name : str
-        The last part of its path (``q_proj``; ``/aten.mm.default[out0]`` under a module).
+        The last part of its path (``q_proj``; ``/aten.mm.default`` under a module, ``[out0]``
+        under an op).
     path : str
         The whole path (``model.layers.0.self_attn.q_proj``).
     children : dict
@@ -73,16 +74,17 @@ class Node:
 
 
 def key_path(op: str) -> list[str]:
-    """The tree path of an entry name: the module's dotted parts, then its op and labels as one
-    leaf (``model.ln/aten.add.Tensor[out0]`` -> ``["model", "ln", "/aten.add.Tensor[out0]"]``)."""
+    """The tree path of an entry name: the module's dotted parts, then its op, then each label
+    (``model.ln/aten.add.Tensor[out0]`` -> ``["model", "ln", "/aten.add.Tensor", "[out0]"]``):
+    an op's inputs and outputs meet under the op."""
     try:
         parts = parse_key(op)
     except ValueError:
         return [op]
     path = parts.module.split(".") if parts.module else []
-    rest = parts.base[len(parts.module) :]
-    if rest:
-        path.append(rest)
+    if parts.op:
+        path.append("/" + parts.op)
+    path += [f"[{label}]" for label in parts.labels]
     return path or [op]
 
 
@@ -147,7 +149,7 @@ class ModuleTree:
         """The nodes from the root to ``op``'s, made where missing (root included)."""
         node, chain, path = self.root, [self.root], ""
         for part in key_path(op):
-            path = path + ("." if path and not part.startswith("/") else "") + part
+            path = path + ("." if path and not part.startswith(("/", "[")) else "") + part
             child = node.children.get(part)
             if child is None:
                 child = node.children[part] = self._nodes[path] = Node(part, path, node.depth + 1)
