@@ -471,7 +471,10 @@ def health_html(df, limit: int = 200) -> str:
         ["pass", "rank", "key", "value", "threshold", "share", "growth", "nonfinite", "one_sided", "reason"]
     ]
     shown = shown.assign(share=[share_text(s) for s in shown["share"]])
-    return styled(shown)
+    more = (
+        f"<p>the first {limit} of {len(df)} rows: diff.health() holds them all</p>" if len(df) > limit else ""
+    )
+    return styled(shown) + more
 
 
 def report_page(summary_html: str, tree, health, title: str) -> str:

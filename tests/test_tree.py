@@ -133,6 +133,9 @@ def test_report_command_writes_a_page_of_verdict_tree_and_table(llama, tmp_path,
     assert "module tree" in page and "<details open" in page and BUG in page
     assert "entries by share of their threshold" in page
     assert "wrote" in capsys.readouterr().out
+    from tdinspect.report import health_html
+
+    assert f"the first 5 of {len(llama.health())} rows" in health_html(llama.health(), limit=5)
     # the comparison flags of first-divergence: a loose threshold matches
     assert main(["report", str(llama.a.path), str(llama.b.path), "--threshold", "1", "-o", str(out)]) == 0
     assert "no divergence" in out.read_text(encoding="utf-8")
