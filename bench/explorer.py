@@ -4,7 +4,8 @@
 ``explore(diff)`` and the dashboard, then drives the callbacks a browser would (threshold moves,
 metric switches, pass picks) and prints the seconds each took (``ex.timings``), median of a few
 repeats. Then the dashboard's own interactions (the same moves, the entry table included: the
-seconds each assignment takes), on the samples and on a larger pair (the bundled model over
+seconds each assignment takes, and the share of it the health table and the module tree take),
+on the samples and on a larger pair (the bundled model over
 ``--passes`` passes, a wrong layer in B: a table of 42 rows a pass). The browser test measures
 the same interactions end to end (``test-artifacts/browser_timings.json``).
 """
@@ -57,11 +58,12 @@ def explorer_rows(ref, repeats: int) -> dict:
 def dashboard_row(a, b, repeats: int) -> tuple:
     """(rows, build, max threshold move, max metric switch, auto tick, max entry-table share) of
     the dashboard, seconds: each the median over ``repeats`` boards of the worst of its moves;
-    the last is the time one interaction spends marking the entry table (``_refresh_rows``)."""
-    from tdinspect.jupyter import dashboard as dash
+    the last is the time one interaction spends on the health table and the module tree
+    (``Overview.refresh``)."""
+    from tdinspect.jupyter.overview import Overview
 
     table: list[float] = []
-    real = dash.Dashboard._refresh_rows
+    real = Overview.refresh
 
     def timed_refresh(self, *args):
         t0 = time.perf_counter()
@@ -75,7 +77,7 @@ def dashboard_row(a, b, repeats: int) -> tuple:
         return time.perf_counter() - t0, sum(table)
 
     builds, thr, metric, auto, marks = [], [], [], [], []
-    dash.Dashboard._refresh_rows = timed_refresh
+    Overview.refresh = timed_refresh
     try:
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -89,7 +91,7 @@ def dashboard_row(a, b, repeats: int) -> tuple:
                 out.append(max(t for t, _ in done))
             marks.append(max(m for _, m in moves + ticks + switches))
     finally:
-        dash.Dashboard._refresh_rows = real
+        Overview.refresh = real
     return (len(ex.table), *(statistics.median(x) for x in (builds, thr, metric, auto, marks)))
 
 

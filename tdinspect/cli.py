@@ -1,4 +1,4 @@
-"""Command line: ``tdinspect ls|stats|diff|first-divergence|first-nonfinite|suggest-mapping|demo``.
+"""Command line: ``tdinspect ls|stats|diff|first-divergence|report|first-nonfinite|suggest-mapping|demo``.
 
 Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
 (one line on stderr naming the file or argument; ``--debug`` adds the
@@ -19,6 +19,7 @@ Examples
     tdinspect stats dumps/run_a --op 'layers\\.0\\.'
     tdinspect diff dumps/run_a dumps/run_b --metric rel_diff --threshold 1e-3
     tdinspect first-divergence dumps/run_a dumps/run_b --threshold 'attn=1e-2' --json
+    tdinspect report dumps/run_a dumps/run_b -o report.html
     tdinspect first-nonfinite dumps/run_a
 
 ``--threshold auto`` (the default) derives each entry's threshold from its
@@ -270,6 +271,26 @@ def cmd_diff(args) -> int:
     return status
 
 
+def cmd_report(args) -> int:
+    from tdinspect.report import DiffSummary, report_page
+
+    diff = _diff(args)  # every part of the page answers by the diff's own spec
+    summary = DiffSummary(diff)
+    page = report_page(
+        summary._repr_html_(),
+        diff.tree(progress=False),
+        diff.health(progress=False),
+        f"tdinspect report: {diff.a.path} vs {diff.b.path}",
+    )
+    if args.output in (None, "-"):
+        sys.stdout.write(page + "\n")
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(page)
+        print(visible(f"wrote {args.output}: {summary.verdict.text}"))
+    return EXIT[summary.verdict.outcome]
+
+
 def _value_text(value, thr):
     """A divergent metric value with the digits its reason shows (0.99999773, not 1)."""
     from tdinspect.compare.thresholds import digits_apart
@@ -403,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="on an error, print the traceback too",
         )
 
+    def structural(p):
+        p.add_argument(
+            "--structural",
+            choices=["diverge", "report"],
+            default="diverge",
+            help="report: set one-sided/unmatched/reshaped entries aside, list them and name the first "
+            "numerical divergence (none: exit 3 unless --allow-uncompared names them all)",
+        )
+
     common(sub.add_parser("ls", help="what a dump holds"))
     p = sub.add_parser("stats", help="per-entry statistics")
     common(p)
@@ -425,6 +455,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common(p, two=True)
+    p = sub.add_parser(
+        "report",
+        help="an HTML page of a diff: its verdict, module tree and health table (a CI artifact)",
+        description="An HTML page of a diff (its verdict, module tree and health table); it needs no "
+        "kernel or script to read.",
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    common(p, two=True)
+    p.add_argument("-o", "--output", metavar="FILE", default=None, help="the HTML file (default: stdout)")
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser(
         "suggest-mapping",
@@ -469,6 +509,7 @@ COMMANDS = {
     "diff": cmd_diff,
     "first-divergence": cmd_first_divergence,
     "first-nonfinite": cmd_first_nonfinite,
+    "report": cmd_report,
     "suggest-mapping": cmd_suggest_mapping,
     "dashboard": cmd_dashboard,
     "demo": cmd_demo,

@@ -347,3 +347,146 @@ def replay_html(result) -> str:
         f"inputs: the op's own error{styled(rows)}"
         + (section("recorded arguments", styled(table), count=len(names), open_=True) if names else "")
     )
+
+
+def share_colour(share: float) -> str:
+    """The colour of a share of its threshold on a log scale: green far below it, amber near
+    it, red past it (darker the further), grey when nothing was compared (NaN).
+
+    Examples
+    --------
+    >>> share_colour(0.0), share_colour(1e-5), share_colour(0.5), share_colour(2.0)
+    ('hsl(120,55%,42%)', 'hsl(120,55%,42%)', 'hsl(43,85%,45%)', 'hsl(0,75%,45%)')
+    """
+    if share != share:
+        return "hsl(0,0%,55%)"
+    if share <= 1:
+        # 1e-4 of the threshold and below: green; the threshold itself: amber
+        t = min(1.0, max(0.0, (math.log10(share) + 4) / 4)) if share > 0 else 0.0
+        return f"hsl({round(120 - 80 * t)},{round(55 + 30 * t)}%,{round(42 + 3 * t)}%)"
+    t = min(1.0, math.log10(share) / 4) if math.isfinite(share) else 1.0
+    return f"hsl(0,75%,{round(45 - 20 * t)}%)"
+
+
+def share_text(share: float) -> str:
+    """A share of the threshold as people read it: ``0.3%``, ``12x``, ``structural``, ``-``."""
+    if share != share:
+        return "-"
+    if math.isinf(share):
+        return "structural"
+    return f"{share * 100:.2g}%" if share < 1 else f"{share:.3g}x"
+
+
+def _counts(node) -> str:
+    parts = [f"{node.entries} entries"]
+    for n, what in (
+        (node.diverging, "diverging"),
+        (node.one_sided, "one-sided"),
+        (node.nonfinite, "NaN/Inf"),
+    ):
+        if n:
+            parts.append(f"{n} {what}")
+    return ", ".join(parts)
+
+
+def node_label(node) -> str:
+    """A node's one-line summary: ``self_attn  worst 12x of threshold  (8 entries, 3 diverging)``."""
+    w = node.worst
+    worst = (
+        "nothing compared"
+        if w != w
+        else "structural"
+        if math.isinf(w)
+        else f"worst {share_text(w)} of threshold"
+    )
+    return f"{node.name}  {worst}  ({_counts(node)})"
+
+
+_SWATCH = (
+    "display:inline-block;width:0.8em;height:0.8em;border-radius:2px;margin-right:6px;vertical-align:middle"
+)
+
+
+def _tree_node_html(node) -> str:
+    style = f"{_SWATCH};background:{share_colour(node.worst)}"
+    bad = "font-weight:bold;" if node.diverging else ""
+    head = (
+        f"<span style='{style}'></span><span style='{bad}'>{html_text(node.name)}</span> "
+        f"<span style='opacity:0.75'>{html_text(share_text(node.worst))} &middot; "
+        f"{html_text(_counts(node))}</span>"
+    )
+    if not node.children:
+        return f"<div style='margin-left:1.1em' title='{html_text(node.path)}'>{head}</div>"
+    inner = "".join(_tree_node_html(c) for c in node.children.values())
+    return (
+        f"<details{' open' if node.open else ''} style='margin-left:0.6em'>"
+        f"<summary title='{html_text(node.path)}' style='cursor:pointer'>{head}</summary>"
+        f"<div style='border-left:1px dotted #999;margin-left:0.35em'>{inner}</div></details>"
+    )
+
+
+def tree_html(tree) -> str:
+    """A module tree (:class:`tdinspect.compare.tree.ModuleTree`) as nested ``<details>`` with
+    inline styles: it reads without a kernel or a script (nbviewer, an HTML export, a saved report).
+    Each node's swatch is its worst share of its threshold (:func:`share_colour`); the path to
+    the first divergence is open."""
+    first = (
+        f"first divergence: <b>{html_text(tree.first[0])}</b> (pass {tree.first[1]})"
+        if tree.first
+        else "no divergence"
+    )
+    legend = " ".join(
+        f"<span style='{_SWATCH};background:{share_colour(s)}'></span>{t}"
+        for s, t in (
+            (1e-5, "&le;0.01%"),
+            (0.05, "5%"),
+            (0.9, "90%"),
+            (3.0, "past it"),
+            (float("nan"), "not compared"),
+        )
+    )
+    body = "".join(_tree_node_html(c) for c in tree.root.children.values())
+    return (
+        "<div style='font-family:monospace;font-size:12px;line-height:1.5'>"
+        f"<div><b>module tree</b> ({html_text(tree.metric)} at threshold {html_text(tree.threshold)}): "
+        f"{first}</div><div style='margin:2px 0 4px 0'>share of threshold: {legend}</div>{body}</div>"
+    )
+
+
+def tree_text(tree) -> str:
+    """The open part of a module tree as indented text (names made safe to print)."""
+    lines = [
+        f"ModuleTree ({tree.metric}): "
+        + (f"first divergence {tree.first[0]}" if tree.first else "no divergence")
+    ]
+    for node, expanded in tree.lines():
+        mark = "v" if expanded else ("+" if node.children else " ")
+        lines.append(f"{'  ' * node.depth}{mark} {node_label(node)}")
+    return visible("\n".join(lines), keep="\n")
+
+
+def health_html(df, limit: int = 200) -> str:
+    """The health table (:meth:`tdinspect.Diff.health`), worst share first, as an HTML table
+    (``limit`` rows)."""
+    shown = df.sort_values(["diverges", "share"], ascending=False, kind="stable").head(limit)
+    shown = shown[
+        ["pass", "rank", "key", "value", "threshold", "share", "growth", "nonfinite", "one_sided", "reason"]
+    ]
+    shown = shown.assign(share=[share_text(s) for s in shown["share"]])
+    more = (
+        f"<p>the first {limit} of {len(df)} rows: diff.health() holds them all</p>" if len(df) > limit else ""
+    )
+    return styled(shown) + more
+
+
+def report_page(summary_html: str, tree, health, title: str) -> str:
+    """A whole HTML document: a diff's summary, its module tree and its health table (the CLI's
+    ``tdinspect report``); no script, every name escaped."""
+    n = int(health["diverges"].sum())
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>{html_text(title)}</title></head><body>"
+        f"{summary_html}{_box(section('module tree', tree_html(tree), open_=True))}"
+        f"{_box(section('entries by share of their threshold', health_html(health), count=f'{n} diverging of {len(health)}', open_=True))}"
+        "</body></html>"
+    )

@@ -3,6 +3,9 @@
 Notebook 02: move the threshold slider, switch the metric, pick a pass.
 Notebook 05: re-run a capture cell, open again (exactly the new run).
 ``tdinspect dashboard A B``: the Voila page's first view, then a pick in its table.
+A notebook of its own: the module tree without a kernel, the explorer's tree and health table
+linked both ways to the view, and the tree of a port diff with its mapping; the dashboard's
+table following the pass on show, filtered and sorted (screenshots in ``docs/images/``).
 
 Servers are started and stopped by the fixtures (by their own PIDs), with
 temporary Jupyter config and runtime folders, on free loopback ports.
@@ -380,3 +383,148 @@ def test_dashboard_served_by_voila(voila_dashboard):
     assert "model.layers.2.mlp.down" in text and "(auto: float32)" in text  # threshold "auto"
     assert "None" not in body.split()  # no stray None outputs on the page
     assert pick < 60
+
+
+TREE_NOTEBOOK = [
+    "import tdinspect\n"
+    "diff = tdinspect.DumpSet.open('../sample_dumps/float32').diff('../sample_dumps/wrong_layer')\n"
+    "diff.tree()",
+    "ex = tdinspect.explore(diff)\nex",
+    "import tempfile\n"
+    "from tdinspect.examples.port import capture_port_pair\n"
+    "root = tempfile.mkdtemp()\n"
+    "ref_dir, port_dir = capture_port_pair(root + '/good')\n"
+    "_, bug_dir = capture_port_pair(root + '/bug', rope='interleaved')\n"
+    "ref = tdinspect.DumpSet.open(ref_dir)\n"
+    "rules = dict(tdinspect.suggest_mapping(ref, tdinspect.DumpSet.open(port_dir)).rules)\n"
+    "rules[r'model\\.model\\.layers\\.(\\d+)\\.self_attn\\.v_proj'] = "
+    "[r'model.blocks.\\1.attn.qkv', 'narrow(-1, 48, 16)']\n"
+    "port = ref.diff(bug_dir, mapping=rules)\n"
+    "display(port.plan()[['a_key', 'b_key', 'transform', 'status']].head(6))\n"
+    "port.tree(allow_uncompared='rotary_emb')",
+]
+
+
+def _text_box(page, description: str):
+    return page.locator(
+        ".widget-text", has=page.locator("label", has_text=re.compile(f"^{description}$"))
+    ).last.locator("input")
+
+
+def _selected_text(select) -> str:
+    return select.evaluate("s => s.selectedIndex < 0 ? '' : s.options[s.selectedIndex].textContent").replace(
+        "\xa0", " "
+    )
+
+
+def test_tree_and_health_table_in_jupyterlab_linked_to_the_view(jupyterlab, tmp_path):
+    """The static module tree (no kernel needed), the explorer's tree and health table linked
+    both ways to the side-by-side view, and the tree of a port diff with its mapping."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    base, token = jupyterlab
+    ARTIFACTS.mkdir(exist_ok=True)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in TREE_NOTEBOOK]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "served" / "notebooks" / "tree.ipynb")
+    times, shots = {}, {}
+    with sync_playwright() as pw:
+        browser = _browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        _open_and_run_all(page, base, token, "tree.ipynb", page.locator("th", has_text="b_key"))
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        time.sleep(1.0)
+        static = page.locator(".jp-OutputArea-output", has_text="module tree").first
+        opened = static.locator("details[open] > summary").all_inner_texts()
+        static.scroll_into_view_if_needed()
+        shots["tree_static"] = ARTIFACTS / "browser_tree_static.png"
+        static.screenshot(path=str(shots["tree_static"]))
+        table = page.locator(".tdi-mono select").first
+        view = page.locator(".widget-image").last
+        first_row = _selected_text(table)
+        # the view moves to pass 1: the table's highlighted row follows
+        t0 = time.perf_counter()
+        _dropdown(page, "pass").select_option("1")
+        followed, _ = _until(lambda: _selected_text(table), first_row)
+        times["pass_to_row_s"] = time.perf_counter() - t0
+        # a row picked: the view shows it
+        src = view.get_attribute("src")
+        t0 = time.perf_counter()
+        table.select_option(index=table.locator("option").count() - 1)
+        _until(lambda: view.get_attribute("src"), src)
+        times["row_to_view_s"] = time.perf_counter() - t0
+        picked = _selected_text(table)
+        # the name filter (applied on Enter)
+        n_rows = table.locator("option").count()
+        t0 = time.perf_counter()
+        _text_box(page, "filter").fill("mlp")
+        _text_box(page, "filter").press("Enter")
+        filtered, _ = _until(lambda: table.locator("option").count(), n_rows)
+        times["filter_s"] = time.perf_counter() - t0
+        # a node clicked: it opens and the view shows its worst entry
+        node = page.locator(".jupyter-button", has_text=re.compile(r"^▸ 3 ")).first
+        src = view.get_attribute("src")
+        t0 = time.perf_counter()
+        node.click()
+        page.locator(".jupyter-button", has_text=re.compile(r"^▾ 3 ")).first.wait_for(timeout=60_000)
+        _until(lambda: view.get_attribute("src"), src)
+        times["node_to_view_s"] = time.perf_counter() - t0
+        time.sleep(1.0)
+        overview = page.locator(".tdi-overview").first
+        overview.scroll_into_view_if_needed()
+        shots["tree_explorer"] = ARTIFACTS / "browser_tree_explorer.png"
+        overview.screenshot(path=str(shots["tree_explorer"]))
+        port = page.locator(".jp-OutputArea-output", has_text="module tree").last
+        port_text = port.inner_text()
+        port.scroll_into_view_if_needed()
+        shots["tree_port"] = ARTIFACTS / "browser_tree_port.png"
+        page.locator(".jp-Cell").last.screenshot(path=str(shots["tree_port"]))
+        browser.close()
+    _save_timings({f"tree_{k}": round(v, 3) for k, v in times.items()})
+    print(f"\nscreenshots: {[str(p) for p in shots.values()]}\ntimes (s): {times}")
+    assert [t.split()[0] for t in opened] == ["model", "layers", "2", "mlp"]  # the path to the divergence
+    assert "model.layers.2.mlp.down" in first_row and " p0 " in first_row
+    assert "model.layers.2.mlp.down" in followed and " p1 " in followed
+    assert picked.endswith("model.lm_head") and " p1 " in picked
+    assert 0 < filtered < n_rows
+    assert (
+        "first divergence: model.model.layers.0.self_attn" in port_text
+    )  # the RoPE bug, through the mapping
+
+
+def test_dashboard_table_filters_and_follows_the_view_in_voila(voila_dashboard):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    times = {}
+    with sync_playwright() as pw:
+        browser = _browser(pw)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(voila_dashboard)
+        page.locator(".widget-html-content", has_text="first divergence").first.wait_for(timeout=120_000)
+        page.locator(".widget-image").last.wait_for(timeout=60_000)
+        table = page.locator(".tdi-mono select").first
+        table.wait_for(timeout=60_000)
+        before = _selected_text(table)
+        t0 = time.perf_counter()
+        _dropdown(page, "pass").select_option("1")
+        after, _ = _until(lambda: _selected_text(table), before)
+        times["pass_to_row_s"] = time.perf_counter() - t0
+        n_rows = table.locator("option").count()
+        t0 = time.perf_counter()
+        _text_box(page, "filter").fill("lm_head")
+        _text_box(page, "filter").press("Enter")
+        n, _ = _until(lambda: table.locator("option").count(), n_rows)
+        times["filter_s"] = time.perf_counter() - t0
+        _dropdown(page, "sort").select_option(label="share of threshold (worst first)")
+        time.sleep(1.5)
+        shot = ARTIFACTS / "browser_dashboard_table.png"
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    _save_timings({f"dashboard_table_{k}": round(v, 3) for k, v in times.items()})
+    print(f"\nscreenshot: {shot}\ntimes (s): {times}\nbefore: {before}\nafter: {after}")
+    assert "model.layers.2.mlp.down" in before and " p0 " in before
+    assert "model.layers.2.mlp.down" in after and " p1 " in after  # it kept pass 0's row
+    assert n == 2  # model.lm_head in passes 0 and 1

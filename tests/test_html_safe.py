@@ -17,7 +17,7 @@ import torch
 
 import tdinspect
 from tdinspect import DumpSet
-from tdinspect.report import DiffSummary, diff_html
+from tdinspect.report import DiffSummary, diff_html, report_page
 from tdinspect.util.terminal import html_text
 
 matplotlib.use("Agg")
@@ -80,6 +80,8 @@ def test_html_reprs_of_hostile_names_encode_and_show_them_as_text(tmp_path):
         "summary": DiffSummary(diff, threshold=1e-6, metric="max_abs")._repr_html_(),
         "diff_html": diff_html(diff, 0.5, "cosine"),
         "suggestion": tdinspect.suggest_mapping(a, DumpSet.open(b_path))._repr_html_(),
+        "tree": diff.tree(1e-6)._repr_html_(),
+        "report": report_page(diff._repr_html_(), diff.tree(), diff.health(), str(b_path)),
     }
     for what, page in views.items():
         _sendable(page, what)
@@ -90,6 +92,8 @@ def test_html_reprs_of_hostile_names_encode_and_show_them_as_text(tmp_path):
     assert "b\\udcff&lt;script&gt;" in views["diff"]  # the non-UTF-8 folder name
     assert "shape" in views["summary"] and "structural" in views["summary"]
     assert html_text(div.key) in views["divergence"]
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in views["tree"]  # a node's name, as text
+    assert "model.a&amp;b" in views["report"] and "model.\\udcff\\ud800" in views["report"]
 
 
 def test_widgets_of_hostile_names_send_only_utf8(tmp_path):
@@ -111,6 +115,8 @@ def test_widgets_of_hostile_names_send_only_utf8(tmp_path):
                 _sendable(w.value, w)
     labels = [label for label, _ in board.entries.options]
     assert any("model.\\udcff\\ud800" in label for label in labels)
+    buttons = [row.children[1] for row in board.tree.rows.children]
+    assert any("\\udcff\\ud800" in b.description for b in buttons)  # the tree's nodes too
     assert {v for _, v in ds_ex.op.options} == set(NAMES)
     ds_ex.search.value = "script"
     assert ds_ex.op.value == f"model.{SCRIPT}"

@@ -532,13 +532,11 @@ def test_auto_slider_readout_is_the_threshold_diff_uses_upstream_included(tmp_pa
 def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
     """One user change, one verdict computation for the entry table (a metric switch or a
     ticked auto box fired it two or three times: the metric, the slider and the box each)."""
-    from tdinspect.jupyter import dashboard as dash
+    from tdinspect.compare import entries
 
     calls = []
-    real = dash.Dashboard._refresh_rows
-    monkeypatch.setattr(
-        dash.Dashboard, "_refresh_rows", lambda self, *args: calls.append(1) or real(self, *args)
-    )
+    real = entries.health
+    monkeypatch.setattr(entries, "health", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     board = tdinspect.dashboard(runs["ref"], runs["wrong"])
     ex = board.explorer
 
@@ -644,11 +642,12 @@ def test_cosine_near_1_is_written_with_the_digits_that_tell_it_from_1(runs):
     assert texts[0.99999999] == "0.99999999" and texts[0.9999999] == "0.9999999"
     # the dashboard's rows: a diverging cosine is not "cosine: 1"
     t = ex.table
-    board._labels.clear()
     t.loc[t.index[0], "cosine"] = 0.99999999
     t.loc[t.index[1], "cosine"] = 0.9999999
-    labels = board._row_labels("cosine")
-    assert labels[0].endswith(" 0.99999999") and labels[1].endswith(" 0.9999999")
+    ex.threshold.value = 0.999999  # the health table is recomputed from the table
+    ex.threshold.value = 0.9999999
+    labels = [label for label, _ in board.entries.options]
+    assert " 0.99999999 " in labels[0] and " 0.9999999 " in labels[1]
     # the side-by-side panel's metrics
     a = torch.ones(1000, dtype=torch.float64)
     b = a.clone()

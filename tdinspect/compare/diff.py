@@ -43,7 +43,7 @@ import torch
 
 from tdinspect.align.logical import LogicalPass, slices_of
 from tdinspect.align.mapping import mapped_key, quoted_rule
-from tdinspect.compare import cube, growth
+from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
@@ -417,10 +417,25 @@ class Diff:
         return out
 
     # -- thresholds ---------------------------------------------------------------------
+    def thresholds(self, threshold: float | str | dict | None = None, metric: str | None = None):
+        """The per-row thresholds every answer of this diff applies (a
+        :class:`~tdinspect.compare.thresholds.Thresholds`: ``of_rows``, ``describe``, ``given``).
+
+        ``None`` is the spec's threshold for the spec's metric (another metric asked for
+        without one: ``"auto"``); with a baseline, ``"auto"`` is the baseline's error budget.
+        The views draw and colour with it, so they agree with :meth:`verdict`.
+
+        Examples
+        --------
+        >>> diff.thresholds().describe()          # doctest: +SKIP
+        'auto (rel_diff: float32 1.5e-08)'
+        """
+        return self._thresholds(threshold, metric or self.default_metric)
+
     def _thresholds(self, threshold, metric_name: str):
-        """The per-row thresholds of an answer. ``None`` is the spec's threshold for the spec's
-        metric (another metric asked for without one: ``"auto"``); with a baseline, ``"auto"``
-        is the baseline's budget; else :func:`threshold_fn`'s."""
+        """:meth:`thresholds` of ``metric_name``: the spec's threshold when ``threshold`` is
+        ``None``, the baseline's budget for ``"auto"`` with a baseline, else
+        :func:`threshold_fn`'s."""
         if threshold is None and metric_name == self.default_metric:
             threshold = self.spec.threshold
         if self.baseline is None or not (
@@ -1035,6 +1050,59 @@ class Diff:
         """
         m = self._check_metric(metric)
         return growth.introduced(self.table(progress), m, self.a)
+
+    def health(
+        self,
+        threshold: float | str | dict | None = None,
+        metric: str | None = None,
+        progress: bool | None = None,
+        *,
+        allow_uncompared: str | list[str] | None = None,
+    ) -> pd.DataFrame:
+        """Every entry's health, in execution order: its error, its share of its threshold, its
+        growth, NaN/Inf and one-sided (reads every pass).
+
+        The table the module tree, the health table of the explorer and the dashboard, and
+        ``tdinspect report`` show (:func:`tdinspect.compare.entries.health`); ``diverges`` is
+        what :meth:`divergences` lists. Arguments as for :meth:`first_divergence`.
+
+        Examples
+        --------
+        >>> diff.health().sort_values("share", ascending=False).head(3)   # doctest: +SKIP
+        """
+        m = self._check_metric(metric)
+        patterns = self.allow_uncompared if allow_uncompared is None else allowed_patterns(allow_uncompared)
+        table = self.table(progress)
+        hit = self.diverging(table, m.name, threshold, allow_uncompared=allow_uncompared)
+        return entries.health(table, m, self._thresholds(threshold, m.name), patterns, diverges=hit)
+
+    def tree(
+        self,
+        threshold: float | str | dict | None = None,
+        metric: str | None = None,
+        progress: bool | None = None,
+        *,
+        allow_uncompared: str | list[str] | None = None,
+    ):
+        """The module tree: the hierarchy of the entry names, each node with the worst share of
+        its threshold below it and its counts of diverging, one-sided and NaN/Inf entries
+        (a :class:`~tdinspect.compare.tree.ModuleTree`; reads every pass).
+
+        Its HTML repr needs no kernel or script (nested ``<details>`` with inline styles, the
+        path to the first divergence open): a saved notebook shows it in nbviewer or an HTML
+        export. Arguments as for :meth:`first_divergence`.
+
+        Examples
+        --------
+        >>> diff.tree()                                   # doctest: +SKIP
+        >>> diff.tree().node("model.layers.2").diverging   # doctest: +SKIP
+        3
+        """
+        from tdinspect.compare.tree import ModuleTree
+
+        m = self._check_metric(metric)
+        df = self.health(threshold, m.name, progress, allow_uncompared=allow_uncompared)
+        return ModuleTree(df, m.name, self.threshold_text(threshold, m.name))
 
     def by_rank_pass(self, threshold: float | str | dict | None = None, metric: str | None = None):
         """Per (rank, pass): how many entries diverge, the first of them and its reason.

@@ -35,7 +35,7 @@ def nearest(table: pd.DataFrame, m, thr_fn: Thresholds, where: Callable[[int, in
     if df.empty:
         return None
     df["threshold"] = thr_fn.of_rows(df)
-    limit = _as_error(m.name, df["threshold"])
+    limit = as_error(m.name, df["threshold"])
     share = (df["error"] / limit.where(limit > 0)).replace([np.inf, -np.inf], np.nan)
     if not (share > 0).any():
         return None
@@ -76,14 +76,14 @@ def introduced(table: pd.DataFrame, m, reference: Any) -> pd.DataFrame:
         i = pi.position.get(key) if pi is not None else None
         kinds.append(pi.kind[i] if i is not None and pi.kind else None)
     df = df[[k in (None, "output") for k in kinds]].copy()
-    df["error"] = _as_error(m.name, df[m.name]).where(~df["structural"].astype(bool), np.inf)
+    df["error"] = as_error(m.name, df[m.name]).where(~df["structural"].astype(bool), np.inf)
     df["module"] = [_module_of(op) for op in df["op"]]
     df = df.sort_values("error", ascending=False, na_position="last", kind="stable")
     worst = df.drop_duplicates("module")
     return worst[["module", "error", "key", "pass", "call", "reason"]].reset_index(drop=True)
 
 
-def _as_error(name: str, values: pd.Series) -> pd.Series:
+def as_error(name: str, values: pd.Series) -> pd.Series:
     """A metric as an error, larger is worse (``cosine``, ``sqnr_db`` and ``equal`` turned)."""
     v = values.astype(float)
     if name in ("cosine", "equal"):
@@ -102,7 +102,7 @@ def _with_growth(table: pd.DataFrame, metric_name: str) -> pd.DataFrame:
     part: it neither resets nor raises the running maximum, and its ``growth`` and ``added``
     are NaN (never listed, never ranked)."""
     df = table.sort_values(["rank", "pass", "order"]).reset_index(drop=True)
-    df["error"] = err = _as_error(metric_name, df[metric_name])
+    df["error"] = err = as_error(metric_name, df[metric_name])
     passes = [df["rank"], df["pass"]]
     # cummax leaves NaN at a row without an error: carry the maximum over it, so that the
     # row after a one-sided entry is not measured against 0 (growth inf)

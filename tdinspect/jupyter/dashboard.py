@@ -1,9 +1,9 @@
-"""``tdinspect.dashboard(a, b)``: one page with the summary, the divergence plot, the entry
-table and the side-by-side view; ``tdinspect dashboard A B`` serves it with Voilà.
+"""``tdinspect.dashboard(a, b)``: one page with the summary, the divergence plot, the health
+table, the module tree and the side-by-side view; ``tdinspect dashboard A B`` serves it with Voilà.
 
 The page is an ipywidgets layout around a :class:`~tdinspect.jupyter.widgets.DiffExplorer`
-(which caches what does not change); picking a row of the entry table shows that entry
-side by side and marks it on the plot.
+(which caches what does not change); picking a row of the health table or a node of the tree
+shows that entry side by side and marks it on the plot, and the entry on show is marked in both.
 
 Examples
 --------
@@ -18,9 +18,8 @@ import time
 import ipywidgets as W
 from IPython.display import display
 
-from tdinspect.jupyter.plots import value_text
 from tdinspect.jupyter.widgets import DiffExplorer
-from tdinspect.util.terminal import html_text, visible
+from tdinspect.util.terminal import html_text
 
 ENV_A, ENV_B, ENV_OPTIONS = "TDINSPECT_DASHBOARD_A", "TDINSPECT_DASHBOARD_B", "TDINSPECT_DASHBOARD_OPTIONS"
 
@@ -32,9 +31,15 @@ class Dashboard:
     ----------
     explorer : DiffExplorer
         The plot, threshold and metric pickers and the side-by-side view.
+    health : HealthTable
+        The explorer's health table (:mod:`tdinspect.jupyter.healthview`): one row per
+        compared entry (share of threshold, value, growth, NaN/Inf, one-sided; divergent rows
+        marked), sortable, with a name filter; picking one shows it side by side, and the row
+        of the entry on show is highlighted.
     entries : ipywidgets.Select
-        One row per compared entry (pass, key, metric value; divergent rows marked);
-        picking one shows it side by side.
+        The health table's rows.
+    tree : TreePanel
+        The explorer's module tree (:mod:`tdinspect.jupyter.treeview`).
     widget : ipywidgets.AppLayout
     build_seconds : float
         How long building the first view took.
@@ -45,18 +50,17 @@ class Dashboard:
         self.diff = diff
         self.explorer = ex = DiffExplorer(diff, metric=metric, threshold=threshold)
         self.header = W.HTML(layout=W.Layout(padding="0 0 4px 0"))
-        self.entries = W.Select(rows=24, layout=W.Layout(width="98%", height="auto"), description="")
-        self.entries.observe(self._on_row, names="value")
-        self._labels: dict[str, list[str]] = {}  # per metric: each row's text, without its mark
-        self._marked: tuple | None = None  # (metric, divergent rows) the table shows
-        self._values = list(
-            zip(ex.table["key"], ex.table["pass"].astype(int).tolist(), ex.table["rank"].astype(int).tolist())
-        )
-        ex.on_update.append(self._refresh_rows)  # once per change the explorer acts on
-        self._refresh_rows()
+        self.tree = ex.overview.tree
+        self.health = ex.overview.table
+        self.entries = self.health.rows  # follows the view: the entry and pass on show
+        self.health.rows.rows = 20
         table = W.VBox(
-            [W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)</small>"), self.entries],
-            layout=W.Layout(width="34%"),
+            [
+                W.HTML("<b>entries</b> <small>(pick one to see it; sort and filter them)</small>"),
+                self.health.widget,
+                self.tree.widget,
+            ],
+            layout=W.Layout(width="38%"),
         )
         main = W.VBox(
             [
@@ -67,7 +71,7 @@ class Dashboard:
                 ex.message,
                 ex.view.widget,
             ],
-            layout=W.Layout(width="66%"),
+            layout=W.Layout(width="62%"),
         )
         self.header.value = (
             f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
@@ -80,49 +84,6 @@ class Dashboard:
         )
         self.widget = W.VBox([self.header, W.HBox([table, main])])
         self.build_seconds = time.perf_counter() - t0
-
-    def _row_labels(self, name: str) -> list[str]:
-        """Each row's text at metric ``name`` (pass, key, value or structural reason), made
-        once per metric: a threshold change only moves the marks."""
-        labels = self._labels.get(name)
-        if labels is None:
-            t = self.explorer.table
-            texts = [
-                reason if structural else value_text(name, v)
-                for v, structural, reason in zip(
-                    t[name].to_numpy(float).tolist(), t["structural"].tolist(), t["reason"].tolist()
-                )
-            ]
-            labels = self._labels[name] = [
-                visible(f" p{p} {k}  {text}")
-                for p, k, text in zip(t["pass"].tolist(), t["key"].tolist(), texts)
-            ]
-        return labels
-
-    def _refresh_rows(self) -> None:
-        """Mark the divergent rows at the explorer's metric and threshold; the options are
-        rebuilt only when a mark or the metric changed."""
-        from tdinspect.numerics.metrics import metric
-
-        ex = self.explorer
-        m = metric(ex.metric.value)
-        hits = ex.diff.diverging(ex.table, m.name, ex.threshold_value)  # the verdict's rule
-        marked = (m.name, hits.tobytes())
-        self.entries.unobserve(self._on_row, names="value")
-        if marked != self._marked:
-            self._marked = marked
-            self.entries.options = [
-                (("⚠" if bad else " ") + label, value)
-                for label, value, bad in zip(self._row_labels(m.name), self._values, hits.tolist())
-            ]
-        shown = ex.shown_at  # the row on show (the first divergence, when it moved there)
-        if shown in self._values:
-            self.entries.value = shown
-        self.entries.observe(self._on_row, names="value")
-
-    def _on_row(self, change) -> None:
-        if change["new"] is not None:
-            self.explorer._timed("pick", self.explorer.select, *change["new"])
 
     def _ipython_display_(self) -> None:
         display(self.widget)

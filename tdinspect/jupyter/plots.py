@@ -286,7 +286,7 @@ def divergence(
     fig, ax = (ax.figure, ax) if ax is not None else _plt().subplots(figsize=(11, 3.8))
     verdict = diff.verdict(threshold, m.name)  # the diff's spec: structural mode, allowed entries
     DivergencePlot(df, ax).draw(
-        m, drawn_threshold(threshold, m.name, df), verdict.divergence, verdict=verdict
+        m, drawn_threshold(diff, threshold, m.name, df), verdict.divergence, verdict=verdict
     )
     fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
     return fig
@@ -299,11 +299,10 @@ def own_threshold(diff, threshold, metric_name: str):
     return threshold
 
 
-def drawn_threshold(threshold, metric_name: str, table):
-    """The threshold as drawn: one number when one was given, else one per row of ``table``."""
-    from tdinspect.compare.thresholds import threshold_fn
-
-    t = threshold_fn(threshold, metric_name)
+def drawn_threshold(diff, threshold, metric_name: str, table):
+    """The threshold as drawn: one number when one was given, else one per row of ``table``
+    (the diff's own rule: its spec's threshold, a baseline's budget)."""
+    t = diff.thresholds(threshold, metric_name)
     return t.fixed if t.fixed is not None else t.of_rows(table)
 
 
@@ -565,7 +564,7 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
     m = get_metric(metric or diff.default_metric)
     threshold = own_threshold(diff, threshold, m.name)
     by = diff.by_rank_pass(threshold, m.name)
-    thrs = np.unique(np.atleast_1d(drawn_threshold(threshold, m.name, diff.table(progress=False))))
+    thrs = np.unique(np.atleast_1d(drawn_threshold(diff, threshold, m.name, diff.table(progress=False))))
     ranks = sorted({r for r, _ in by.index})
     passes = sorted({p for _, p in by.index})
     grid = np.full((len(ranks), len(passes)), np.nan)
@@ -686,9 +685,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
         verdict = "no position past the threshold"
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel(f"position along dim {dim}")
-    from tdinspect.compare.thresholds import threshold_fn
-
-    given = _plain(threshold_fn(threshold, m.name).given())  # a dict's regexes are the user's
+    given = _plain(diff.thresholds(threshold, m.name).given())  # a dict's regexes are the user's
     ax.set_title(f"{m.name} per position (threshold {given}): {verdict}")
     fig.tight_layout()
     return fig

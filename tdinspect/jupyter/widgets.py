@@ -28,6 +28,7 @@ import numpy as np
 from IPython.display import display
 
 from tdinspect.jupyter import plots
+from tdinspect.jupyter.overview import Overview
 from tdinspect.util.terminal import html_text, visible
 
 
@@ -115,6 +116,9 @@ class DiffExplorer:
         What the side-by-side view shows (it opens on the first divergence).
     label : ipywidgets.HTML
         Describes the current first divergence.
+    overview : Overview
+        The module tree and the health table (sortable, with a name filter), linked both
+        ways to the view (:mod:`tdinspect.jupyter.overview`).
     divergence : Divergence or None
     timings : dict
         Seconds the last build and the last callback of each kind took.
@@ -186,6 +190,7 @@ class DiffExplorer:
         self.shown_at: tuple | None = None
         self._quiet = False
         self.on_update: list = []  # called after each update (the dashboard's entry table)
+        self.on_show: list = []  # called after each entry shown (the health table, the tree)
         self.threshold_box = W.HBox()
         self._configure_slider(metric, threshold)
         self.metric.observe(self._on_metric, names="value")
@@ -207,6 +212,8 @@ class DiffExplorer:
                 self.view.widget,
             ]
         )
+        self.overview = Overview(self)  # the module tree and the health table
+        self.widget.children = (*self.widget.children, self.overview.widget)
         self.update(follow=True)
         self.timings["build"] = time.perf_counter() - t0
 
@@ -228,7 +235,7 @@ class DiffExplorer:
     def _auto_shown(self, name: str) -> float:
         """The slider's value under ``"auto"``: the threshold :class:`~tdinspect.Diff` applies
         to most entries (each row's from its dtypes and upstream dtype, as drawn)."""
-        values = plots.drawn_threshold("auto", name, self.table)
+        values = plots.drawn_threshold(self.diff, "auto", name, self.table)
         if not len(values):
             from tdinspect.compare.thresholds import threshold_fn
 
@@ -359,6 +366,8 @@ class DiffExplorer:
     def _show_picked(self) -> None:
         self.show_entry(self.entry.value, self.pass_.value, self.rank.value)
         self._redraw_plot()
+        for fn in self.on_show:
+            fn()
 
     def update(self, follow: bool = True) -> None:
         """Recompute the first divergence at the current metric and threshold; redraw the plot.
@@ -374,10 +383,8 @@ class DiffExplorer:
         div = self.divergence = self.verdict.divergence
         sc = plots.scale(m.name)
         if div is None:
-            from tdinspect.compare.thresholds import threshold_fn
-
             fixed = isinstance(thr, (int, float))
-            text = sc.text(thr) if fixed else threshold_fn(thr, m.name).describe(self.table)
+            text = sc.text(thr) if fixed else self.diff.thresholds(thr, m.name).describe(self.table)
             near = self.diff.nearest(thr, m.name, progress=False)
             head = "no divergence" if self.verdict.outcome == "matches" else "incomplete"
             self.label.value = (
@@ -421,7 +428,7 @@ class DiffExplorer:
         name = self.metric.value
         self.artists.draw(
             metric(name),
-            plots.drawn_threshold(self.threshold_value, name, self.table),
+            plots.drawn_threshold(self.diff, self.threshold_value, name, self.table),
             self.divergence,
             self._selected_row(),
             verdict=self.verdict,

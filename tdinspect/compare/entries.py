@@ -1,0 +1,115 @@
+"""The health table of a diff: per entry its error, its share of its threshold, its growth, and
+whether it is one-sided or NaN/Inf on one side.
+
+A function of a diff's table (:meth:`tdinspect.Diff.table`) at a metric and threshold;
+:meth:`tdinspect.Diff.health` is its public face, and the module tree
+(:mod:`tdinspect.compare.tree`), the HTML report and the notebook views read it. Which rows
+diverge is :func:`~tdinspect.compare.thresholds.divergent`, the one rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from tdinspect.compare.growth import as_error, growth
+from tdinspect.compare.rule import NONFINITE
+from tdinspect.compare.thresholds import Thresholds, allowed_rows, divergent, never_compared, set_aside
+
+HEALTH_COLUMNS = [
+    "rank",
+    "pass",
+    "order",
+    "op",
+    "call",
+    "key",
+    "value",
+    "threshold",
+    "share",
+    "growth",
+    "nonfinite",
+    "one_sided",
+    "structural",
+    "reason",
+    "diverges",
+]
+
+
+def one_sided(reasons) -> np.ndarray:
+    """Which reasons say an entry (or its rank or pass) is on one side only."""
+    return np.fromiter(
+        (isinstance(r, str) and (r.startswith("only in ") or " only in " in r) for r in reasons),
+        bool,
+        len(reasons),
+    )
+
+
+def health(
+    table: pd.DataFrame,
+    m,
+    thr_fn: Thresholds,
+    allowed: list | None = None,
+    diverges: np.ndarray | None = None,
+) -> pd.DataFrame:
+    """One row per row of ``table`` in execution order (pass, order, rank), with :data:`HEALTH_COLUMNS`.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A diff's table (:data:`tdinspect.compare.rule.COLUMNS`).
+    m : Metric
+    thr_fn : Thresholds
+    allowed : list of re.Pattern, optional
+        ``allow_uncompared``: rows it names that are one-sided or never compared never diverge.
+    diverges : numpy.ndarray of bool, optional
+        Which rows of ``table`` diverge, as the diff's verdict decides them
+        (:meth:`tdinspect.Diff.diverging`: its spec's ``structural`` too); by default
+        :func:`~tdinspect.compare.thresholds.divergent` alone.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``value`` (the metric), ``threshold`` (the row's), ``share`` (the error over the
+        threshold as an error: ``(1 - cosine) / (1 - threshold)`` for cosine; ``inf`` for a
+        structural row and for a metric that could not be computed, NaN for a row never
+        compared or named by ``allowed``), ``growth`` (the error over the largest before it in its pass,
+        :meth:`tdinspect.Diff.growth`), ``nonfinite``, ``one_sided``, ``structural``,
+        ``reason`` and ``diverges`` (:func:`~tdinspect.compare.thresholds.divergent`).
+
+    Examples
+    --------
+    >>> diff.health().sort_values("share", ascending=False).head(3)   # doctest: +SKIP
+    """
+    if diverges is not None:
+        table = table.assign(_diverges=np.asarray(diverges, bool))
+    df = table.sort_values(["pass", "order", "rank"], kind="stable").reset_index(drop=True)
+    values = df[m.name].to_numpy(float) if len(df) else np.zeros(0)
+    thr = thr_fn.of_rows(df)
+    structural = df["structural"].to_numpy(bool)
+    reasons = df["reason"].to_numpy(object)
+    hit = divergent(m, values, thr, structural, reasons != "")
+    excused = np.zeros(len(df), bool)
+    if allowed:
+        aside = set_aside(structural, reasons) | never_compared(structural, reasons)
+        excused = allowed_rows(allowed, df["op"].to_numpy(object), df["key_b"].to_numpy(object)) & aside
+        hit &= ~excused
+    if diverges is not None:
+        hit = df["_diverges"].to_numpy(bool)
+    error = as_error(m.name, pd.Series(values)).to_numpy(float)
+    limit = as_error(m.name, pd.Series(thr)).to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(limit > 0, error / limit, np.where(error > 0, np.inf, 0.0))
+    share = np.where(structural | (np.isnan(values) & (reasons == "")), np.inf, share)
+    share = np.where(excused, np.nan, share)  # one-sided by design: not compared, not the worst
+    grown = growth(df, m.name, all_entries=True)[["rank", "pass", "order", "key", "growth"]]
+    out = df[["rank", "pass", "order", "op", "call", "key"]].copy()
+    out["value"] = values
+    out["threshold"] = thr
+    out["share"] = share
+    out = out.merge(grown, on=["rank", "pass", "order", "key"], how="left", sort=False)
+    out["nonfinite"] = [isinstance(r, str) and r.startswith(NONFINITE) for r in reasons]
+    out["one_sided"] = one_sided(reasons)
+    out["structural"] = structural
+    out["reason"] = reasons
+    out["diverges"] = hit
+    return out[HEALTH_COLUMNS]
