@@ -7,6 +7,8 @@ read. Nodes::
 
     {"op": "read", "src": S, "key": K}                 source pass S's entry K
     {"op": "cat", "dim": d, "parts": [...], "zigzag": bool, "labels": [...]}
+        (a fused dim's also has "segments": [[name, start, width, rank offset,
+        rank width], ...] and "ranks": [rank label, ...]; its parts are narrows)
     {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
     {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken
     {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
@@ -213,12 +215,28 @@ def describe(node: dict) -> str:
             f"narrow(dim {node['dim']}, {node['start']}..{node['start'] + node['length']}: "
             f"{describe(node['part'])})"
         )
+    if op == "cat" and node.get("segments"):
+        return _describe_fused(node)
     parts = [
         label if part["op"] == "read" else f"{label} [{describe(part)}]"
         for label, part in zip(node["labels"], node["parts"])
     ]
     head = f"dim {node['dim']}{', zigzag' if node.get('zigzag') else ''}: " if op == "cat" else ""
     return f"{op}({head}{', '.join(parts)})"
+
+
+def _describe_fused(node: dict) -> str:
+    """``fused(dim 2: q 0..32 = rank 0 (tp 0 of 2) 0..16 + rank 1 (tp 1 of 2) 0..16; k ...)``."""
+    ranks = node["ranks"]
+    inner = [p["part"] for p in node["parts"][: len(ranks)]]
+    who = [
+        label if part["op"] == "read" else f"{label} [{describe(part)}]" for label, part in zip(ranks, inner)
+    ]
+    segs = [
+        f"{name} {start}..{start + width} = " + " + ".join(f"{r} {off}..{off + w}" for r in who)
+        for name, start, width, off, w in node["segments"]
+    ]
+    return f"fused(dim {node['dim']}: {'; '.join(segs)})"
 
 
 class _Loaded:
