@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from tdinspect.align.fusedhint import fused_hint
 from tdinspect.align.logical import LogicalPass, slices_of
 from tdinspect.align.mapping import Mapping, mapped_key, quoted_rule
 from tdinspect.compare import cube, growth
@@ -752,7 +753,9 @@ class Diff:
                 if m.diverges(value, thr):
                     bad.append(f"{label}: {m.name} {value:.3g}")
             if bad:
-                return "; in " + ", ".join(bad)
+                return (
+                    "; in " + ", ".join(bad) + _fused_hint(pi, key, node, side is self.b, ya, xb, transform)
+                )
         return ""
 
     def per_position(
@@ -1031,6 +1034,17 @@ class Diff:
 
 def _num(v: float):
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def _fused_hint(pi: LogicalPass, key: str, node: dict, b_side: bool, ya, xb, transform) -> str:
+    """For shards concatenated rank after rank that meet the other side once regrouped
+    segment by segment: say it is a fused layout (:mod:`tdinspect.align.fusedhint`)."""
+    if transform is not None or node.get("segments") or node.get("zigzag") or len(node["parts"]) < 2:
+        return ""
+    dim, whole = node["dim"], (ya if b_side else xb)
+    mine = xb if b_side else ya
+    ranks = mine.tensor_split(len(node["parts"]), dim)
+    return fused_hint(whole, list(ranks), dim, pi.dims[pi.position[key]])
 
 
 def _part_masks(transform, shape, parts, out_shape) -> list[torch.Tensor] | None:

@@ -154,11 +154,12 @@ class TPLlamaPort(LlamaPort):
         return port.eval()
 
 
-def tp_port_dims(config) -> dict[str, str]:
+def tp_port_dims(config, fused: bool = True) -> dict[str, str]:
     """The ``dims=`` of the port's sharded entries, from a ``LlamaConfig`` (full-model widths).
 
     ``qkv`` is fused from q, k and v and ``gate_up`` from gate and up, each segment
-    split over tp on its own; ``o`` and ``down`` return partial sums.
+    split over tp on its own; ``o`` and ``down`` return partial sums. ``fused=False``
+    writes what a user unaware of the layout would (``h(tp)``: rank after rank).
 
     Examples
     --------
@@ -171,8 +172,8 @@ def tp_port_dims(config) -> dict[str, str]:
     hd = config.hidden_size // config.num_attention_heads
     q, kv, f = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
     return {
-        r"\.attn\.qkv$": f"b s h(tp,fused=q:{q},k:{kv},v:{kv})",
-        r"\.ffn\.gate_up$": f"b s f(tp,fused=gate:{f},up:{f})",
+        r"\.attn\.qkv$": f"b s h(tp,fused=q:{q},k:{kv},v:{kv})" if fused else "b s h(tp)",
+        r"\.ffn\.gate_up$": f"b s f(tp,fused=gate:{f},up:{f})" if fused else "b s f(tp)",
         r"\.(attn\.o|ffn\.down)$": "b s h(tp,partial)",
     }
 
@@ -202,14 +203,18 @@ def hf_port_mapping(config) -> dict[str, object]:
     }
 
 
-def _capture_rank(out: Path, rank: int, size: int, seed: int, steps: int, fault: str | None) -> None:
+def _capture_rank(
+    out: Path, rank: int, size: int, seed: int, steps: int, fault: str | None, fused: bool = True
+) -> None:
     import tdinspect
 
     hf = make_hf_llama(seed)
     port = TPLlamaPort.from_hf(hf, rank, size, fault)
     with (
         torch.no_grad(),
-        tdinspect.capture(port, out, dims=tp_port_dims(hf.config), parallel={"tp": (rank, size)}) as dump,
+        tdinspect.capture(
+            port, out, dims=tp_port_dims(hf.config, fused), parallel={"tp": (rank, size)}
+        ) as dump,
     ):
         for step in range(steps):
             port(port_tokens(seed + step))
@@ -234,6 +239,7 @@ def capture_tp_port(
     seed: int = 0,
     steps: int = 1,
     fault: tuple[int, str] | None = None,
+    fused: bool = True,
     timeout: float = 300.0,
 ) -> Path:
     """Capture the port at tensor-parallel ``size`` into ``root``, one process per rank.
@@ -253,6 +259,10 @@ def capture_tp_port(
         on ``port_tokens(seed + step)``).
     fault : (rank, "k"), optional
         Plant a bug on one rank (:meth:`TPLlamaPort.from_hf`).
+    fused : bool
+        Record the fused dims (``False``: plain ``h(tp)``, see :func:`tp_port_dims`).
+    timeout : float
+        Seconds each rank may take.
 
     Returns
     -------
@@ -266,7 +276,7 @@ def capture_tp_port(
     """
     root = Path(root)
     if size == 1:
-        _capture_rank(root, 0, 1, seed, steps, fault[1] if fault and fault[0] == 0 else None)
+        _capture_rank(root, 0, 1, seed, steps, fault[1] if fault and fault[0] == 0 else None, fused)
         return root
     root.mkdir(parents=True, exist_ok=True)
     store = root.parent / f".{root.name}.store"  # the gloo rendezvous (a fresh file per run)
@@ -274,6 +284,7 @@ def capture_tp_port(
     package_parent = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_parent, os.environ.get("PYTHONPATH", "")])}
     env.pop("RANK", None)
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny matmuls: threads only contend
     procs = [
         subprocess.Popen(
             [
@@ -286,6 +297,7 @@ def capture_tp_port(
                 str(root),
                 str(seed),
                 str(steps),
+                str(int(fused)),
                 fault[1] if fault and fault[0] == r else "",
             ],
             env=env,
@@ -311,7 +323,7 @@ def capture_tp_port(
 
 
 def main(argv: list[str]) -> None:
-    """Worker: ``RANK SIZE STORE OUT SEED STEPS [FAULT]`` (see :func:`capture_tp_port`)."""
+    """Worker: ``RANK SIZE STORE OUT SEED STEPS FUSED [FAULT]`` (see :func:`capture_tp_port`)."""
     rank, size, store, out, seed, steps = (
         int(argv[0]),
         int(argv[1]),
@@ -320,10 +332,10 @@ def main(argv: list[str]) -> None:
         int(argv[4]),
         int(argv[5]),
     )
-    fault = argv[6] if len(argv) > 6 and argv[6] else None
+    fused, fault = argv[6] == "1", (argv[7] if len(argv) > 7 and argv[7] else None)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
-        _capture_rank(Path(out), rank, size, seed, steps, fault)
+        _capture_rank(Path(out), rank, size, seed, steps, fault, fused)
     finally:
         torch.distributed.destroy_process_group()
 
