@@ -157,3 +157,19 @@ def test_fused_shards_without_fused_dims_are_hinted_with_the_dims_to_give(runs):
         runs["plain"], dims={r"\.qkv$": suggested, r"\.gate_up$": "b s f(tp,fused=gate:64,up:64)"}
     )
     assert tdinspect.DumpSet.open(runs["tp1"]).diff(fixed, unshard=True).first_divergence() is None
+
+
+def test_two_runs_fused_alike_compare_shard_by_shard(runs):
+    """TP=2 against TP=2: each rank's shard meets its partner whole (no strided segment
+    views); the numbers are those of the assembled tensors, the fault still named."""
+    from tdinspect.numerics.metrics import compare_tensors
+
+    d = tdinspect.DumpSet.open(runs["tp2"]).diff(runs["bad"], unshard=True)
+    div = d.first_divergence()
+    assert div.key == "model.blocks.0.attn.qkv"
+    assert "in rank 1 (tp 1 of 2) k: rel_diff" in div.reason and "rank 0 (tp 0" not in div.reason, div.reason
+    table = d.table(progress=False).set_index("op")
+    for key in ("model.blocks.0.attn.qkv", "model.blocks.1.ffn.gate_up"):
+        want = compare_tensors(d.b.tensor(key), d.a.tensor(key))
+        assert table.loc[key, "max_abs"] == want["max_abs"]
+        assert table.loc[key, "rel_diff"] == pytest.approx(want["rel_diff"], rel=1e-9, abs=1e-300)

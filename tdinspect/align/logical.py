@@ -350,6 +350,28 @@ class LogicalPass(PassIndex):
             loaded = self.load()
         return pieces(node, loaded.fetch)
 
+    def fused_layout(self, key: str) -> tuple | None:
+        """A fused entry's layout (dim, segments, ranks): two sides fused alike compare
+        shard by shard (:meth:`rank_pieces`); ``None`` for any other entry."""
+        node = self.plans.get(key)
+        if node is None or node["op"] != "cat" or not node.get("segments"):
+            return None
+        return node["dim"], tuple(map(tuple, node["segments"])), len(node["ranks"])
+
+    def rank_pieces(self, key: str, loaded=None) -> tuple[int, list[tuple[int, torch.Tensor]]]:
+        """A fused entry's shards whole, rank after rank (as :func:`pieces` gives parts, but
+        not in the logical order): where both sides are fused alike (:meth:`fused_layout`)
+        each element meets its partner at the same place, and the shards are contiguous."""
+        node = self.plans[key]
+        if not isinstance(loaded, _Loaded):
+            loaded = self.load()
+        dim, out, start = node["dim"], [], 0
+        for part in node["parts"][: len(node["ranks"])]:
+            t = evaluate(part["part"], loaded.fetch)
+            out.append((start, t))
+            start += t.shape[dim]
+        return dim, out
+
     def problem(self, i: int) -> str:
         """Why entry ``i`` cannot be assembled (known before reading), or ``""``."""
         node = self.plans[self.keys[i]]
