@@ -48,6 +48,7 @@ AXES = ("tp", "cp", "ep", "sp")
 FLAGS = ("partial", "zigzag")
 FUSED = ("fused", "fused_per_rank")  # full-model widths / each rank's widths
 _TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\(([^()]*)\))?\Z")
+_DIM = re.compile(r"(?:[^\s(]|\([^()]*\)?)+")
 _SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([0-9]{1,15})\Z")
 
 
@@ -128,19 +129,12 @@ class DimsSpec:
 
 
 def _tokens(text: str) -> list[str]:
-    """The dims of a spec: split at spaces outside parentheses (``h(tp, fused=...)`` is one)."""
-    out, word, depth = [], [], 0
-    for ch in text:
-        if ch.isspace() and depth == 0:
-            if word:
-                out.append("".join(word))
-                word = []
-            continue
-        depth += (ch == "(") - (ch == ")")
-        word.append(ch)
-    if word:
-        out.append("".join(word))
-    return out
+    """The dims of a spec: split at spaces outside parentheses (``h(tp, fused=...)`` is one).
+
+    One regex pass (a sidecar's spec may be megabytes): a dim is characters other than
+    space and ``(``, or a parenthesised group, which may hold spaces.
+    """
+    return _DIM.findall(text)
 
 
 def _modifiers(inner: str, shown: str, token: str) -> tuple[list[str], tuple, bool]:
