@@ -173,3 +173,35 @@ def test_two_runs_fused_alike_compare_shard_by_shard(runs):
         want = compare_tensors(d.b.tensor(key), d.a.tensor(key))
         assert table.loc[key, "max_abs"] == want["max_abs"]
         assert table.loc[key, "rel_diff"] == pytest.approx(want["rel_diff"], rel=1e-9, abs=1e-300)
+
+
+def test_through_a_mapping_the_references_cuts_hint_the_fused_layout(runs, mapping):
+    """HF against the port with plain h(tp) dims: the rule for q_proj cuts rank 0's whole
+    shard (only rank 0 is blamed); the cuts the reference takes of qkv (q_proj, k_proj,
+    v_proj) tile it, and each rank holds their sum / 2: the hint gives the fused dims."""
+    hf = tdinspect.DumpSet.open(runs["hf"])
+    div = hf.diff(runs["plain"], unshard=True, mapping=mapping).first_divergence(structural="report")
+    assert div.key == "model.model.layers.0.self_attn.q_proj"
+    assert "the reference cuts it into q_proj 0..32, k_proj 32..48, v_proj 48..64" in div.reason, div.reason
+    suggested = "b s h(tp,fused=q_proj:32,k_proj:16,v_proj:16)"
+    assert "each rank holds 32 = their sum / 2" in div.reason and repr(suggested) in div.reason
+    fixed = tdinspect.DumpSet.open(
+        runs["plain"], dims={r"\.qkv$": suggested, r"\.gate_up$": "b s f(tp,fused=gate_proj:64,up_proj:64)"}
+    )
+    verdict = hf.diff(fixed, unshard=True, mapping=mapping).verdict(
+        structural="report", allow_uncompared=r"rotary_emb|act_fn"
+    )
+    assert verdict.outcome == "matches", verdict
+
+
+def test_cuts_are_read_from_the_rules_transforms():
+    from tdinspect.align import parse_transform
+    from tdinspect.align.fusedhint import cut_of, cuts_hint
+
+    assert cut_of(parse_transform("narrow(-1, 32, 16)"), 64, 2, 3) == (32, 16)
+    assert cut_of(parse_transform("chunk(2, -1)[1]"), 64, 2, 3) == (32, 32)
+    assert cut_of(parse_transform("reshape(2, 32)"), 64, 2, 3) is None  # not a cut along the dim
+    cuts = {"m.q_proj": (0, 32), "m.k_proj": (32, 16), "m.v_proj": (48, 16)}
+    assert "'b s h(tp,fused=q_proj:32,k_proj:16,v_proj:16)'" in cuts_hint(cuts, 2, 32, 2, "b s h(tp)")
+    assert cuts_hint({"m.q_proj": (0, 32), "m.k_proj": (40, 24)}, 2, 32, 2, "b s h(tp)") == ""  # a gap
+    assert cuts_hint({"m.q_proj": (0, 64)}, 2, 32, 2, "b s h(tp)") == ""  # one segment: plain tp

@@ -49,7 +49,7 @@ FLAGS = ("partial", "zigzag")
 FUSED = ("fused", "fused_per_rank")  # full-model widths / each rank's widths
 _TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\(([^()]*)\))?\Z")
 _DIM = re.compile(r"(?:[^\s(]|\([^()]*\)?)+")
-_SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([0-9]{1,15})\Z")
+SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([0-9]{1,15})\Z")
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _modifiers(inner: str, shown: str, token: str) -> tuple[list[str], tuple, bo
                 True,
                 rest.strip(),
             )
-        seg = _SEGMENT.match(item)
+        seg = SEGMENT.match(item)
         if in_segments and seg:
             segments.append((seg.group(1), int(seg.group(2))))
             continue

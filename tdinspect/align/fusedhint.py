@@ -6,7 +6,9 @@ not the whole model's ``[q | k | v]``: it diverges everywhere though every value
 right. :func:`fused_layout` reads the layout off the two tensors (rank 0's shard
 meets the reference in runs of columns, one per segment; every rank's share of a
 segment sits after the previous rank's) and :func:`fused_hint` spells the dims
-that assemble it (:mod:`tdinspect.align.dims`, ``fused=``).
+that assemble it (:mod:`tdinspect.align.dims`, ``fused=``). Through a mapping the
+reference shows the segments itself: the entries it cuts out of the fused one
+(``q_proj``, ``k_proj``, ``v_proj``) tile it, and :func:`cuts_hint` reads them.
 
 Examples
 --------
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tdinspect.align.dims import Dim, parse_dims
+from tdinspect.align.dims import SEGMENT, Dim, parse_dims
 from tdinspect.errors import DimsError
 
 CLOSE = 0.05  # a column meets its partner within 5% relative L2 error (a shifted one misses by ~100%)
@@ -65,6 +67,65 @@ def fused_layout(whole: torch.Tensor, ranks: list[torch.Tensor], dim: int) -> li
     return widths if len(widths) > 1 else None
 
 
+def cut_of(transform, width: int, dim: int, ndim: int) -> tuple[int, int] | None:
+    """``(start, length)`` along ``dim`` that ``transform`` (a mapping rule's) cuts out of
+    a tensor ``width`` long there, or ``None`` when it is not one contiguous cut.
+    Found by applying it to the positions themselves (``narrow``, ``chunk(...)[i]``)."""
+    shape = [1] * ndim
+    shape[dim] = width
+    try:
+        out = transform(torch.arange(width).view(shape))
+    except Exception:  # reshapes of other dims, a user's callable: not a cut
+        return None
+    if not isinstance(out, torch.Tensor) or out.numel() == 0 or out.numel() != out.shape[dim % out.dim()]:
+        return None
+    pos = out.flatten()
+    start, n = int(pos[0]), pos.numel()
+    return (start, n) if torch.equal(pos, torch.arange(start, start + n)) else None
+
+
+def _with_segments(spec_text: str | None, dim: int, segments: tuple) -> str:
+    """``spec_text`` with ``fused=`` segments on ``dim`` (a placeholder spec without one)."""
+    try:
+        spec = parse_dims(spec_text) if spec_text else None
+    except DimsError:
+        spec = None
+    if spec is None or dim >= len(spec.dims):
+        return f"... h(tp,fused={','.join(f'{n}:{w}' for n, w in segments)})"
+    d = spec.dims[dim]
+    dims = list(spec.dims)
+    dims[dim] = Dim(d.name, d.axes, d.partial, d.zigzag, segments)
+    return " ".join(_spelled(x) for x in dims)
+
+
+def cuts_hint(
+    cuts: dict[str, tuple[int, int]], ranks: int, rank_width: int, dim: int, spec_text: str | None
+) -> str:
+    """``"; ..."`` where the reference's entries cut out of one concatenated entry
+    (``{name: (start, length)}``) tile it in two or more segments that each split over
+    the ``ranks``: the layout may be fused (else ``""``)."""
+    order = sorted(cuts.items(), key=lambda kv: kv[1][0])
+    at = 0
+    for _, (start, n) in order:
+        if start != at or n % ranks:
+            return ""
+        at += n
+    if len(order) < 2 or at != ranks * rank_width:
+        return ""
+    leaves = [name.rsplit(".", 1)[-1] for name, _ in order]  # q_proj, k_proj, v_proj
+    names = leaves if len(set(leaves)) == len(leaves) else [name for name, _ in order]
+    shown = ", ".join(f"{name} {s}..{s + n}" for name, (_, (s, n)) in zip(names, order))
+    valid = all(SEGMENT.match(f"{name}:1") for name in names)
+    segments = tuple(
+        (name if valid else f"s{i}", n) for i, (name, (_, (_, n))) in enumerate(zip(names, order))
+    )
+    return (
+        f"; the reference cuts it into {shown} and each rank holds {rank_width} = their sum / "
+        f"{ranks}: if each rank holds its share of every one (a fused layout), give it dims "
+        f"{_with_segments(spec_text, dim, segments)!r}"
+    )
+
+
 def _spelled(d: Dim) -> str:
     mods = list(d.axes) + ["partial"] * d.partial + ["zigzag"] * d.zigzag
     if d.fused:
@@ -82,18 +143,7 @@ def fused_hint(whole: torch.Tensor, ranks: list[torch.Tensor], dim: int, spec_te
     widths = fused_layout(whole, ranks, dim)
     if widths is None:
         return ""
-    segments = tuple((f"s{i}", w) for i, w in enumerate(widths))
-    try:
-        spec = parse_dims(spec_text) if spec_text else None
-    except DimsError:
-        spec = None
-    if spec is not None and dim < len(spec.dims):
-        d = spec.dims[dim]
-        dims = list(spec.dims)
-        dims[dim] = Dim(d.name, d.axes, d.partial, d.zigzag, segments)
-        suggested = " ".join(_spelled(x) for x in dims)
-    else:
-        suggested = f"... h(tp,fused={','.join(f'{n}:{w}' for n, w in segments)})"
+    suggested = _with_segments(spec_text, dim, tuple((f"s{i}", w) for i, w in enumerate(widths)))
     return (
         f"; each rank's shard meets the other side as {len(widths)} segments, each split over "
         f"the ranks on its own (whole widths {', '.join(map(str, widths))}): a fused layout "

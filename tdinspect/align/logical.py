@@ -7,7 +7,8 @@ read. Nodes::
 
     {"op": "read", "src": S, "key": K}                 source pass S's entry K
     {"op": "cat", "dim": d, "parts": [...], "zigzag": bool, "labels": [...]}
-        (a fused dim's also has "segments": [[name, start, width, rank offset,
+        (unshard's also has "axis": the parallel axis its parts are the ranks of;
+        a fused dim's "segments": [[name, start, width, rank offset,
         rank width], ...] and "ranks": [rank label, ...]; its parts are narrows)
     {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
     {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken

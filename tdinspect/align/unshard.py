@@ -126,7 +126,7 @@ def plan_entry(
             return parts[0]
         if how == "sum":
             return {"op": "sum", "parts": parts, "labels": labels}
-        return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels}
+        return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels, "axis": axis}
 
     if not chosen:
         return error(f"dims {spec_text!r}: no rank at index 0 of the unnamed axes holds it")
