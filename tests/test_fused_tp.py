@@ -205,3 +205,17 @@ def test_cuts_are_read_from_the_rules_transforms():
     assert "'b s h(tp,fused=q_proj:32,k_proj:16,v_proj:16)'" in cuts_hint(cuts, 2, 32, 2, "b s h(tp)")
     assert cuts_hint({"m.q_proj": (0, 32), "m.k_proj": (40, 24)}, 2, 32, 2, "b s h(tp)") == ""  # a gap
     assert cuts_hint({"m.q_proj": (0, 64)}, 2, 32, 2, "b s h(tp)") == ""  # one segment: plain tp
+
+
+def test_suggested_mapping_finds_q_k_v_in_the_unsharded_fused_qkv(runs):
+    """Unsharded with fused dims, the port's qkv is the model's [q | k | v]: suggest_mapping
+    cuts k_proj and v_proj out of it by values, and its rules match."""
+    hf = tdinspect.DumpSet.open(runs["hf"])
+    rules = tdinspect.suggest_mapping(hf, tdinspect.DumpSet.open(runs["tp2"]).unshard()).rules
+    layer = r"model\.model\.layers\.(\d+)\."
+    assert rules[layer + r"self_attn\.k_proj"] == [r"model.blocks.\1.attn.qkv", "chunk(4, -1)[2]"]
+    assert rules[layer + r"mlp\.up_proj"] == [r"model.blocks.\1.ffn.gate_up", "chunk(2, -1)[1]"]
+    verdict = hf.diff(runs["tp2"], unshard=True, mapping=rules).verdict(
+        structural="report", allow_uncompared=r"rotary_emb|act_fn"
+    )
+    assert verdict.outcome == "matches", verdict
