@@ -10,6 +10,9 @@ it writes and removes, float32, two runs that differ by float32-sized noise, eac
   ``--checksum`` the replicas are settled from capture's checksums instead of a bitwise
   comparison when read); ``diff(unshard=True)`` against the plain diff of the same files
   (rank by rank: it reads every byte the unsharded diff reads);
+- unshard fused: the same files opened with the ``s h(tp)`` entries' dims given as a fused
+  qkv, ``s h(tp,fused=q:H/2,k:H/4,v:H/4)`` (each rank's half cut into three segments, put back
+  segment by segment); ``diff(unshard=True)`` against the plain unshard of the same bytes;
 - concat: both runs decode-like, each entry ``--calls`` calls of ``seq / calls`` positions;
   ``diff(concat="call:0")`` against the plain diff of the same values stored as whole entries
   (one call each: what the concatenated diff compares). That baseline stores 1/calls as many
@@ -127,12 +130,16 @@ def main() -> None:
     a = parser.parse_args()
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with scratch_dir("unshard", a.dir) as root:
+        h = a.hidden
+        fused = {r"\.tp\d+$": f"s h(tp,fused=q:{h // 2},k:{h // 4},v:{h // 4})"}
         tp2a, tp2b = (write(root / f"tp2{s}", a, layout="tp2", noise=n) for s, n in (("a", 0.0), ("b", 1e-6)))
         ca, cb = (write(root / f"calls{s}", a, layout="calls", noise=n) for s, n in (("a", 0.0), ("b", 1e-6)))
         fa, fb = (write(root / f"full{s}", a, layout="full", noise=n) for s, n in (("a", 0.0), ("b", 1e-6)))
 
-        def diff(x, y, **kw):
-            return lambda: DumpSet.open(x).diff(y, **kw).table(progress=False)
+        def diff(x, y, dims=None, **kw):
+            return lambda: (
+                DumpSet.open(x, dims=dims).diff(DumpSet.open(y, dims=dims), **kw).table(progress=False)
+            )
 
         def both(f, g):
             return lambda: (f(), g())
@@ -140,6 +147,7 @@ def main() -> None:
         runs = {
             "tp2 plain": (diff(tp2a, tp2b), pass_bytes(tp2a, tp2b)),
             "unshard": (diff(tp2a, tp2b, unshard=True), pass_bytes(tp2a, tp2b)),
+            "unshard fused": (diff(tp2a, tp2b, fused, unshard=True), pass_bytes(tp2a, tp2b)),
             "whole plain": (diff(fa, fb), pass_bytes(fa, fb)),
             "concat": (diff(ca, cb, concat="call:0"), pass_bytes(ca, cb)),
             "whole read": (both(read_only(fa), read_only(fb)), pass_bytes(fa, fb)),
@@ -159,7 +167,7 @@ def main() -> None:
                 times[k].append(clock() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
         rate = {k: nbytes / med[k] for k, (_, nbytes) in runs.items()}
-        base = {"unshard": rate["tp2 plain"], "concat": rate["whole plain"]}
+        base = {"unshard": rate["tp2 plain"], "unshard fused": rate["unshard"], "concat": rate["whole plain"]}
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.clock} clock; "
             f"{a.passes} passes x {a.entries} entries of [{a.seq}, {a.hidden}] float32"
@@ -168,9 +176,13 @@ def main() -> None:
             + f"; load {os.getloadavg()[0]:.1f}"
         )
         for k, (_, nbytes) in runs.items():
-            ratio = f"ratio to plain {rate[k] / base[k]:.2f} (target >= 0.8)" if k in base else ""
+            ratio = (
+                f"ratio to {'unshard' if k == 'unshard fused' else 'plain'} {rate[k] / base[k]:.2f} (target >= 0.8)"
+                if k in base
+                else ""
+            )
             print(
-                f"  {k:11s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:6.2f} GB/s  {ratio:34s}"
+                f"  {k:13s} {nbytes / 1e6:7.1f} MB read  {rate[k] / 1e9:6.2f} GB/s  {ratio:34s}"
                 f"runs {', '.join(f'{t:.3f}' for t in times[k])} s"
             )
         layout = med["calls read"] - med["whole read"]

@@ -42,6 +42,16 @@ def test_dims_parse_reads_axes_and_flags():
         ("b s(cp,cp)", "repeated modifier"),
         ("b h(tp,)", "empty modifier"),
         ("b h(tp", "cannot read 'h(tp'"),
+        # fused segments (tests/test_fused_tp.py)
+        ("b h(tp,fused=q:32)", "names one segment"),
+        ("b h(tp,fused=q:32,q:16)", "segment 'q' appears twice"),
+        ("b h(fused=q:32,k:16)", "needs exactly one axis"),
+        ("b h(tp,partial,fused=q:32,k:16)", "neither partial nor zigzag"),
+        ("b h(tp,fused=q32,k:16)", "cannot read segment 'q32'"),
+        ("b h(tp,fsued=q:32,k:16)", "unknown modifier 'fsued'"),
+        ("b h(tp,fused=q:32,k:0)", "segment 'k'"),
+        ("b h(tp,fused=q:1,k:1,fused_per_rank=v:1,w:1)", "fused twice"),
+        ("b h(tp, k:16)", "unknown modifier 'k:16'"),
     ],
 )
 def test_dims_errors_name_the_spec(spec, words):

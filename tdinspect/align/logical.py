@@ -7,6 +7,9 @@ read. Nodes::
 
     {"op": "read", "src": S, "key": K}                 source pass S's entry K
     {"op": "cat", "dim": d, "parts": [...], "zigzag": bool, "labels": [...]}
+        (unshard's also has "axis": the parallel axis its parts are the ranks of;
+        a fused dim's "segments": [[name, start, width, rank offset,
+        rank width], ...] and "ranks": [rank label, ...]; its parts are narrows)
     {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
     {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken
     {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
@@ -213,12 +216,28 @@ def describe(node: dict) -> str:
             f"narrow(dim {node['dim']}, {node['start']}..{node['start'] + node['length']}: "
             f"{describe(node['part'])})"
         )
+    if op == "cat" and node.get("segments"):
+        return _describe_fused(node)
     parts = [
         label if part["op"] == "read" else f"{label} [{describe(part)}]"
         for label, part in zip(node["labels"], node["parts"])
     ]
     head = f"dim {node['dim']}{', zigzag' if node.get('zigzag') else ''}: " if op == "cat" else ""
     return f"{op}({head}{', '.join(parts)})"
+
+
+def _describe_fused(node: dict) -> str:
+    """``fused(dim 2: q 0..32 = rank 0 (tp 0 of 2) 0..16 + rank 1 (tp 1 of 2) 0..16; k ...)``."""
+    ranks = node["ranks"]
+    inner = [p["part"] for p in node["parts"][: len(ranks)]]
+    who = [
+        label if part["op"] == "read" else f"{label} [{describe(part)}]" for label, part in zip(ranks, inner)
+    ]
+    segs = [
+        f"{name} {start}..{start + width} = " + " + ".join(f"{r} {off}..{off + w}" for r in who)
+        for name, start, width, off, w in node["segments"]
+    ]
+    return f"fused(dim {node['dim']}: {'; '.join(segs)})"
 
 
 class _Loaded:
@@ -331,6 +350,28 @@ class LogicalPass(PassIndex):
         if not isinstance(loaded, _Loaded):
             loaded = self.load()
         return pieces(node, loaded.fetch)
+
+    def fused_layout(self, key: str) -> tuple | None:
+        """A fused entry's layout (dim, segments, ranks): two sides fused alike compare
+        shard by shard (:meth:`rank_pieces`); ``None`` for any other entry."""
+        node = self.plans.get(key)
+        if node is None or node["op"] != "cat" or not node.get("segments"):
+            return None
+        return node["dim"], tuple(map(tuple, node["segments"])), len(node["ranks"])
+
+    def rank_pieces(self, key: str, loaded=None) -> tuple[int, list[tuple[int, torch.Tensor]]]:
+        """A fused entry's shards whole, rank after rank (as :func:`pieces` gives parts, but
+        not in the logical order): where both sides are fused alike (:meth:`fused_layout`)
+        each element meets its partner at the same place, and the shards are contiguous."""
+        node = self.plans[key]
+        if not isinstance(loaded, _Loaded):
+            loaded = self.load()
+        dim, out, start = node["dim"], [], 0
+        for part in node["parts"][: len(node["ranks"])]:
+            t = evaluate(part["part"], loaded.fetch)
+            out.append((start, t))
+            start += t.shape[dim]
+        return dim, out
 
     def problem(self, i: int) -> str:
         """Why entry ``i`` cannot be assembled (known before reading), or ``""``."""

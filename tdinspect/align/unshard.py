@@ -5,7 +5,8 @@ capture; for dumps without them, rank ``i`` of ``n`` is tensor-parallel
 ``(i, n)``) and each entry's dims spec (:mod:`tdinspect.align.dims`) say how a
 logical tensor is put back together: concatenated along the dims tagged with
 an axis, in that axis's rank order (zigzag for ``cp,zigzag``), summed over the
-axes of a ``partial`` dim. Entries without dims must be identical on every
+axes of a ``partial`` dim; a ``fused=`` dim segment by segment (every rank's
+share of ``q``, then of ``k``...: the whole model's ``[q | k | v]``). Entries without dims must be identical on every
 rank (replicated): the first rank's copy is taken, after checking it.
 
 Examples
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdinspect.align.dims import parse_dims
+from tdinspect.align.dims import Dim, parse_dims
 from tdinspect.align.logical import LogicalPass, error, read
 from tdinspect.errors import DimsError, DumpFormatError
 from tdinspect.store.passindex import PassIndex
@@ -118,16 +119,47 @@ def plan_entry(
             return error(f"dims {spec_text!r}: no rank holds {axis} shard {lost} of {size}")
         groups = [[r for r in ranks if coord(r, axis)[0] == i] for i in range(size)]
         parts = [build(g, level + 1) for g in groups]
+        labels = [_label(g, axis, i, size) for i, g in enumerate(groups)]
+        if spec.dims[dim].fused:
+            return _fused(spec.dims[dim], dim, parts, labels, size, shapes[groups[0][0]])
         if len(parts) == 1:
             return parts[0]
-        labels = [_label(g, axis, i, size) for i, g in enumerate(groups)]
         if how == "sum":
             return {"op": "sum", "parts": parts, "labels": labels}
-        return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels}
+        return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels, "axis": axis}
 
     if not chosen:
         return error(f"dims {spec_text!r}: no rank at index 0 of the unnamed axes holds it")
-    return build(chosen, 0)
+    try:
+        return build(chosen, 0)
+    except DimsError as exc:
+        return error(f"{key}: dims {spec_text!r}: {exc}")
+
+
+def _fused(d: Dim, dim: int, parts: list[dict], labels: list[str], size: int, shape) -> dict:
+    """Segment by segment, each rank's share of it: ``[q_0 q_1 | k_0 k_1 | v_0 v_1]`` from
+    ranks holding ``[q_r | k_r | v_r]``. A ``cat`` of ``narrow`` parts (labelled with the
+    rank and the segment, so a fault is named with both); ``segments`` keeps the layout."""
+    if shape is None:
+        raise DimsError("the shard's shape is not recorded")
+    width = shape[dim]
+    cuts = d.segments(size, width)
+    out_parts, out_labels, segments, start = [], [], [], 0
+    for name, offset, w in cuts:
+        for part, label in zip(parts, labels):
+            out_parts.append({"op": "narrow", "dim": dim, "start": offset, "length": w, "part": part})
+            out_labels.append(f"{label} {name}")
+        segments.append([name, start, w * size, offset, w])
+        start += w * size
+    return {
+        "op": "cat",
+        "dim": dim,
+        "parts": out_parts,
+        "zigzag": False,
+        "labels": out_labels,
+        "segments": segments,
+        "ranks": labels,
+    }
 
 
 def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:

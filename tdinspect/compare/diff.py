@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from tdinspect.align.fusedhint import cut_of, cuts_hint, fused_hint
 from tdinspect.align.logical import LogicalPass, slices_of
 from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
@@ -887,8 +888,34 @@ class Diff:
                 if m.diverges(value, thr):
                     bad.append(f"{label}: {m.name} {value:.3g}")
             if bad:
-                return "; in " + ", ".join(bad)
+                return "; in " + ", ".join(bad) + self._fused_hint(row, pi, key, node, side is self.b, ya, xb)
         return ""
+
+    def _fused_hint(self, row: dict, pi: LogicalPass, key: str, node: dict, b_side: bool, ya, xb) -> str:
+        """For shards concatenated rank after rank: say when they may be a fused layout,
+        from the values (:func:`~tdinspect.align.fusedhint.fused_hint`) or, through a
+        mapping, from the reference's entries cut out of B's (:func:`cuts_hint`)."""
+        if not node.get("axis") or node.get("zigzag") or len(node["parts"]) < 2:
+            return ""  # fused already, context parallel's order, or a concat of calls
+        dim, spec = node["dim"], pi.dims[pi.position[key]]
+        n = len(node["parts"])
+        transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
+        if transform is None:
+            whole, mine = (ya, xb) if b_side else (xb, ya)
+            return fused_hint(whole, list(mine.tensor_split(n, dim)), dim, spec)
+        shape = pi.shape[pi.position[key]]  # B as assembled, before the rule's transform
+        if not b_side or shape is None or shape[dim] % n:
+            return ""
+        pa = self.a.get_pass(row["pass"], row["rank"])
+        b_base, cuts = split_call(row["key_b"])[0], {}
+        for a_key in dict.fromkeys(split_call(k)[0] for k in pa.keys):
+            partner, t = self.mapping.partner(a_key)
+            if partner == b_base and t is not None:
+                cut = cut_of(t, shape[dim], dim, len(shape))
+                if cut is None:
+                    return ""
+                cuts[a_key] = cut
+        return cuts_hint(cuts, n, shape[dim] // n, dim, spec)
 
     def per_position(
         self,

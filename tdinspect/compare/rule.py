@@ -90,6 +90,8 @@ class Side:
     pieces: Any = None  # () -> a concatenation's parts (align.logical.pieces), or None
     replica: bool = False  # an unsharded entry without dims: every rank's copy, checked equal
     rows: Any = None  # capture(checksum_dim=...): {"dim": d, "rows": [fingerprint per index]}
+    fused: Any = None  # a fused entry's layout (align.logical.LogicalPass.fused_layout), or None
+    rank_pieces: Any = None  # () -> a fused entry's shards in rank order
 
 
 def _replica_problem(a: Side, b: Side, mode: str) -> str:
@@ -179,6 +181,12 @@ def _tensor_metrics(a: Side, b: Side, transform, chunk: int) -> dict[str, float]
     matching slices of the other, without assembling it, where
     :func:`~tdinspect.numerics.metrics_split.compare_pieces` can be exact.
     """
+    if transform is None and a.fused is not None and a.fused == b.fused:  # shard meets shard
+        found = compare_pieces(
+            [(x, y) for y, x in matching_slices(a.rank_pieces(), b.rank_pieces())], chunk=chunk
+        )
+        if found is not None:
+            return found
     if transform is None and (a.pieces is not None or b.pieces is not None):
         pa, pb = (s.pieces() if s.pieces is not None else None for s in (a, b))
         if pa is not None or pb is not None:
@@ -214,6 +222,8 @@ def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
         pieces,
         isinstance(pi, LogicalPass) and pi.plans[pi.keys[i]]["op"] == "same",
         pi.checksum_rows[i] if pi.checksum_rows else None,
+        pi.fused_layout(pi.keys[i]) if isinstance(pi, LogicalPass) else None,
+        (lambda: _read(pi, i, loaded(), side, pi.rank_pieces)) if isinstance(pi, LogicalPass) else None,
     )
 
 

@@ -134,12 +134,16 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: PortConfig, rope: str):
+    """Pre-norm attention then feed-forward (``attn`` / ``ffn`` given: a sharded port's own)."""
+
+    def __init__(
+        self, cfg: PortConfig, rope: str, attn: nn.Module | None = None, ffn: nn.Module | None = None
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.eps)
-        self.attn = Attention(cfg, rope)
+        self.attn = Attention(cfg, rope) if attn is None else attn
         self.mlp_norm = RMSNorm(cfg.dim, cfg.eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = FeedForward(cfg) if ffn is None else ffn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -154,12 +158,18 @@ class LlamaPort(nn.Module):
     cfg : PortConfig
     rope : {"half", "interleaved"}
         ``"half"`` is Llama's rotary embedding; ``"interleaved"`` the porting bug.
+    blocks : list of nn.Module, optional
+        The layers (default: one :class:`Block` per ``cfg.layers``).
     """
 
-    def __init__(self, cfg: PortConfig, rope: str = "half"):
+    def __init__(self, cfg: PortConfig, rope: str = "half", blocks: list[nn.Module] | None = None):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, rope) for _ in range(cfg.layers))
+        self.blocks = (
+            nn.ModuleList(Block(cfg, rope) for _ in range(cfg.layers))
+            if blocks is None
+            else nn.ModuleList(blocks)
+        )
         self.final_norm = RMSNorm(cfg.dim, cfg.eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
