@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tdinspect.compare.cube import call_axis
-from tdinspect.errors import DumpFormatError, RunWarning
+from tdinspect.errors import DumpFormatError, RunsNote
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
 from tdinspect.report import human_bytes
@@ -145,7 +145,7 @@ class DumpSet:
                 f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
                 f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
                 "lists them)",
-                RunWarning,
+                RunsNote,
                 stacklevel=2,
             )
         folders = chosen.folders

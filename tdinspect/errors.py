@@ -166,6 +166,12 @@ class RunWarning(UserWarning):
     """A dump folder holds several runs, or a capture added or removed one (one line each)."""
 
 
+class RunsNote(RunWarning):
+    """The routine :class:`RunWarning`: a capture made a new run beside earlier ones, removed
+    earlier ones (``overwrite=True``), or an open took the newest of several. The magics fold
+    it into their cell's one line; a script sees it as a ``RunWarning``."""
+
+
 class UncomparedWarning(UserWarning):
     """``first_divergence()`` found no divergence, but entries were set aside
     (``structural="report"``) or never compared: the verdict is ``"incomplete"``

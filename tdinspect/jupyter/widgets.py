@@ -181,6 +181,7 @@ class DiffExplorer:
         self.divergence = None
         self.shown: str | None = None
         self.shown_at: tuple | None = None
+        self._picked = False  # the user chose the entry shown: a new threshold keeps it
         self._quiet = False
         self.on_update: list = []  # called after each update (the dashboard's entry table)
         self.threshold_box = W.HBox()
@@ -300,7 +301,7 @@ class DiffExplorer:
             with self._hold():
                 self.auto.value = False  # a number for every entry now
                 self._readout(self.metric.value)
-            self._timed("threshold", self.update, True)
+            self._timed("threshold", self.update, not self._picked)
 
     def _on_auto(self, change) -> None:
         if self._quiet:
@@ -309,10 +310,11 @@ class DiffExplorer:
             with self._hold():
                 self.threshold.value = self._auto_shown(self.metric.value)
                 self._readout(self.metric.value)
-        self._timed("threshold", self.update, True)
+        self._timed("threshold", self.update, not self._picked)
 
     def _on_pick(self, change) -> None:
         if not self._quiet:
+            self._picked = True
             self._timed("pick", self._show_picked)
 
     def _on_click(self, event) -> None:
@@ -322,6 +324,7 @@ class DiffExplorer:
         i = int(round(event.xdata))
         if 0 <= i < len(self.table):
             row = self.table.iloc[i]
+            self._picked = True
             self._timed("click", self.select, row["key"], int(row["pass"]), int(row["rank"]))
 
     # -- what the callbacks do -------------------------------------------------------------
