@@ -58,6 +58,12 @@ class CaptureCheckError(RuntimeError):
     """Base of the errors a check raises while the model runs; the capture is closed first."""
 
 
+class CaptureMemoryError(CaptureCheckError):
+    """A capture to memory (``capture(..., memory=...)``) would hold more than its limit; the
+    message names the limit and the entry that crossed it. The capture is closed, the pass in
+    progress dropped; the passes before it stay in ``cap.dumpset``."""
+
+
 @dataclass
 class NonFinite:
     """The first entry holding NaN or Inf.
