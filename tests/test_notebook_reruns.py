@@ -32,9 +32,16 @@ def shell():
     sh.configurables[:] = [c for c in sh.configurables if type(c).__name__ != "TdinspectMagics"]
 
 
+def _to_stderr(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def _run(sh, cell: str) -> list[str]:
-    """The lines a cell prints (stdout, stderr and warnings together)."""
-    with capture_output() as out:  # displayed results apart: they are the answer, not noise
+    """The lines a cell prints (stdout, stderr and warnings together), as a kernel shows them:
+    every warning, however often it repeats, on stderr with its source line."""
+    with capture_output() as out, warnings.catch_warnings():  # displayed results apart: the answer
+        warnings.simplefilter("always")
+        warnings.showwarning = _to_stderr  # pytest records warnings; a kernel prints them
         result = sh.run_cell(cell)
     assert result.error_in_exec is None and result.error_before_exec is None, out.stderr
     return [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
@@ -54,15 +61,13 @@ def test_run_all_six_times_prints_one_short_line_per_cell_and_keeps_three_runs(s
         f"%tdi_open ds {a}",
         f"%tdi_diff {a} {b}",
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")  # every warning shows, however often it repeats
-        for run in range(6):
-            printed = [_run(shell, c) for c in cells]
-            for cell, lines in zip(cells, printed):
-                assert len(lines) <= 1, (run, cell, lines)
-                text = "\n".join(lines)
-                assert "Warning" not in text and "magics.py" not in text and "cap = " not in text, text
-                assert len(text.replace(str(tmp_path), "~")) < 160, text  # short, whatever the folder
+    for run in range(6):
+        printed = [_run(shell, c) for c in cells]
+        for cell, lines in zip(cells, printed):
+            assert len(lines) <= 1, (run, cell, lines)
+            text = "\n".join(lines)
+            assert "Warning" not in text and "magics.py" not in text and "cap = " not in text, text
+            assert len(text.replace(str(tmp_path), "~")) < 160, text  # short, whatever the folder
     assert _rank_folders(a) == _rank_folders(b) and len(_rank_folders(a)) == 3
     # the newest runs are the ones kept, and the cells said so
     assert printed[1][0].startswith("tdinspect: wrote ") and "(3 runs kept, 1 older removed)" in printed[1][0]
