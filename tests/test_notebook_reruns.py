@@ -147,3 +147,8 @@ def test_moving_the_threshold_keeps_the_entry_the_user_picked(runs):
     assert ex.entry.value == "model.lm_head" and ex.shown == "model.lm_head"
     ex.auto.value = True
     assert ex.entry.value == "model.lm_head" and ex.shown == "model.lm_head"
+    # a row picked in the dashboard's table stays too
+    board = tdinspect.dashboard(runs["ref"], runs["wrong"])
+    board.entries.value = next(v for _, v in board.entries.options if v[0] == "model.lm_head")
+    board.explorer.threshold.value = 1e-9
+    assert board.explorer.shown == "model.lm_head"

@@ -324,12 +324,16 @@ class DiffExplorer:
         i = int(round(event.xdata))
         if 0 <= i < len(self.table):
             row = self.table.iloc[i]
-            self._picked = True
             self._timed("click", self.select, row["key"], int(row["pass"]), int(row["rank"]))
 
     # -- what the callbacks do -------------------------------------------------------------
     def select(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
-        """Show ``key`` (at ``pass_``, ``rank``) side by side and mark it on the plot."""
+        """Show ``key`` (at ``pass_``, ``rank``) side by side and mark it on the plot; a new
+        threshold keeps it shown (a pick: from code, a click, or the dashboard's table)."""
+        self._picked = True
+        self._select(key, pass_, rank)
+
+    def _select(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
         with self._hold():
             if key in self._keys:
                 self.entry.value = key
@@ -380,7 +384,7 @@ class DiffExplorer:
                 + f") — {html_text(div.reason)}"
             )
         if follow and div is not None and div.key in self._keys:
-            self.select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
+            self._select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
         elif follow and self.shown is None:
             self._show_picked()
         else:
