@@ -152,3 +152,11 @@ def test_moving_the_threshold_keeps_the_entry_the_user_picked(runs):
     board.entries.value = next(v for _, v in board.entries.options if v[0] == "model.lm_head")
     board.explorer.threshold.value = 1e-9
     assert board.explorer.shown == "model.lm_head"
+
+
+def test_a_warning_inside_a_magic_names_the_users_cell(shell, tmp_path):
+    shell.run_cell("import torch\nm2 = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))")
+    lines = _run(shell, f"%%tdi_capture {tmp_path / 'w'} --model m2\nm2[0](torch.ones(1, 2))")
+    warned = [line for line in lines if "never ran a hooked forward: model.1" in line]
+    assert len(warned) == 1 and warned[0].startswith("<ipython-input-"), lines
+    assert not any("magics.py" in line or "site-packages" in line for line in lines), lines

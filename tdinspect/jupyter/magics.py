@@ -66,10 +66,10 @@ _OWN = tuple(
 def _user_stacklevel() -> int:
     """``stacklevel`` for ``warnings.warn`` called here that names the user's cell (the first
     frame outside tdinspect, IPython and traitlets), never tdinspect's own source line."""
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 1  # level 1: the frame calling warnings.warn
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN):
         frame, level = frame.f_back, level + 1
-    return level + 1
+    return level
 
 
 class _Quiet:
