@@ -55,6 +55,20 @@ def main():
             CODE("t = ds.tensor('model.expert', call=2, pass_=1)\nt.shape, t.dtype"),
             MD("The explorer: search an op, move the call and pass sliders."),
             CODE("tdinspect.explore(ds)"),
+            MD(
+                "## In memory\n\nFor quick work in a notebook, `memory=True` keeps the passes in this "
+                "process instead of a folder (up to 2 GB of tensors; `memory='8GB'` sets another limit). "
+                "`cap.dumpset` is a DumpSet like any other:"
+            ),
+            CODE(
+                "with torch.no_grad(), tdinspect.capture(model, memory=True) as cap:\n"
+                "    model(make_tokens(seed=0))\n    cap.step()\nmem = cap.dumpset\nmem"
+            ),
+            CODE("mem.diff(ds.sel(pass_=0)).verdict()"),
+            MD(
+                "`cap.save(folder)` writes it as a normal dump, the same files a capture to that folder writes:"
+            ),
+            CODE("saved = cap.save(tempfile.mkdtemp())\nsorted(p.name for p in saved.iterdir())"),
         ],
     )
 

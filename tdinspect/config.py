@@ -58,6 +58,37 @@ def _env(environ: Mapping[str, str], suffix: str) -> tuple[str, str] | None:
     return found[-1] if found else None
 
 
+DEFAULT_MEMORY_LIMIT = 2 << 30  # what ``capture(..., memory=True)`` may hold: 2 GB
+_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+
+
+def parse_memory(value) -> int | None:
+    """The byte limit of a capture to memory: ``None`` (off) for ``None``/``False``,
+    :data:`DEFAULT_MEMORY_LIMIT` for ``True``, else a byte count or a size such as ``"2GB"``,
+    ``"512 MB"`` or ``"1.5GiB"`` (powers of 1024, as tdinspect prints sizes).
+
+    Examples
+    --------
+    >>> parse_memory(True) == DEFAULT_MEMORY_LIMIT, parse_memory("512MB"), parse_memory(4096)
+    (True, 536870912, 4096)
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_MEMORY_LIMIT
+    if isinstance(value, int) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*", value.upper())
+        if m and float(m.group(1)) > 0:
+            unit = (m.group(2) + "B") if m.group(2) else ""
+            return max(int(float(m.group(1)) * _UNITS[unit]), 1)
+    raise ConfigError(
+        f"memory={value!r}: expected True (a {DEFAULT_MEMORY_LIMIT >> 30} GB limit), a byte count "
+        "or a size such as '2GB' or '512MB'"
+    )
+
+
 def parse_filter_env(value: str, variable: str = "TDINSPECT_DUMP_FILTER") -> list[str]:
     """Patterns from a FILTER variable: a JSON array of regexes, or one bare pattern."""
     text = value.strip()

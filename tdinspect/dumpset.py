@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tdinspect.compare.cube import call_axis
-from tdinspect.errors import DumpFormatError, RunWarning
+from tdinspect.errors import DumpFormatError, RunsNote
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
 from tdinspect.report import human_bytes
@@ -145,7 +145,7 @@ class DumpSet:
                 f"tdinspect: {path} holds {len(runs)} runs; opened the newest, "
                 f"{chosen.describe()} (run=-2 opens the one before; DumpSet.runs(path) "
                 "lists them)",
-                RunWarning,
+                RunsNote,
                 stacklevel=2,
             )
         folders = chosen.folders
@@ -175,6 +175,46 @@ class DumpSet:
         ds = cls(Path(path), passes, client=client, skipped=skipped)
         ds.run = chosen
         return ds
+
+    @classmethod
+    def from_memory(cls, passes: Iterable[dict], *, client: Any = None) -> DumpSet:
+        """A dump held in memory: what ``capture(..., memory=True)`` kept (``cap.dumpset``).
+
+        Parameters
+        ----------
+        passes : iterable of dict
+            One plain dict per pass, as a memory capture hands them (``cap.passes``):
+            ``{"rank": int, "pass": int, "meta": facts of its sidecar, "tensors": {key: tensor}}``.
+            Passes of several captures (one per rank) make one DumpSet of several ranks.
+
+        Raises
+        ------
+        DumpFormatError
+            When no pass is given, or two have the same rank and number.
+
+        Examples
+        --------
+        >>> with tdinspect.capture(model, memory=True) as cap:       # doctest: +SKIP
+        ...     model(x); cap.step()
+        >>> ds = DumpSet.from_memory(cap.passes)                     # doctest: +SKIP
+        >>> ds.diff("dumps/run_a").first_divergence()                 # doctest: +SKIP
+        """
+        from tdinspect.store.format import sidecar_in_memory
+        from tdinspect.store.memorypass import WHERE, MemoryPass
+
+        held: dict[tuple[int, int], MemoryPass] = {}
+        by_rank: dict[int, dict[int, MemoryPass]] = {}
+        for item in sorted(passes, key=lambda p: (p["rank"], p["pass"])):
+            rank, index = int(item["rank"]), int(item["pass"])
+            where = f"{WHERE}/rank{rank}/pass{index}"
+            if (rank, index) in held:
+                raise DumpFormatError(f"{where}: two passes of rank {rank} numbered {index}")
+            earlier = by_rank.setdefault(rank, {})
+            pi = MemoryPass.held(rank, sidecar_in_memory(item["meta"], where), item["tensors"], earlier)
+            held[(rank, index)] = earlier[index] = pi
+        if not held:
+            raise DumpFormatError(f"{WHERE}: no pass held (was step() called inside the capture?)")
+        return cls(Path(WHERE), held, client=client)
 
     @staticmethod
     def runs(path: str | os.PathLike) -> list:

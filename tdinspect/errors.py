@@ -58,6 +58,12 @@ class CaptureCheckError(RuntimeError):
     """Base of the errors a check raises while the model runs; the capture is closed first."""
 
 
+class CaptureMemoryError(CaptureCheckError):
+    """A capture to memory (``capture(..., memory=...)``) would hold more than its limit; the
+    message names the limit and the entry that crossed it. The capture is closed, the pass in
+    progress dropped; the passes before it stay in ``cap.dumpset``."""
+
+
 @dataclass
 class NonFinite:
     """The first entry holding NaN or Inf.
@@ -164,6 +170,12 @@ class GraftError(RuntimeError):
 
 class RunWarning(UserWarning):
     """A dump folder holds several runs, or a capture added or removed one (one line each)."""
+
+
+class RunsNote(RunWarning):
+    """The routine :class:`RunWarning`: a capture made a new run beside earlier ones, removed
+    earlier ones (``overwrite=True``), or an open took the newest of several. The magics fold
+    it into their cell's one line; a script sees it as a ``RunWarning``."""
 
 
 class UncomparedWarning(UserWarning):

@@ -127,11 +127,11 @@ def test_widgets_of_hostile_names_send_only_utf8(tmp_path):
 
 
 def test_magics_show_hostile_names_as_utf8_text(tmp_path):
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
     a_path, b_path = _runs(tmp_path)
-    shell = start_ipython()
+    shell = InteractiveShell.instance()  # one per process, whichever test made it first
     shell.run_line_magic("load_ext", "tdinspect")
     formatter = shell.display_formatter
     active, html_on = formatter.active_types, formatter.formatters["text/html"].enabled

@@ -87,9 +87,9 @@ def _live(port, which, spec):
 
 
 def _shell():
-    from IPython.testing.globalipapp import get_ipython, start_ipython
+    from IPython.core.interactiveshell import InteractiveShell
 
-    shell = start_ipython() or get_ipython()  # started once per process
+    shell = InteractiveShell.instance()  # one per process, whichever test made it first
     shell.run_line_magic("load_ext", "tdinspect")
     return shell
 

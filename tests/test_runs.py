@@ -179,11 +179,11 @@ def test_rerun_capture_cells_give_the_new_run(tmp_path):
         ]
     )
     assert "DIV True" in out[3]
-    assert "earlier run" in out[5] and "_run2" in out[5]
+    assert "(2 runs kept)" in out[5] and "_run2" in out[5]
     assert "DIV False" in out[6] and "opened the newest" in out[6]
     assert "ZeroDivisionError" in out[7] and "the cell raised ZeroDivisionError" in out[7]
     assert "marked failed" in out[7]
-    assert "removed 2 earlier run folder(s)" in out[8]
+    assert "(1 run kept, 2 older removed)" in out[8]
     (folder,) = (tmp_path / "fail").iterdir()
     side = json.loads((folder / "pass00000.json").read_text())
     assert side["failed"].startswith("ZeroDivisionError") and side["entries"]["key"] == ["model.0"]

@@ -42,8 +42,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
 
-from tdinspect.config import DumpConfig, FilterSpec, parse_record
+from tdinspect.config import DumpConfig, FilterSpec, parse_memory, parse_record
 from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, live_options, open_live
+from tdinspect.dumper.memory import InMemory
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
 from tdinspect.dumper.stance import hold_eager, release
@@ -237,7 +238,7 @@ def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list
     return chosen
 
 
-class ModuleCapture(StopsOnCheck):
+class ModuleCapture(StopsOnCheck, InMemory):
     """A running module-level capture; made by :func:`capture`.
 
     Use it as a context manager, or call :meth:`close` yourself. When dumping
@@ -275,12 +276,16 @@ class ModuleCapture(StopsOnCheck):
         compare_options: dict | None = None,
         overwrite: bool = False,
         checksum_dim: int | None = None,
+        memory=None,
     ):
         self.config = config
+        memory = memory_limit(memory, config, compare_to)
         rank = current_rank(parallel_coords(parallel))
         self.health = HealthCheck(on_nonfinite, rank) if on_nonfinite else None
         self.live = None
-        self.enabled = config.enabled or self.health is not None or compare_to is not None
+        self.enabled = (
+            config.enabled or memory is not None or self.health is not None or compare_to is not None
+        )
         self.folder = None
         self.names: list[str] = []
         self._containers: set[str] = set()
@@ -329,8 +334,10 @@ class ModuleCapture(StopsOnCheck):
             parallel=parallel,
             dims=dims,
             overwrite=overwrite,
+            memory=memory,
         )
         self.folder = self.recorder.folder
+        self._memory, self.recorder.on_stop = self.recorder.memory, self._on_check_error
         try:
             self._install(chosen)
             if compiled:  # last: nothing after it can fail, and close() undoes it
@@ -584,7 +591,23 @@ class ModuleCapture(StopsOnCheck):
     def __repr__(self) -> str:
         if not self.enabled:
             return "ModuleCapture(disabled)"
-        return f"ModuleCapture({len(self.names)} modules -> {self.folder})"
+        where = "memory" if self._memory is not None else self.folder
+        return f"ModuleCapture({len(self.names)} modules -> {where})"
+
+
+def memory_limit(memory, config: DumpConfig, compare_to=None) -> int | None:
+    """The byte limit of a capture to memory (``None``: not one); a folder or a live comparison
+    given as well is an error, never a silent choice between them."""
+    limit = parse_memory(memory)
+    if limit is not None and config.enabled:
+        raise ConfigError(
+            f"memory={memory!r} and a dump folder ({config.dump_dir}, from the arguments, the config "
+            "or TDINSPECT_DUMP_DIR) were both given: capture to memory writes nothing until "
+            ".save(folder); give one of them"
+        )
+    if limit is not None and compare_to is not None:
+        raise ConfigError(f"memory={memory!r} and compare_to= were both given: give one of them")
+    return limit
 
 
 def resolve_config(dump_dir, filter, filter_fn, config, environ, record=None) -> DumpConfig:
@@ -631,6 +654,7 @@ def capture(
     parallel: dict | None = None,
     dims: dict[str, str] | None = None,
     overwrite: bool = False,
+    memory=None,
     environ=None,
 ) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
@@ -741,6 +765,13 @@ def capture(
         kept, and the warning says so). Without it they are kept: every capture is a new run in
         its own ``rank<R>_pid<P>[_runN]`` folder, and ``DumpSet.open`` opens
         the newest run (see :mod:`tdinspect.store.runs`).
+    memory : bool, int or str, optional
+        Keep the passes in memory instead of writing them: ``True`` holds up to 2 GB of
+        tensors, ``"8GB"`` or a byte count sets the limit. Past it, a
+        :class:`tdinspect.errors.CaptureMemoryError` names the limit and the entry that crossed
+        it (the capture stops, its pass in progress dropped). ``cap.dumpset`` is then a
+        :class:`tdinspect.DumpSet`, ``cap.save(folder)`` writes a normal dump
+        (:mod:`tdinspect.dumper.memory`). Not with a dump folder or ``compare_to``.
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -754,6 +785,11 @@ def capture(
     >>> with capture(model, "/tmp/tdi_doc", filter=r"\\.0$") as dump:  # doctest: +SKIP
     ...     model(torch.randn(2, 4))
     ...     dump.step()
+    >>> with capture(model, memory=True) as cap:                   # doctest: +SKIP
+    ...     model(torch.randn(2, 4))
+    ...     cap.step()
+    >>> cap.dumpset.ops                                            # doctest: +SKIP
+    ['model.0', 'model.1']
     """
     cfg = resolve_config(dump_dir, filter, filter_fn, config, environ, record)
     return ModuleCapture(
@@ -774,4 +810,5 @@ def capture(
         compare_to=compare_to,
         compare_options=live_options(locals()),
         overwrite=overwrite,
+        memory=memory,
     )

@@ -53,7 +53,8 @@ from torch.utils._pytree import tree_flatten, treespec_dumps
 from tdinspect.config import DumpConfig, FilterSpec
 from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, live_options, open_live
 from tdinspect.dumper.kinds import holds_no_data
-from tdinspect.dumper.modules import resolve_config
+from tdinspect.dumper.memory import InMemory
+from tdinspect.dumper.modules import memory_limit, resolve_config
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
 from tdinspect.errors import ConfigError
@@ -214,7 +215,7 @@ class _OpRecorderMode(TorchDispatchMode):
 _UNMANAGED: weakref.WeakSet[OpCapture] = weakref.WeakSet()
 
 
-class OpCapture(StopsOnCheck):
+class OpCapture(StopsOnCheck, InMemory):
     """A running op-level capture; made by :func:`capture_ops`.
 
     Push it with ``with`` (or :meth:`start` / :meth:`close`). When dumping is
@@ -241,17 +242,26 @@ class OpCapture(StopsOnCheck):
         overwrite: bool = False,
         checksum: bool = False,
         checksum_dim: int | None = None,
+        memory=None,
     ):
         self.config = config
+        memory = memory_limit(memory, config, compare_to)
         self._rank = current_rank(parallel_coords(parallel))
         self.health = HealthCheck(on_nonfinite, self._rank) if on_nonfinite else None
         self._failed = False  # a check raised: ops run unrecorded until close()
         self._compare = (compare_to, compare_options or {}) if compare_to is not None else None
         self.live = None
-        self.enabled = config.enabled or bool(trace) or self.health is not None or compare_to is not None
+        self.enabled = (
+            config.enabled
+            or memory is not None
+            or bool(trace)
+            or self.health is not None
+            or compare_to is not None
+        )
         self.inputs = inputs
         self.trace = (sys.stdout if trace is True else trace) or None
-        self._write = config.enabled and compare_to is None  # else dump_dir holds evidence only
+        # else dump_dir holds evidence only
+        self._write = (config.enabled or memory is not None) and compare_to is None
         self._predicate = config.predicate() if self.enabled else None
         self._keep: dict[str, bool] = {}
         # identity -> (weak storage ref, key, uninitialized, root): ``root`` is the stored
@@ -275,6 +285,7 @@ class OpCapture(StopsOnCheck):
             overwrite=overwrite,
             checksum=checksum,
             checksum_dim=checksum_dim,
+            memory=memory,
         )
         if config.enabled:  # bad coordinates or dims specs are errors here, not at start()
             parallel_coords(parallel)
@@ -307,6 +318,7 @@ class OpCapture(StopsOnCheck):
             )
             self.recorder.observer = self.live
             self.folder = self.recorder.folder
+            self._memory = self.recorder.memory
         self._tracker.attach(self._model)
         self._mode = _OpRecorderMode(self)
         self._mode.__enter__()
@@ -376,7 +388,8 @@ class OpCapture(StopsOnCheck):
         self.close()
 
     def __repr__(self) -> str:
-        return f"OpCapture({'-> ' + str(self.folder) if self.enabled else 'disabled'})"
+        where = "memory" if self._writer_args["memory"] is not None else self.folder
+        return f"OpCapture({'-> ' + str(where) if self.enabled else 'disabled'})"
 
     # -- recording ------------------------------------------------------------------------
     def _selected(self, site: str) -> bool:
@@ -614,6 +627,7 @@ def capture_ops(
     spec=None,
     checksum: bool = False,
     checksum_dim: int | None = None,
+    memory=None,
     environ=None,
 ) -> OpCapture:
     """Record every aten op run inside the ``with`` block, one pass file per ``step()``.
@@ -654,6 +668,9 @@ def capture_ops(
     compare_to, metric, threshold, on_divergence, mapping, structural, on_uncompared, allow_uncompared, spec
         Live comparison with a reference op-level dump, forward and backward
         ops: as for :func:`tdinspect.capture`.
+    memory : bool, int or str, optional
+        Keep the passes in memory (``cap.dumpset``, ``cap.save(folder)``), as for
+        :func:`tdinspect.capture`.
 
     Returns
     -------
@@ -683,6 +700,7 @@ def capture_ops(
         compare_to=compare_to,
         checksum=checksum,
         checksum_dim=checksum_dim,
+        memory=memory,
         compare_options=live_options(locals()),
         overwrite=overwrite,
     )

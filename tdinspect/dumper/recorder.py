@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tdinspect.dumper.kinds import is_plain, prepare, safe_stats, shape_of
+from tdinspect.dumper.memory import MemoryStore
 from tdinspect.dumper.writer import AsyncWriter, PendingPass
 from tdinspect.errors import ConfigError
 from tdinspect.naming import make_key, split_call
@@ -194,6 +195,10 @@ class Recorder:
         Remove earlier runs in ``dump_dir`` (they are kept otherwise; this
         capture is a new run in its own folder either way, see
         :mod:`tdinspect.store.runs`).
+    memory : int, optional
+        Keep passes in memory, holding at most this many bytes of tensors
+        (:mod:`tdinspect.dumper.memory`), instead of writing them (``dump_dir``
+        is then ``None``).
     """
 
     def __init__(
@@ -210,6 +215,7 @@ class Recorder:
         checksum: bool = False,
         overwrite: bool = False,
         checksum_dim: int | None = None,
+        memory: int | None = None,
     ):
         if checksum_dim is not None and (
             not checksum or isinstance(checksum_dim, bool) or not isinstance(checksum_dim, int)
@@ -238,6 +244,13 @@ class Recorder:
         self._threads: dict[threading.Thread, int] = {}  # 0, 1, ... in order of first record
         self._forked_from: int | None = None  # set in a child forked while capturing
         self._said: set[str] = set()
+        self.memory = self.on_stop = None  # on_stop: closes the capture when memory runs out
+        if memory is not None:
+            self.pool = None
+            self.writer = self.memory = MemoryStore(memory)
+            self._new_pass()
+            _LIVE.add(self)
+            return
         if dump_dir is None:
             self._new_pass()
             return
@@ -405,6 +418,8 @@ class Recorder:
             return self._record_kind(key, tensor, module_type, store, extra, digest)
         copy = None
         if measured and store and not self.stats_only:
+            if self.memory is not None:
+                self._check_memory(key, tensor.numel() * tensor.element_size())
             copy, in_flight = host_copy(tensor, self.pool)
             self._in_flight |= in_flight
             p.nbytes += copy.numel() * copy.element_size()
@@ -426,6 +441,10 @@ class Recorder:
                 self._pass.nbytes += copy.numel() * copy.element_size()
             except Exception as exc:  # noqa: BLE001 - the model's forward must go on
                 prep.skipped = f"copy failed ({type(exc).__name__}: {exc})"[:300]
+            if copy is not None and self.memory is not None:
+                self._pass.nbytes -= copy.numel() * copy.element_size()
+                self._check_memory(key, copy.numel() * copy.element_size())
+                self._pass.nbytes += copy.numel() * copy.element_size()
         if prep.storage:
             extra["storage"] = prep.storage
         if prep.skipped:
@@ -438,6 +457,18 @@ class Recorder:
             key, None, copy, prep.stats, module_type, extra, digest, shape=prep.shape, dtype=prep.dtype
         )
         return prep.stats
+
+    def _check_memory(self, key: str, nbytes: int) -> None:
+        """A capture to memory that ``nbytes`` more would take past its limit: drop the pass in
+        progress, close the capture (``on_stop``), raise
+        :class:`~tdinspect.errors.CaptureMemoryError` naming the limit and ``key``."""
+        try:
+            self.memory.check(key, self.pass_index, self._pass.nbytes, nbytes)
+        except BaseException:
+            self._new_pass()  # nothing half-kept: the pass in progress goes
+            if self.on_stop is not None:
+                self.on_stop()
+            raise
 
     def record_unchanged(
         self, key: str, tensor: torch.Tensor, facts: tuple, *, of_pass: int, module_type: str, **extra: Any
@@ -522,7 +553,11 @@ class Recorder:
         if self._in_flight:
             p.ready = torch.cuda.Event()
             p.ready.record()
-        path = self.folder / (sidecar_filename if self.stats_only else pass_filename)(self.pass_index)
+        path = (
+            None
+            if self.folder is None
+            else self.folder / (sidecar_filename if self.stats_only else pass_filename)(self.pass_index)
+        )
         try:
             self.writer.submit(p)
         finally:  # even when interrupted (Ctrl-C in an inline write): the next pass starts clean

@@ -43,7 +43,9 @@ class PendingPass:
     host_row_checksums: torch.Tensor | None = None
     nbytes: int = 0
 
-    def write(self, fsync: bool) -> None:
+    def facts(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``(meta, stored)``: the pass's sidecar facts and its stored tensors by key (host
+        copies, waited for)."""
         if self.ready is not None:
             self.ready.synchronize()
         gathered = iter(self.host_stats.tolist()) if self.host_stats is not None else None
@@ -54,28 +56,39 @@ class PendingPass:
             entries["checksum"] = [None if c is None else checksum_hex(next(digests)) for c in self.checksums]
         if self.host_row_checksums is not None:
             entries["checksum_rows"] = _rows_column_of(self)
-        sidecar = self.folder / sidecar_filename(self.index)
         meta = {**self.header, "pass": self.index, "entries": entries}
         if self.header.get("stats_only"):
-            write_sidecar(sidecar, meta, fsync=fsync)
-        else:
-            stored = {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"]) if keep}
-            # where each tensor's bytes lie in the archive: analysis reads them without unpickling
-            places = layout(stored)
-            if places is not None:
-                where = dict(zip(stored, places))
-                entries["raw"] = [where.get(k) for k in self.keys]
-            try:
-                # the sidecar, bound to the complete pass file, lands before the pass file does
-                save_pass(
-                    self.folder / pass_filename(self.index),
-                    stored,
-                    fsync=fsync,
-                    before_replace=lambda tmp: write_sidecar(sidecar, meta, fsync=fsync, pass_file=tmp),
-                )
-            except BaseException:
-                sidecar.unlink(missing_ok=True)  # no sidecar of a pass that was never written
-                raise
+            return meta, {}
+        return meta, {k: t for k, t, keep in zip(self.keys, self.tensors, self.columns["stored"]) if keep}
+
+    def write(self, fsync: bool) -> None:
+        write_pass(self.folder, self.index, *self.facts(), fsync=fsync)
+
+
+def write_pass(
+    folder: Path, index: int, meta: dict[str, Any], stored: dict[str, torch.Tensor], *, fsync: bool = False
+) -> None:
+    """Write one pass into ``folder``: its sidecar, then its pass file (unless statistics only),
+    each atomically; the sidecar is bound to the complete pass file before that takes its name."""
+    sidecar = folder / sidecar_filename(index)
+    if meta.get("stats_only"):
+        write_sidecar(sidecar, meta, fsync=fsync)
+        return
+    # where each tensor's bytes lie in the archive: analysis reads them without unpickling
+    places = layout(stored)
+    if places is not None:
+        where = dict(zip(stored, places))
+        meta = {**meta, "entries": {**meta["entries"], "raw": [where.get(k) for k in meta["entries"]["key"]]}}
+    try:
+        save_pass(
+            folder / pass_filename(index),
+            stored,
+            fsync=fsync,
+            before_replace=lambda tmp: write_sidecar(sidecar, meta, fsync=fsync, pass_file=tmp),
+        )
+    except BaseException:
+        sidecar.unlink(missing_ok=True)  # no sidecar of a pass that was never written
+        raise
 
 
 def _rows_column_of(p: PendingPass) -> list[dict | None]:

@@ -16,6 +16,12 @@
     holds only the evidence; ``--on-divergence raise|warn|record`` and the comparison
     flags of ``%tdi_diff``) and prints the verdict when the cell ends.
 
+Re-running cells stays quiet and bounded: each cell prints one short line at
+most (which run it wrote or opened), never a warning quoting tdinspect's own
+source, and a capture cell keeps the newest ``keep_runs`` runs of its folder
+(3; ``%config TdinspectMagics.keep_runs = 5``, or ``$TDINSPECT_KEEP_RUNS``;
+``--keep-runs N`` for one cell), removing older finished runs tdinspect made.
+
 A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
 raises ``UsageError`` with one line saying what was looked up, so "Run All"
 stops at the failing cell. Loading the extension also completes entry names
@@ -24,13 +30,17 @@ inside ``ds.tensor('...``.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import warnings
 from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
+from traitlets import Integer
 
 from tdinspect.numerics.metrics import METRICS
 from tdinspect.util.arguments import spec_flags
@@ -62,9 +72,61 @@ def _spec(args):
         raise _usage(exc) from exc
 
 
+def _default_keep_runs() -> int:
+    value = os.environ.get("TDINSPECT_KEEP_RUNS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 3
+
+
+_OWN = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules["tdinspect"], sys.modules["IPython"], sys.modules["traitlets"])
+)
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` called here that names the user's cell (the first
+    frame outside tdinspect, IPython and traitlets), never tdinspect's own source line."""
+    frame, level = sys._getframe(1), 1  # level 1: the frame calling warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class _Quiet:
+    """Warnings raised inside a magic, held: the routine notes about earlier runs
+    (:class:`~tdinspect.errors.RunsNote`) become part of the cell's one line; tdinspect's others
+    are warned again attributed to the user's cell; the user's own code's, as they were."""
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._catch.__exit__(*exc)
+        from tdinspect.errors import RunsNote
+
+        for w in self.caught:
+            if issubclass(w.category, RunsNote):
+                continue
+            if os.path.abspath(w.filename).startswith(_OWN):
+                warnings.warn(str(w.message), w.category, stacklevel=_user_stacklevel())
+            else:  # the user's own code warned: as it would have
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 @magics_class
 class TdinspectMagics(Magics):
     """The ``%tdi_*`` magics."""
+
+    keep_runs = Integer(
+        _default_keep_runs(),
+        min=1,
+        config=True,
+        help="runs a %%tdi_capture cell keeps in its folder (the newest; older finished runs "
+        "tdinspect made are removed). Default 3, or $TDINSPECT_KEEP_RUNS.",
+    ).tag(config=True)
 
     def _variable(self, name: str):
         value = self.shell.user_ns.get(name, _MISSING)
@@ -72,16 +134,23 @@ class TdinspectMagics(Magics):
             raise UsageError(f"no variable `{name}` in the notebook")
         return value
 
-    def _open(self, path: str):
+    def _open(self, path: str, notes: list[str] | None = None):
+        """``DumpSet.open(path)``; when ``path`` holds several runs, a short note naming the one
+        opened goes to ``notes`` (printed by the caller as one line), not a warning."""
         from tdinspect.dumpset import DumpSet
         from tdinspect.errors import DumpFormatError
 
         try:
-            return DumpSet.open(path)
+            with _Quiet():
+                ds = DumpSet.open(path)
         except (DumpFormatError, OSError, ValueError) as exc:
             raise _usage(exc) from exc
+        runs = len(DumpSet.runs(path)) if ds.run is not None and Path(path).is_dir() else 1
+        if runs > 1 and notes is not None:
+            notes.append(f"{path} holds {runs} runs; opened the newest, {ds.run.name}")
+        return ds
 
-    def _dumpset(self, ref: str):
+    def _dumpset(self, ref: str, notes: list[str] | None = None):
         """A DumpSet variable, else a dump folder; a clear error when it is neither."""
         from tdinspect.dumpset import DumpSet
 
@@ -89,7 +158,7 @@ class TdinspectMagics(Magics):
         if isinstance(value, DumpSet):
             return value
         if Path(ref).exists():
-            return self._open(ref)
+            return self._open(ref, notes)
         if value is not _MISSING:
             raise UsageError(
                 f"`{ref}` is a {type(value).__name__}, not a DumpSet, and no folder `{ref}` exists"
@@ -107,8 +176,11 @@ class TdinspectMagics(Magics):
         args = parse_argstring(self.tdi_open, line)
         if not args.name.isidentifier():
             raise UsageError(f"`{args.name}` is not a Python variable name")
-        ds = self._open(args.path)
+        notes: list[str] = []
+        ds = self._open(args.path, notes)
         self.shell.user_ns[args.name] = ds
+        if notes:
+            print(visible(f"tdinspect: {notes[0]}"))
         display(ds)
 
     @magic_arguments()
@@ -128,7 +200,10 @@ class TdinspectMagics(Magics):
 
         args = parse_argstring(self.tdi_diff, line)
         spec = _spec(args)
-        a, b = self._dumpset(args.a), self._dumpset(args.b)
+        notes: list[str] = []
+        a, b = self._dumpset(args.a, notes), self._dumpset(args.b, notes)
+        if notes:
+            print(visible(f"tdinspect: {'; '.join(notes)}"))
         try:
             diff = a.diff(b, spec=spec)
             summary = DiffSummary(diff)  # the diff's own spec
@@ -149,6 +224,13 @@ class TdinspectMagics(Magics):
     @argument("--ops", action="store_true", help="op-level capture (TorchDispatchMode)")
     @argument("--filter", nargs="*", default=None, help="regexes on names")
     @argument("--overwrite", action="store_true", help="remove earlier runs in DIR")
+    @argument(
+        "--keep-runs",
+        dest="keep_runs",
+        type=int,
+        default=None,
+        help="runs to keep in DIR, the newest (default: TdinspectMagics.keep_runs, 3)",
+    )
     @argument(
         "--compare-to",
         dest="compare_to",
@@ -175,19 +257,26 @@ class TdinspectMagics(Magics):
         live = {}
         if args.compare_to is not None:  # the comparison flags of %tdi_diff
             live = {"compare_to": args.compare_to, "on_divergence": args.on_divergence, "spec": _spec(args)}
+        keep = self.keep_runs if args.keep_runs is None else args.keep_runs
+        if keep < 1:
+            raise UsageError(f"--keep-runs {keep}: keep 1 run or more")
+        before = _run_folders(args.dir)
         try:
-            if args.ops:
-                cap = tdinspect.capture_ops(
-                    args.dir, model=model, filter=args.filter, overwrite=args.overwrite, **live
-                )
-            else:
-                if model is None:
-                    raise UsageError("module-level capture needs --model VAR (or use --ops)")
-                cap = tdinspect.capture(model, args.dir, filter=args.filter, overwrite=args.overwrite, **live)
+            with _Quiet():
+                if args.ops:
+                    cap = tdinspect.capture_ops(
+                        args.dir, model=model, filter=args.filter, overwrite=args.overwrite, **live
+                    )
+                else:
+                    if model is None:
+                        raise UsageError("module-level capture needs --model VAR (or use --ops)")
+                    cap = tdinspect.capture(
+                        model, args.dir, filter=args.filter, overwrite=args.overwrite, **live
+                    )
         except (ValueError, TypeError, OSError) as exc:
             raise _usage(exc) from exc
         error = None
-        with cap:
+        with _Quiet(), cap:
             # in this cell, as %%timeit runs its body (run_cell ran a cell of its own: its error did
             # not fail this one, so Run All went on to diff a partial dump, and its traceback was
             # labelled with another cell's number)
@@ -199,15 +288,42 @@ class TdinspectMagics(Magics):
             path = cap.step(failed=failed)
         if live:  # the verdict, in the words the CLI prints
             print(visible(f"tdinspect: against {args.compare_to}: {cap.live.verdict().text}"))
-        elif failed is None:
-            print(f"tdinspect: wrote {path}")
         else:
-            print(
-                f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before the "
-                f"error to {path}, marked failed in its sidecar"
-            )
+            note = _prune(args.dir, keep, before)
+            if failed is None:
+                print(visible(f"tdinspect: wrote {path}{note}"))
+            else:
+                print(
+                    visible(
+                        f"tdinspect: the cell raised {type(error).__name__}; wrote what ran before "
+                        f"the error to {path}, marked failed in its sidecar{note}"
+                    )
+                )
         if error is not None:
             raise error  # the cell fails: Run All stops here
+
+
+def _run_folders(folder: str | None) -> set[str]:
+    """The names of the ``rank*_pid*`` folders directly in ``folder`` (links not followed)."""
+    from tdinspect.store.format import RANK_DIR_RE
+
+    try:
+        return {e.name for e in os.scandir(folder) if RANK_DIR_RE.match(e.name)} if folder else set()
+    except OSError:
+        return set()
+
+
+def _prune(folder: str, keep: int, before: set[str]) -> str:
+    """Keep the newest ``keep`` runs of ``folder``; what to add to the cell's one line (how
+    many runs it holds, how many this cell removed: ``--overwrite`` or beyond ``keep``)."""
+    from tdinspect.store.runs import list_runs, prune_runs
+
+    prune_runs(folder, keep)
+    removed = len(before - _run_folders(folder))
+    runs = len(list_runs(folder))
+    if runs <= 1 and not removed:
+        return ""
+    return f" ({runs} run{'s' if runs > 1 else ''} kept" + (f", {removed} older removed)" if removed else ")")
 
 
 _TENSOR_CALL = re.compile(r"([A-Za-z_]\w*)\.tensor\(\s*(?:op\s*=\s*)?(['\"])([^'\"]*)$")

@@ -188,6 +188,7 @@ class DiffExplorer:
         self.verdict = None
         self.shown: str | None = None
         self.shown_at: tuple | None = None
+        self._picked = False  # the user chose the entry shown: a new threshold keeps it
         self._quiet = False
         self.on_update: list = []  # called after each update (the dashboard's entry table)
         self.on_show: list = []  # called after each entry shown (the health table, the tree)
@@ -318,7 +319,7 @@ class DiffExplorer:
             with self._hold():
                 self.auto.value = False  # a number for every entry now
                 self._readout(self.metric.value)
-            self._timed("threshold", self.update, True)
+            self._timed("threshold", self.update, not self._picked)
 
     def _on_auto(self, change) -> None:
         if self._quiet:
@@ -327,10 +328,11 @@ class DiffExplorer:
             with self._hold():
                 self.threshold.value = self._auto_shown(self.metric.value)
                 self._readout(self.metric.value)
-        self._timed("threshold", self.update, True)
+        self._timed("threshold", self.update, not self._picked)
 
     def _on_pick(self, change) -> None:
         if not self._quiet:
+            self._picked = True
             self._timed("pick", self._show_picked)
 
     def _on_click(self, event) -> None:
@@ -344,7 +346,12 @@ class DiffExplorer:
 
     # -- what the callbacks do -------------------------------------------------------------
     def select(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
-        """Show ``key`` (at ``pass_``, ``rank``) side by side and mark it on the plot."""
+        """Show ``key`` (at ``pass_``, ``rank``) side by side and mark it on the plot; a new
+        threshold keeps it shown (a pick: from code, a click, or the dashboard's table)."""
+        self._picked = True
+        self._select(key, pass_, rank)
+
+    def _select(self, key: str, pass_: int | None = None, rank: int | None = None) -> None:
         with self._hold():
             if key in self._keys:
                 self.entry.value = key
@@ -400,7 +407,7 @@ class DiffExplorer:
                 + f") — {html_text(div.reason)}"
             )
         if follow and div is not None and div.key in self._keys:
-            self.select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
+            self._select(div.key, div.pass_, div.rank)  # redraws the plot with the selection
         elif follow and self.shown is None:
             self._show_picked()
         else:

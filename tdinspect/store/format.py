@@ -153,12 +153,41 @@ def write_sidecar(
     (the pass file it describes, see :mod:`tdinspect.store.sidecars`)."""
     from tdinspect.store.sidecars import seal
 
+    data = seal(sidecar_json(meta), pass_file)
+    atomic_write(path, lambda f: f.write(data), fsync=fsync)
+
+
+def sidecar_json(meta: dict) -> bytes:
+    """A pass's facts as its sidecar's JSON bytes, before the binding (NaN statistics ``null``)."""
     entries = dict(meta["entries"])
     entries["stats"] = [None if s is None else stats_row(list(s)) for s in entries["stats"]]
     doc = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, **meta, "entries": entries}
     doc.pop("binding", None)
-    data = seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), pass_file)
-    atomic_write(path, lambda f: f.write(data), fsync=fsync)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def sidecar_in_memory(meta: dict, where: str) -> dict:
+    """The sidecar document a pass's facts make, as :func:`read_sidecar` returns it once
+    written and read back (JSON types, checked, ``null`` statistics as NaN): a pass held in
+    memory opens exactly as its saved copy does. ``where`` names it in errors."""
+    from tdinspect.numerics.stats import STAT_NAMES
+    from tdinspect.store.sidecars import validate
+
+    doc = json.loads(sidecar_json(meta))
+    validate(Path(where), doc, len(STAT_NAMES))
+    return _stats_as_read(doc)
+
+
+def _stats_as_read(doc: dict) -> dict:
+    from tdinspect.numerics.stats import STAT_NAMES
+
+    entries = doc["entries"]
+    n = len(entries["key"])
+    nan_row = [math.nan] * len(STAT_NAMES)
+    # a null row becomes NaNs here; null values inside a row become NaN when the loader makes
+    # a float array of them (numpy converts None to NaN), which keeps opening fast
+    entries["stats"] = [nan_row if s is None else s for s in entries.get("stats", [None] * n)]
+    return doc
 
 
 def read_sidecar(
@@ -218,13 +247,7 @@ def read_sidecar(
             "file holds tensors to recompute its facts from: refused"
         )
     validate(path, doc, len(STAT_NAMES))
-    entries = doc["entries"]
-    n = len(entries["key"])
-    nan_row = [math.nan] * len(STAT_NAMES)
-    # a null row becomes NaNs here; null values inside a row become NaN when the loader makes
-    # a float array of them (numpy converts None to NaN), which keeps opening fast
-    entries["stats"] = [nan_row if s is None else s for s in entries.get("stats", [None] * n)]
-    return doc
+    return _stats_as_read(doc)
 
 
 def save_pass(

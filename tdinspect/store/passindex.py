@@ -105,44 +105,56 @@ class PassIndex:
         index = read_index(files.tensors) if files.sidecar is not None and files.tensors is not None else None
         doc = read_sidecar(files.sidecar, files.tensors, index=index) if files.sidecar is not None else None
         if doc is not None:
-            e = doc["entries"]
-            n = len(e["key"])
-            stats = np.asarray(e["stats"], dtype=np.float64).reshape(n, len(STAT_NAMES))
-
-            def col(name, default=None):
-                return e.get(name) or [default] * n
-
-            pi = cls(
-                rank,
-                files.index,
-                files,
-                list(e["key"]),
-                col("shape"),
-                col("dtype"),
-                col("module_type", ""),
-                [bool(v) for v in col("stored", True)],
-                stats,
-                [bool(v) for v in col("uninitialized", False)],
-                col("ref"),
-                col("call_args"),
-                col("aten"),
-                doc.get("level", "module"),
-                bool(doc.get("stats_only")),
-                bool(doc.get("partial")),
-                kind=col("kind"),
-                parallel=_parallel(doc.get("parallel"), files),
-                dims=col("dims"),
-                checksum=col("checksum"),
-                failed=str(doc["failed"]) if doc.get("failed") else None,
-                storage=e.get("storage"),
-                skipped=e.get("skipped"),
-                raw=e.get("raw"),
-                module_call=e.get("module_call"),
-                checksum_rows=e.get("checksum_rows"),
-            )
+            pi = cls.from_sidecar(rank, files, doc)
             if pi.raw is not None:
                 pi._zip = index
             return pi
+        return cls._from_pass_file(rank, files)
+
+    @classmethod
+    def from_sidecar(cls, rank: int, files: PassFiles, doc: dict) -> PassIndex:
+        """A pass indexed from its sidecar document (as :func:`~tdinspect.store.format.read_sidecar`
+        returns it: checked, ``null`` statistics as NaN)."""
+        e = doc["entries"]
+        n = len(e["key"])
+        stats = np.asarray(e["stats"], dtype=np.float64).reshape(n, len(STAT_NAMES))
+
+        def col(name, default=None):
+            return e.get(name) or [default] * n
+
+        pi = cls(
+            rank,
+            files.index,
+            files,
+            list(e["key"]),
+            col("shape"),
+            col("dtype"),
+            col("module_type", ""),
+            [bool(v) for v in col("stored", True)],
+            stats,
+            [bool(v) for v in col("uninitialized", False)],
+            col("ref"),
+            col("call_args"),
+            col("aten"),
+            doc.get("level", "module"),
+            bool(doc.get("stats_only")),
+            bool(doc.get("partial")),
+            kind=col("kind"),
+            parallel=_parallel(doc.get("parallel"), files),
+            dims=col("dims"),
+            checksum=col("checksum"),
+            failed=str(doc["failed"]) if doc.get("failed") else None,
+            storage=e.get("storage"),
+            skipped=e.get("skipped"),
+            raw=e.get("raw"),
+            module_call=e.get("module_call"),
+            checksum_rows=e.get("checksum_rows"),
+        )
+        return pi
+
+    @classmethod
+    def _from_pass_file(cls, rank: int, files: PassFiles) -> PassIndex:
+        """A pass without a sidecar, indexed from its pass file (see :meth:`read`)."""
         opened = _identity(files.tensors)  # what the tensors kept below map
         plain = read_plain(files.tensors)  # a plain torch.save: its layout, nothing unpickled
         raw = None

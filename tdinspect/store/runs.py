@@ -40,6 +40,7 @@ from pathlib import Path
 
 from tdinspect.errors import (
     DumpFormatError,
+    RunsNote,
     RunWarning,
 )
 from tdinspect.store.format import (
@@ -203,7 +204,7 @@ def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
     try:
         tmp.mkdir()
         atomic_write(tmp / RUN_FILENAME, lambda f: f.write(manifest))
-        n = 1
+        n = _next_run_number(parent, name)
         while True:
             folder = parent / (name + (f"_run{n}" if n > 1 else ""))
             n += 1
@@ -228,6 +229,21 @@ def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
                 f"{_reason(exc)}; nothing was written"
             ) from exc
         raise
+
+
+def _next_run_number(parent: Path, name: str) -> int:
+    """1 + the highest ``N`` of ``name`` / ``name_runN`` in ``parent``: names keep counting up
+    after older runs are removed (``prune_runs``), so the newest run has the highest number."""
+    pattern = re.compile(re.escape(name) + r"(?:_run(\d+))?\Z")
+    numbers = [0]
+    try:
+        for entry in os.listdir(parent):
+            m = pattern.match(entry)
+            if m:
+                numbers.append(int(m.group(1) or 1))
+    except OSError:
+        pass
+    return max(numbers) + 1 if max(numbers) else 1
 
 
 def _reason(exc: OSError) -> str:
@@ -310,7 +326,7 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
             warn(
                 f"tdinspect: overwrite=True removed {len(gone)} earlier run folder(s) from "
                 f"{dump_dir}: {', '.join(gone)}",
-                RunWarning,
+                RunsNote,
                 stacklevel=6,
             )
         if left:
@@ -330,7 +346,7 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
             f"{rank} ({names}); this capture is a new run in {folder.name}, kept apart "
             "(DumpSet.open opens the newest run, run=-2 the one before; overwrite=True "
             "replaces earlier runs)",
-            RunWarning,
+            RunsNote,
             stacklevel=6,
         )
 
@@ -431,6 +447,52 @@ def clear_runs(*folders: str | os.PathLike) -> None:
             )
     for p in runs:
         remove_run_folder(p)
+
+
+def prune_runs(dump_dir: str | os.PathLike, keep: int) -> list[str]:
+    """Remove the oldest runs of ``dump_dir`` beyond the newest ``keep``; returns the names of the
+    rank folders removed.
+
+    Only finished runs that tdinspect made are removed: every folder of the run holds a manifest
+    and only files tdinspect writes, none is a link, none belongs to a capture still open in
+    this process or to a live process of this host (:func:`_running_elsewhere`). A run that
+    cannot be removed is kept and still counts among the runs.
+
+    Examples
+    --------
+    >>> prune_runs("dumps/cell", keep=3)            # doctest: +SKIP
+    ['rank0_pid41', 'rank0_pid41_run2']
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        from tdinspect.errors import ConfigError
+
+        raise ConfigError(f"keep_runs={keep!r}: expected a whole number of runs, 1 or more")
+    root = Path(dump_dir)
+    if root.is_symlink() or not root.is_dir():
+        return []
+    try:
+        runs = list_runs(root)
+    except DumpFormatError:
+        return []
+    removed = []
+    for run in runs[: max(len(runs) - keep, 0)]:
+        folders = [f.path for f in run.folders]
+        with _open_lock:
+            open_here = any(_key(p) in _OPEN for p in folders)
+        if open_here or any(
+            p.parent != root
+            or p.is_symlink()
+            or read_manifest(p) is None
+            or _running_elsewhere(p)
+            or not all(_ours(n) for n in os.listdir(p))
+            for p in folders
+        ):
+            continue
+        for p in folders:
+            remove_run_folder(p)
+            if not os.path.lexists(p):
+                removed.append(p.name)
+    return removed
 
 
 def _running_elsewhere(folder: Path) -> bool:
