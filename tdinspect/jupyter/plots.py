@@ -449,6 +449,8 @@ class SideBySide:
 
     def __init__(self, fig):
         self.fig = fig
+        from matplotlib.ticker import MaxNLocator
+
         fig.clear()
         axes = fig.subplots(2, 3)
         fig.subplots_adjust(left=0.06, right=0.97, bottom=0.09, top=0.88, wspace=0.42, hspace=0.5)
@@ -464,8 +466,17 @@ class SideBySide:
         ):
             im = ax.imshow(empty, aspect="auto", cmap=cmap, interpolation="nearest")
             ax.set_title(name, fontsize=9)
-            self.colorbars.append(fig.colorbar(im, ax=ax, label=label))
             self.images.append(im)
+        # A and B share their colour limits: one colour bar for both (fewer labels to draw)
+        for shown, beside, label in (
+            (self.images[1], axes[0, :2], "value"),
+            (self.images[2], axes[0, 2], "|A - B|"),
+        ):
+            cb = fig.colorbar(
+                shown, ax=beside, label=label, fraction=0.04 if shown is self.images[1] else 0.15
+            )
+            cb.locator = MaxNLocator(5)
+            self.colorbars.append(cb)
         h = axes[1, 0]
         self.hist_a = h.stairs([0], [0, 1], label="A")
         self.hist_b = h.stairs([0], [0, 1], label="B")
@@ -481,8 +492,6 @@ class SideBySide:
         axes[1, 2].axis("off")
         self.metrics = axes[1, 2].text(0, 1, "", va="top", family="monospace", fontsize=8)
         self.title = fig.suptitle("", fontsize=10)
-        from matplotlib.ticker import MaxNLocator
-
         for ax in axes[1, :2]:  # a handful of ticks: each label is text drawn for every entry
             ax.xaxis.set_major_locator(MaxNLocator(5))
             ax.yaxis.set_major_locator(MaxNLocator(4))
@@ -587,23 +596,55 @@ def side_by_side(a, b, *, title: str = "", fig=None):
     return fig
 
 
+class TensorView:
+    """The DumpSet explorer's figure (heatmap and histogram of one tensor), made once;
+    :meth:`update` swaps a tensor in: image data, colour limits, histogram, texts."""
+
+    def __init__(self, fig):
+        from matplotlib.ticker import MaxNLocator
+
+        self.fig = fig
+        fig.clear()
+        self.heat, self.hist = fig.subplots(1, 2)
+        fig.subplots_adjust(left=0.08, right=0.97, bottom=0.16, top=0.8, wspace=0.45)
+        self.image = self.heat.imshow(np.zeros((1, 1)), aspect="auto", cmap="RdBu_r", interpolation="nearest")
+        fig.colorbar(self.image, ax=self.heat, label="value")
+        self.bars = self.hist.stairs([0], [0, 1], fill=True)
+        self.hist.set_xlabel("value", fontsize=8)
+        self.hist.set_ylabel("elements", fontsize=8)
+        self.hist.set_title("histogram (finite values)", fontsize=9)
+        self.hist.xaxis.set_major_locator(MaxNLocator(5))
+        self.hist.yaxis.set_major_locator(MaxNLocator(4))
+        self.title = fig.suptitle("", fontsize=10)
+
+    def update(self, t, title: str = "") -> tuple:
+        """Show tensor ``t`` under ``title``; returns what :meth:`show` takes to show it again
+        (its 2-D view, at most 256 × 256, not the tensor)."""
+        x, strided = _as_2d(t)
+        drawn = (x, strided, tuple(t.shape), title)
+        self.show(*drawn)
+        return drawn
+
+    def show(self, x: np.ndarray, strided: bool, shape: tuple, title: str = "") -> None:
+        """Show a 2-D view ``x`` (from :func:`_as_2d`) of a tensor of ``shape``."""
+        finite = x[np.isfinite(x)]
+        lim = float(np.abs(finite).max(initial=0)) or 1.0
+        self.image.set_data(x)
+        self.image.set_extent((-0.5, x.shape[1] - 0.5, x.shape[0] - 0.5, -0.5))
+        self.image.set_clim(-lim, lim)
+        _label_image(self.heat, strided)
+        self.heat.set_title(f"values {list(shape)}", fontsize=9)
+        edges = np.histogram_bin_edges(finite if finite.size else [0.0, 1.0], bins=60)
+        counts = np.histogram(finite, edges)[0]
+        self.bars.set_data(counts, edges)
+        SideBySide._fit(self.hist, edges, counts.max(initial=0))
+        self.title.set_text(_plain(title))
+
+
 def tensor(t, *, title: str = "", fig=None):
     """Heatmap and histogram of one tensor (the DumpSet explorer's view), axes labelled."""
-    x, strided = _as_2d(t)
     fig = fig or _plt().figure(figsize=(10, 3.5))
-    fig.clear()
-    ax1, ax2 = fig.subplots(1, 2)
-    im = ax1.imshow(x, aspect="auto", cmap="RdBu_r", interpolation="nearest")
-    _label_image(ax1, strided)
-    ax1.set_title(f"values {list(t.shape)}", fontsize=9)
-    fig.colorbar(im, ax=ax1, label="value")
-    v = x.ravel()[np.isfinite(x.ravel())]
-    ax2.hist(v, bins=60)
-    ax2.set_xlabel("value", fontsize=8)
-    ax2.set_ylabel("elements", fontsize=8)
-    ax2.set_title("histogram (finite values)", fontsize=9)
-    fig.suptitle(_plain(title), fontsize=10)
-    fig.tight_layout()
+    TensorView(fig).update(t, title)
     return fig
 
 

@@ -519,43 +519,90 @@ class DiffExplorer:
 class DumpSetExplorer:
     """Search an op, pick call and pass, see its statistics, heatmap and histogram.
 
+    The search waits for typing to pause (:attr:`search_delay` seconds, in a
+    running event loop such as the kernel's) and then redraws once; each
+    (op, call, pass) is drawn once and kept.
+
     Parameters
     ----------
     ds : DumpSet
+
+    Attributes
+    ----------
+    search : ipywidgets.Text
+    op : ipywidgets.Dropdown
+    call : ipywidgets.IntSlider
+    pass_ : ipywidgets.SelectionSlider
+    timings : dict
+        Seconds the last update took (``"update"``).
     """
+
+    search_delay = 0.3  # seconds without a key before the search redraws
+    views = 32  # (op, call, pass) pictures kept
 
     def __init__(self, ds):
         self.ds = ds
         self.entries = ds.entries(progress=False)
+        self.timings: dict[str, float] = {}
         self.search = W.Text(description="search", placeholder="regex on names")
-        self.op = W.Dropdown(options=_labelled(ds.ops), description="op")
+        self.op = W.Dropdown(options=_labelled(ds.ops), description="op", layout=W.Layout(width="auto"))
         self.call = W.IntSlider(0, 0, 0, description="call", continuous_update=False)
         self._quiet = False
+        self._pending = None  # the debounced search's timer handle
         self.pass_ = W.SelectionSlider(options=ds.passes, description="pass", continuous_update=False)
-        self.stats = W.HTML()
+        self.stats = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
         self.view = FigureView((10, 3.5))
         self.fig = self.view.fig
+        self._tensor_view: plots.TensorView | None = None
+        self._shown: tuple | None = None
+        self._views: OrderedDict[tuple, tuple] = OrderedDict()  # -> (stats, PNG, drawn view)
         self.search.observe(self._on_search, names="value")
         for w in (self.op, self.call, self.pass_):
             w.observe(self._on_change, names="value")
         self.widget = W.VBox(
-            [W.HBox([self.search, self.op]), W.HBox([self.call, self.pass_]), self.stats, self.view.widget]
+            [W.HBox([self.search, self.op]), W.HBox([self.call, self.pass_]), self.stats, self.view.widget],
+            layout=W.Layout(max_width="100%"),
         )
         self.update()
 
     def _on_search(self, change) -> None:
+        import asyncio
+
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a script, a test): search at once
+            loop = None
+        if loop is None or self.search_delay <= 0:
+            self._apply_search(change["new"])
+        else:
+            self._pending = loop.call_later(self.search_delay, self._apply_search, change["new"])
+
+    def _apply_search(self, text: str) -> None:
         import re
 
+        self._pending = None
         try:
-            pattern = re.compile(change["new"])
+            pattern = re.compile(text)
         except re.error as exc:
             self.stats.value = f"invalid regex: {html_text(exc)}"
             return
         options = [o for o in self.ds.ops if pattern.search(o)]
-        self.op.options = _labelled(options)  # ipywidgets keeps the old value only if still an option
-        if options and self.op.value not in options:
-            self.op.value = options[0]
+        with self._hold():  # one redraw below, not one per widget the options move
+            self.op.options = _labelled(options)  # ipywidgets keeps the old value only if still an option
+            if options and self.op.value not in options:
+                self.op.value = options[0]
         self.update()
+
+    @contextmanager
+    def _hold(self):
+        quiet, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = quiet
 
     def _on_change(self, change) -> None:
         if not self._quiet:
@@ -565,17 +612,15 @@ class DumpSetExplorer:
         """The call slider spans the picked op's calls (its value clamped into them)."""
         calls = self.entries.loc[self.entries["op"] == self.op.value, "call"]
         top = int(calls.max()) if len(calls) else 0
-        quiet, self._quiet = self._quiet, True
-        try:
+        with self._hold():
             if self.call.value > top:
                 self.call.value = top
             self.call.max = top
-        finally:
-            self._quiet = quiet
 
     def _blank(self, message: str) -> None:
         """Nothing to draw: an empty axes saying why (never the previous op's picture)."""
         self.fig.clear()
+        self._tensor_view = None
         ax = self.fig.add_subplot()
         ax.set_axis_off()
         ax.set_title(plots._plain(message), fontsize=9)
@@ -583,20 +628,43 @@ class DumpSetExplorer:
 
     def update(self) -> None:
         """Show the picked op's statistics and tensor."""
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            self._update()
+        finally:
+            self.timings["update"] = time.perf_counter() - t0
+
+    def _update(self) -> None:
         import pandas as pd
 
         from tdinspect.report import styled
 
         if self.op.value is None:
+            self._shown = None
             self.stats.value = f"no op matches {html_text(repr(self.search.value))}"
             self._blank(f"no op matches {self.search.value!r}")
             return
         self._follow_calls()
+        where = (self.op.value, int(self.call.value), self.pass_.value)
+        if where == self._shown:
+            return
+        if where in self._views:
+            self._views.move_to_end(where)
+            self._shown = where
+            self.stats.value, png, drawn = self._views[where]
+            if drawn is not None:  # the figure shows it too (its artists, not drawn again)
+                self._tensor_view = self._tensor_view or plots.TensorView(self.fig)
+                self._tensor_view.show(*drawn)
+                self.view.refresh(png)
+            return
         rows = self.entries[
             (self.entries["op"] == self.op.value)
             & (self.entries["call"] == self.call.value)
             & (self.entries["pass"] == self.pass_.value)
         ]
+        self._shown = None
         if rows.empty:
             text = f"{self.op.value} has no call {self.call.value} in pass {self.pass_.value}"
             self.stats.value = html_text(text)
@@ -605,11 +673,19 @@ class DumpSetExplorer:
         r = rows.iloc[0]
         cols = ["key", "dtype", "shape", "min", "max", "mean", "std", "nan", "inf"]
         self.stats.value = styled(pd.DataFrame([[r[c] for c in cols]], columns=cols))
-        if self.ds.stats_only:
-            return
-        t = self.ds.tensor(self.op.value, call=int(self.call.value), pass_=int(self.pass_.value))
-        plots.tensor(t, title=r["key"], fig=self.fig)
-        self.view.refresh()
+        png = drawn = None
+        if not self.ds.stats_only:
+            t = self.ds.tensor(self.op.value, call=int(self.call.value), pass_=int(self.pass_.value))
+            if self._tensor_view is None:
+                self._tensor_view = plots.TensorView(self.fig)
+            drawn = self._tensor_view.update(t, title=r["key"])
+            png = None if self.view.interactive else self.view.png()
+            self.view.refresh(png)
+        self._shown = where
+        if not self.view.interactive:
+            self._views[where] = (self.stats.value, png, drawn)
+            while len(self._views) > self.views:
+                self._views.popitem(last=False)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
