@@ -459,10 +459,10 @@ class SideBySide:
         self.images: list = []
         self.colorbars: list = []
         self.static_key: tuple = ()
-        for ax, name, cmap, label in (
-            (axes[0, 0], "A (reference)", "RdBu_r", "value"),
-            (axes[0, 1], "B", "RdBu_r", "value"),
-            (axes[0, 2], "|A - B|", "magma", "|A - B|"),
+        for ax, name, cmap in (
+            (axes[0, 0], "A (reference)", "RdBu_r"),
+            (axes[0, 1], "B", "RdBu_r"),
+            (axes[0, 2], "|A - B|", "magma"),
         ):
             im = ax.imshow(empty, aspect="auto", cmap=cmap, interpolation="nearest")
             ax.set_title(name, fontsize=9)

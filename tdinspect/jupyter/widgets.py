@@ -139,7 +139,22 @@ def _encode_png(canvas) -> bytes:
     return buf.getvalue()
 
 
-class DiffExplorer:
+class _Quiet:
+    """Widget callbacks that can be held quiet while several widgets change."""
+
+    _quiet = False
+
+    @contextmanager
+    def _hold(self):
+        """Change several widgets with one redraw at the end (callbacks stay quiet inside)."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = quiet
+
+
+class DiffExplorer(_Quiet):
     """Metric along execution order, a threshold slider, and a side-by-side view of a picked entry.
 
     Parameters
@@ -284,15 +299,6 @@ class DiffExplorer:
             return threshold_fn("auto", name).lookup("", "", "")[0]
         distinct, counts = np.unique(values, return_counts=True)
         return float(distinct[counts.argmax()])
-
-    @contextmanager
-    def _hold(self):
-        """Change several widgets with one redraw at the end (callbacks stay quiet inside)."""
-        quiet, self._quiet = self._quiet, True
-        try:
-            yield
-        finally:
-            self._quiet = quiet
 
     def _configure_slider(self, name: str, threshold: float | None = None) -> None:
         from tdinspect.numerics.metrics import metric
@@ -516,7 +522,7 @@ class DiffExplorer:
         display(self.widget)
 
 
-class DumpSetExplorer:
+class DumpSetExplorer(_Quiet):
     """Search an op, pick call and pass, see its statistics, heatmap and histogram.
 
     The search waits for typing to pause (:attr:`search_delay` seconds, in a
@@ -595,14 +601,6 @@ class DumpSetExplorer:
             if options and self.op.value not in options:
                 self.op.value = options[0]
         self.update()
-
-    @contextmanager
-    def _hold(self):
-        quiet, self._quiet = self._quiet, True
-        try:
-            yield
-        finally:
-            self._quiet = quiet
 
     def _on_change(self, change) -> None:
         if not self._quiet:
