@@ -54,26 +54,26 @@ class Dashboard:
         )
         ex.on_update.append(self._refresh_rows)  # once per change the explorer acts on
         self._refresh_rows()
+        # the columns' widths add up to less than the cell's (padding and borders included)
         table = W.VBox(
             [W.HTML("<b>entries</b> <small>(&#9888; = diverges; pick one to see it)</small>"), self.entries],
-            layout=W.Layout(width="34%"),
+            layout=W.Layout(width="32%", min_width="0"),
         )
         main = W.VBox(
-            [
-                W.HBox([ex.metric, ex.threshold_box, ex.direction]),
-                ex.label,
-                ex.plot.widget,
-                W.HBox([ex.entry, ex.pass_, ex.rank]),
-                ex.message,
-                ex.view.widget,
-            ],
-            layout=W.Layout(width="66%"),
+            [ex.controls(), ex.label, ex.plot.widget, ex.pickers(), ex.message, ex.view.widget],
+            layout=W.Layout(width="66%", min_width="0"),
         )
         self.header.value = (
             f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
             f"<code>{html_text(diff.a.path)}</code> &nbsp; B: <code>{html_text(diff.b.path)}</code>"
         )
-        self.widget = W.VBox([self.header, W.HBox([table, main])])
+        self.widget = W.VBox(
+            [
+                self.header,
+                W.HBox([table, main], layout=W.Layout(width="100%", justify_content="space-between")),
+            ],
+            layout=W.Layout(width="100%", max_width="100%", overflow="hidden"),
+        )
         self.build_seconds = time.perf_counter() - t0
 
     def _row_labels(self, name: str) -> list[str]:

@@ -501,6 +501,7 @@ class SideBySide:
         values, diffs = self.axes[1, 0], self.axes[1, 1]
         return [
             *self.images,
+            *(spine for ax in self.axes[0] for spine in ax.spines.values()),  # drawn over the image edge
             *(cb.ax for cb in self.colorbars),
             self.axes[0, 2].title,
             self.hist_a,
@@ -508,7 +509,7 @@ class SideBySide:
             self.hist_d,
             self.same,
             diffs.title,
-            *(axis for ax in (values, diffs) for axis in (ax.xaxis, ax.yaxis)),
+            *(axis for ax in (values, diffs) if ax.axison for axis in (ax.xaxis, ax.yaxis)),
             self.metrics,
             self.title,
         ]

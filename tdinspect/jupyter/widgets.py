@@ -70,8 +70,9 @@ class FigureView:
         if self.interactive:
             import matplotlib.pyplot as plt
 
+            # at most ~880 pixels wide: a notebook cell's width, so no panel is clipped
             with plt.ioff():  # shown in the explorer's layout, not by the backend
-                self.fig = plt.figure(figsize=figsize)
+                self.fig = plt.figure(figsize=figsize, dpi=min(100.0, 880 / figsize[0]))
             canvas = self.fig.canvas
             canvas.header_visible = False
             canvas.toolbar_position = "right"  # beside the figure, not over its y label
@@ -137,6 +138,11 @@ def _encode_png(canvas) -> bytes:
     buf = io.BytesIO()
     image.convert("RGB").save(buf, format="png", compress_level=1)
     return buf.getvalue()
+
+
+def _wrapping() -> W.Layout:
+    """A row of widgets that wraps in a narrow cell instead of running past it."""
+    return W.Layout(flex_flow="row wrap", max_width="100%")
 
 
 class _Quiet:
@@ -231,12 +237,19 @@ class DiffExplorer(_Quiet):
         self.direction = W.HTML()
         self.table = plots.sorted_table(diff)
         self._keys = list(dict.fromkeys(self.table["key"]))
-        self.entry = W.Dropdown(options=_labelled(self._keys), description="entry")
-        self.pass_ = W.Dropdown(options=sorted(set(self.table["pass"].tolist())), description="pass")
+        # wide enough for a whole Hugging Face name (model.model.layers.31.mlp.up_proj)
+        self.entry = W.Dropdown(
+            options=_labelled(self._keys), description="entry", layout=W.Layout(width="62%", min_width="18em")
+        )
+        self.pass_ = W.Dropdown(
+            options=sorted(set(self.table["pass"].tolist())),
+            description="pass",
+            layout=W.Layout(width="11em"),
+        )
         self.rank = W.Dropdown(
             options=sorted(set(self.table["rank"].tolist())),
             description="rank",
-            layout=W.Layout(display="" if self.table["rank"].nunique() > 1 else "none"),
+            layout=W.Layout(width="11em", display="" if self.table["rank"].nunique() > 1 else "none"),
         )
         self.label = W.HTML()
         self.message = W.HTML()
@@ -266,17 +279,26 @@ class DiffExplorer(_Quiet):
         self.position_dim, self.positions, self.positions_fig = positions, W.Output(), None
         self.widget = W.VBox(
             [
-                W.HBox([self.metric, self.threshold_box, self.direction]),
+                self.controls(),
                 self.label,
                 self.plot.widget,
                 *([self.positions] if positions is not None else []),
-                W.HBox([self.entry, self.pass_, self.rank]),
+                self.pickers(),
                 self.message,
                 self.view.widget,
-            ]
+            ],
+            layout=W.Layout(max_width="100%"),
         )
         self.update(follow=True)
         self.timings["build"] = time.perf_counter() - t0
+
+    def controls(self) -> W.Box:
+        """Metric, threshold and its direction, in a row that wraps in a narrow cell."""
+        return W.HBox([self.metric, self.threshold_box, self.direction], layout=_wrapping())
+
+    def pickers(self) -> W.Box:
+        """Entry, pass and rank pickers, in a row that wraps in a narrow cell."""
+        return W.HBox([self.entry, self.pass_, self.rank], layout=_wrapping())
 
     # -- the threshold slider follows the metric ---------------------------------------------
     @property
