@@ -609,7 +609,8 @@ class TensorView:
         self.heat, self.hist = fig.subplots(1, 2)
         fig.subplots_adjust(left=0.08, right=0.97, bottom=0.16, top=0.8, wspace=0.45)
         self.image = self.heat.imshow(np.zeros((1, 1)), aspect="auto", cmap="RdBu_r", interpolation="nearest")
-        fig.colorbar(self.image, ax=self.heat, label="value")
+        self.colorbar = fig.colorbar(self.image, ax=self.heat, label="value")
+        self.static_key: tuple = ()
         self.bars = self.hist.stairs([0], [0, 1], fill=True)
         self.hist.set_xlabel("value", fontsize=8)
         self.hist.set_ylabel("elements", fontsize=8)
@@ -617,6 +618,18 @@ class TensorView:
         self.hist.xaxis.set_major_locator(MaxNLocator(5))
         self.hist.yaxis.set_major_locator(MaxNLocator(4))
         self.title = fig.suptitle("", fontsize=10)
+
+    def dynamic(self) -> list:
+        """What another tensor of the same shape redraws (as :meth:`SideBySide.dynamic`)."""
+        return [
+            self.image,
+            *self.heat.spines.values(),
+            self.colorbar.ax,
+            self.bars,
+            self.hist.xaxis,
+            self.hist.yaxis,
+            self.title,
+        ]
 
     def update(self, t, title: str = "") -> tuple:
         """Show tensor ``t`` under ``title``; returns what :meth:`show` takes to show it again
@@ -640,6 +653,7 @@ class TensorView:
         self.bars.set_data(counts, edges)
         SideBySide._fit(self.hist, edges, counts.max(initial=0))
         self.title.set_text(_plain(title))
+        self.static_key = (x.shape, strided, shape)
 
 
 def tensor(t, *, title: str = "", fig=None):

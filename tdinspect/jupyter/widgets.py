@@ -120,6 +120,10 @@ class FigureView:
                 a.draw(renderer)
         return _encode_png(canvas)
 
+    def forget(self) -> None:
+        """Drop the kept pixels (the figure was cleared: its artists are new)."""
+        self._backgrounds.clear()
+
     def refresh(self, png: bytes | None = None, dynamic=(), key=None) -> None:
         """Show the figure's current state (or an already rendered ``png`` of it)."""
         if self.interactive:
@@ -640,6 +644,7 @@ class DumpSetExplorer(_Quiet):
     def _blank(self, message: str) -> None:
         """Nothing to draw: an empty axes saying why (never the previous op's picture)."""
         self.fig.clear()
+        self.view.forget()
         self._tensor_view = None
         ax = self.fig.add_subplot()
         ax.set_axis_off()
@@ -699,7 +704,8 @@ class DumpSetExplorer(_Quiet):
             if self._tensor_view is None:
                 self._tensor_view = plots.TensorView(self.fig)
             drawn = self._tensor_view.update(t, title=r["key"])
-            png = None if self.view.interactive else self.view.png()
+            tv = self._tensor_view
+            png = None if self.view.interactive else self.view.png(tv.dynamic(), tv.static_key)
             self.view.refresh(png)
         self._shown = where
         if not self.view.interactive:
