@@ -1,131 +1,196 @@
-"""Explorer and dashboard responsiveness, measured through the widget callbacks.
+"""Explorer and dashboard responsiveness, measured through the widget callbacks (kernel side).
 
-``python bench/explorer.py [--repeats 3] [--passes 40]``: on the bundled sample dumps, builds
-``explore(diff)`` and the dashboard, then drives the callbacks a browser would (threshold moves,
-metric switches, pass picks) and prints the seconds each took (``ex.timings``), median of a few
-repeats. Then the dashboard's own interactions (the same moves, the entry table included: the
-seconds each assignment takes, and the share of it the health table and the module tree take),
-on the samples and on a larger pair (the bundled model over
-``--passes`` passes, a wrong layer in B: a table of 42 rows a pass). The browser test measures
-the same interactions end to end (``test-artifacts/browser_timings.json``).
+``python bench/explorer.py [--rounds 3] [--baseline CHECKOUT]``: drives the interactions a
+browser would, by assigning widget values (each observer runs as it does in the kernel), and
+prints the seconds each took, median of ``--rounds`` fresh processes:
+
+* the dashboard (:func:`tdinspect.dashboard`): its build, threshold moves, the ``auto`` tick,
+  metric switches, an entry picked the first time and again, another pass, a row of its table;
+* the DumpSet explorer (``explore(ds)``): its build, op picks, a pass move, and typing an op's
+  name into the search box (the kernel's busy time from the first key to the last redraw; in
+  a kernel the search redraws once, after typing pauses);
+
+on the bundled sample dumps (float32 against ``wrong_layer`` and against ``bfloat16``, two
+passes) and on one pass of a 32-layer Hugging Face Llama (tiny width, random weights, a 1%
+error planted in layer 7's MLP; captured here). With ``--baseline`` (a checkout of another
+commit, e.g. ``git worktree add --detach ../before main``), each round runs both trees in
+turn, alternating which goes first, so both share the machine's load; the table shows both.
+The browser test measures interactions end to end (``test-artifacts/browser_timings.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import scratch_dir  # noqa: E402
-
-import tdinspect  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent / "sample_dumps"
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent / "sample_dumps"
+LAYERS = 32
 
 
-def explorer_rows(ref, repeats: int) -> dict:
-    rows = {}
-    for other in ("wrong_layer", "bfloat16"):
-        builds, thr, metric, pick = [], [], [], []
-        for _ in range(repeats):
-            diff = ref.diff(ROOT / other)
+def _timed(widget, value) -> float:
+    t0 = time.perf_counter()
+    widget.value = value
+    return time.perf_counter() - t0
+
+
+def _typing(dx, word: str) -> float:
+    """Kernel busy time typing ``word`` into the search box, one key every 50 ms, in a running
+    event loop (as in a kernel): each key's callback plus the redraw(s) it causes."""
+
+    async def run() -> float:
+        busy = 0.0
+        for i in range(1, len(word) + 1):
             t0 = time.perf_counter()
-            ex = tdinspect.explore(diff, threshold=1e-5)
-            builds.append(time.perf_counter() - t0)
-            for value in (1e-7, 1e-2, 1e-5):
-                ex.threshold.value = value
-                thr.append(ex.timings["threshold"])
-            for name in ("cosine", "rel_diff"):
-                ex.metric.value = name
-                metric.append(ex.timings["metric"])
-            for p in (1, 0, 1):
-                ex.pass_.value = p
-                pick.append(ex.timings["pick"])
-        t0 = time.perf_counter()
-        tdinspect.dashboard(ref, ROOT / other)
-        board = time.perf_counter() - t0
-        rows[other] = (statistics.median(builds), max(thr), max(metric), max(pick), board)
-    return rows
-
-
-def dashboard_row(a, b, repeats: int) -> tuple:
-    """(rows, build, max threshold move, max metric switch, auto tick, max entry-table share) of
-    the dashboard, seconds: each the median over ``repeats`` boards of the worst of its moves;
-    the last is the time one interaction spends on the health table and the module tree
-    (``Overview.refresh``)."""
-    from tdinspect.jupyter.overview import Overview
-
-    table: list[float] = []
-    real = Overview.refresh
-
-    def timed_refresh(self, *args):
-        t0 = time.perf_counter()
-        real(self, *args)
-        table.append(time.perf_counter() - t0)
-
-    def timed(widget, value) -> tuple[float, float]:
-        table.clear()
-        t0 = time.perf_counter()
-        widget.value = value
-        return time.perf_counter() - t0, sum(table)
-
-    builds, thr, metric, auto, marks = [], [], [], [], []
-    Overview.refresh = timed_refresh
-    try:
-        for _ in range(repeats):
+            dx.search.value = word[:i]
+            busy += time.perf_counter() - t0
+            await asyncio.sleep(0.05)
+        pending = getattr(dx, "_pending", None)
+        if pending is not None:  # the debounced redraw: its own work, not the wait for it
+            pending.cancel()
             t0 = time.perf_counter()
-            board = tdinspect.dashboard(a, b)
-            builds.append(time.perf_counter() - t0)
-            ex = board.explorer
-            moves = [timed(ex.threshold, v) for v in (1e-7, 1e-2, 1e-5, 2e-5)]
-            ticks = [timed(ex.auto, True)]
-            switches = [timed(ex.metric, name) for name in ("cosine", "rel_diff")]
-            for out, done in ((thr, moves), (auto, ticks), (metric, switches)):
-                out.append(max(t for t, _ in done))
-            marks.append(max(m for _, m in moves + ticks + switches))
-    finally:
-        Overview.refresh = real
-    return (len(ex.table), *(statistics.median(x) for x in (builds, thr, metric, auto, marks)))
+            dx._apply_search(word)
+            busy += time.perf_counter() - t0
+        return busy
+
+    return asyncio.run(run())
+
+
+def measure(a: str, b: str) -> dict[str, float]:
+    """Seconds of each interaction on the pair ``a`` (reference), ``b``; worst of several."""
+    import tdinspect
+
+    r: dict[str, float] = {}
+    t0 = time.perf_counter()
+    board = tdinspect.dashboard(a, b)
+    r["dashboard build"] = time.perf_counter() - t0
+    ex = board.explorer
+    r["threshold move"] = max(_timed(ex.threshold, v) for v in (1e-7, 1e-2, 1e-5, 2e-5, 3e-5))
+    r["auto tick"] = _timed(ex.auto, True)
+    r["metric switch"] = max(_timed(ex.metric, name) for name in ("cosine", "rel_diff"))
+    keys = [v for _, v in ex.entry.options]
+    picked = [keys[i * len(keys) // 5] for i in range(1, 5)]
+    r["entry pick (first time)"] = max(_timed(ex.entry, k) for k in picked)
+    r["entry pick (again)"] = max(_timed(ex.entry, k) for k in picked)
+    passes = list(ex.pass_.options)
+    if len(passes) > 1:
+        r["pass pick"] = max(_timed(ex.pass_, p) for p in passes[::-1])
+    rows = [v for _, v in board.entries.options]
+    r["table row pick"] = max(_timed(board.entries, rows[len(rows) * i // 7]) for i in (2, 3, 6))
+    ds = tdinspect.DumpSet.open(a)
+    t0 = time.perf_counter()
+    dx = tdinspect.explore(ds)
+    r["ops explorer build"] = time.perf_counter() - t0
+    ops = list(ds.ops)
+    r["op pick"] = max(_timed(dx.op, ops[len(ops) * i // 5]) for i in (1, 2, 4))
+    if len(ds.passes) > 1:
+        r["ops pass move"] = max(_timed(dx.pass_, p) for p in ds.passes[::-1])
+    word = ops[len(ops) // 2].split(".")[-1][:6]
+    dx.op.value = ops[0]
+    r["search typed (busy)"] = _typing(dx, word)
+    return r
+
+
+def capture_llama(out: Path) -> tuple[Path, Path]:
+    """One pass of a 32-layer tiny-width HF Llama, and the same with layer 7's MLP 1% off."""
+    import torch
+
+    import tdinspect
+    from tdinspect.examples.port import make_hf_llama, port_tokens
+
+    dirs = []
+    for name, scale in (("a", 1.0), ("b", 1.01)):
+        model = make_hf_llama(0, num_hidden_layers=LAYERS)
+        with torch.no_grad():
+            model.model.layers[7].mlp.up_proj.weight.mul_(scale)
+            with tdinspect.capture(model, out / name) as cap:
+                model(port_tokens(0))
+                cap.step()
+        dirs.append(out / name)
+    return dirs[0], dirs[1]
+
+
+def worker(pairs: dict[str, list[str]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import warnings
+
+    warnings.simplefilter("ignore")  # a run's warnings are not the figures
+    print(json.dumps({name: measure(a, b) for name, (a, b) in pairs.items()}))
+
+
+def run_tree(tree: Path, pairs: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, str(HERE), "--worker", json.dumps(pairs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--passes", type=int, default=40, help="passes of the larger pair")
-    parser.add_argument("--dir", default=None, help="where the larger pair goes (default: temporary)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per tree (median)")
+    parser.add_argument("--baseline", default=None, help="a checkout to measure side by side")
+    parser.add_argument("--dir", default=None, help="where the Llama dumps go (default: temporary)")
+    parser.add_argument("--json", default=None, help="also write the medians here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    ref = tdinspect.DumpSet.open(ROOT / "float32")
-    rows = explorer_rows(ref, args.repeats)
-    print(
-        f"{'B':12s} {'build':>7s} {'thr max':>8s} {'metric max':>10s} {'pick max':>8s} "
-        f"{'dashboard':>9s}   (seconds)"
-    )
-    for other, r in rows.items():
-        print(f"{other:12s} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 8, 9))))
-    from tdinspect.examples.samples import capture_model_run
+    if args.worker:
+        return worker(json.loads(args.worker))
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parent.parent))
+    from common import scratch_dir
 
-    print(
-        f"\ndashboard interactions (seconds; entry table included)\n{'pair':24s} {'rows':>6s} "
-        f"{'build':>7s} {'thr max':>8s} {'metric max':>10s} {'auto':>6s} {'table max':>9s}"
-    )
+    trees = {"this": HERE.parent.parent}
+    if args.baseline:
+        trees["baseline"] = Path(args.baseline).resolve()
     with scratch_dir("explorer", args.dir) as out:
+        a, b = capture_llama(out)
         pairs = {
-            "float32 vs wrong_layer": (ref, ROOT / "wrong_layer"),
-            f"{args.passes} passes": (
-                capture_model_run(out / "a", steps=args.passes),
-                capture_model_run(out / "b", steps=args.passes, perturb="layers.2.mlp.down.weight"),
-            ),
+            "wrong_layer": [str(ROOT / "float32"), str(ROOT / "wrong_layer")],
+            "bfloat16": [str(ROOT / "float32"), str(ROOT / "bfloat16")],
+            f"llama {LAYERS} layers": [str(a), str(b)],
         }
-        for name, (a, b) in pairs.items():
-            n, *r = dashboard_row(a, b, args.repeats)
-            print(f"{name:24s} {n:6d} " + " ".join(f"{v:{w}.3f}" for v, w in zip(r, (7, 8, 10, 6, 9))))
+        runs: dict[str, list[dict]] = {t: [] for t in trees}
+        for i in range(args.rounds):
+            order = list(trees) if i % 2 == 0 else list(trees)[::-1]
+            for t in order:
+                runs[t].append(run_tree(trees[t], pairs))
+    medians = {
+        t: {
+            pair: {k: statistics.median(run[pair][k] for run in results) for k in results[0][pair]}
+            for pair in pairs
+        }
+        for t, results in runs.items()
+    }
+    kinds = list(dict.fromkeys(k for pair in pairs for k in medians["this"][pair]))
+    cols = [(pair, t) for pair in pairs for t in trees]
+    print(f"seconds, median of {args.rounds} rounds" + (" (this / baseline)" if args.baseline else ""))
+    print(f"{'interaction':26s}" + "".join(f"{pair[:18]:>20s}" for pair in pairs))
+    for k in kinds:
+        cells = []
+        for pair in pairs:
+            vals = [medians[t][pair].get(k) for t in trees]
+            cells.append(" / ".join("-" if v is None else f"{v:.3f}" for v in vals))
+        print(f"{k:26s}" + "".join(f"{c:>20s}" for c in cells))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"rounds": args.rounds, "medians": medians, "cols": cols}, indent=1)
+        )
 
 
 if __name__ == "__main__":

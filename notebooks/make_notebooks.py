@@ -157,6 +157,8 @@ def main():
                 "really loses precision is the LayerNorm itself and its backward:"
             ),
             CODE(
+                "import pandas as pd\n"
+                "pd.set_option('display.max_colwidth', None)  # whole keys: [inN] / [outN] at their end\n"
                 "t = d.table(progress=False)\n"
                 "t[t['key'].str.contains('native_layer_norm|sum|ones_like') & (t['reason'] == '')][\n"
                 "    ['key', 'dtype_b', 'rel_diff', 'rel_diff_cast']]"

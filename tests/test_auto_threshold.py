@@ -266,11 +266,11 @@ def test_plots_draw_each_entrys_auto_threshold(float32_runs):
     fig = tdinspect.plot.divergence(d)
     ax = fig.axes[0]
     labels = ax.get_legend_handles_labels()[1]
-    assert "threshold auto, per entry (above diverges)" in labels and ax.get_title() == "no divergence"
+    assert "threshold auto, per entry\n(above diverges)" in labels and ax.get_title() == "no divergence"
     step = next(line for line in ax.lines if line.get_label().startswith("threshold auto"))
     assert set(step.get_ydata()) == {2.0**-8 / 4}  # bfloat16's u/4 on every entry
     fixed = tdinspect.plot.divergence(d, threshold=1e-5).axes[0]
-    assert "threshold 1.0e-05 (above diverges)" in fixed.get_legend_handles_labels()[1]
+    assert "threshold 1.0e-05\n(above diverges)" in fixed.get_legend_handles_labels()[1]
     assert fixed.get_title().startswith("first divergence:")
     norm = DumpSet.open(float32_runs["ref"]).diff(float32_runs["norm"])
     rp = tdinspect.plot.rank_pass(norm)

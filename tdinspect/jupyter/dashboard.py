@@ -54,24 +54,18 @@ class Dashboard:
         self.health = ex.overview.table
         self.entries = self.health.rows  # follows the view: the entry and pass on show
         self.health.rows.rows = 20
+        # the columns' widths add up to less than the cell's (padding and borders included)
         table = W.VBox(
             [
                 W.HTML("<b>entries</b> <small>(pick one to see it; sort and filter them)</small>"),
                 self.health.widget,
                 self.tree.widget,
             ],
-            layout=W.Layout(width="38%"),
+            layout=W.Layout(width="32%", min_width="0"),
         )
         main = W.VBox(
-            [
-                W.HBox([ex.metric, ex.threshold_box, ex.direction]),
-                ex.label,
-                ex.plot.widget,
-                W.HBox([ex.entry, ex.pass_, ex.rank]),
-                ex.message,
-                ex.view.widget,
-            ],
-            layout=W.Layout(width="62%"),
+            [ex.controls(), ex.label, ex.plot.widget, ex.pickers(), ex.message, ex.view.widget],
+            layout=W.Layout(width="66%", min_width="0"),
         )
         self.header.value = (
             f"<b>tdinspect dashboard</b> &nbsp; A (reference): "
@@ -82,7 +76,13 @@ class Dashboard:
                 else ""
             )
         )
-        self.widget = W.VBox([self.header, W.HBox([table, main])])
+        self.widget = W.VBox(
+            [
+                self.header,
+                W.HBox([table, main], layout=W.Layout(width="100%", justify_content="space-between")),
+            ],
+            layout=W.Layout(width="100%", max_width="100%", overflow="hidden"),
+        )
         self.build_seconds = time.perf_counter() - t0
 
     def _ipython_display_(self) -> None:

@@ -90,6 +90,10 @@ def scale(metric_name: str) -> Scale:
     return _SCALES.get(metric_name, _SCALES["rel_diff"])
 
 
+# the divergence plot's margins: room for the upright x labels and, on the right, the legend
+DIVERGENCE_MARGINS = dict(left=0.07, right=0.76, bottom=0.22, top=0.85)
+
+
 def _plain(text: str) -> str:
     """A name from a dump as literal text for matplotlib (no mathtext from ``$``; an
     undecodable byte, which matplotlib cannot draw, and control characters escaped)."""
@@ -109,6 +113,8 @@ class DivergencePlot:
 
     ``table`` is a Diff table sorted by (pass, order, rank); x is the row.
     :meth:`draw` sets metric, threshold, first divergence and selected entry.
+    A threshold move or a pick changes only :meth:`dynamic` artists; all else
+    is the same while :attr:`static_key` is (a view keeps its pixels).
     """
 
     def __init__(self, table, ax):
@@ -122,28 +128,57 @@ class DivergencePlot:
         )
         (self.inf,) = ax.plot([], [], "^", ms=4, color="C2", transform=band, label="identical (inf)")
         (self.struct,) = ax.plot(
-            [], [], "x", ms=5, color="C3", transform=band, label="structural (only one side, shape, NaN)"
+            [], [], "x", ms=5, color="C3", transform=band, label="structural\n(only one side, shape, NaN)"
         )
         (self.missing,) = ax.plot([], [], "|", ms=8, color="0.5", transform=band, label="not compared")
         self.thr = ax.axhline(np.nan, color="C1", ls="--", lw=1)
         (self.thr_rows,) = ax.plot([], [], ls="--", lw=1, color="C1", drawstyle="steps-mid")
         self.first = ax.axvline(np.nan, color="C3", lw=1.2, label="first divergence")
         self.selected = ax.axvline(np.nan, color="C0", lw=3, alpha=0.25, label="selected entry")
+        self.static_key: tuple = ()
         self._label_x()
+
+    def dynamic(self) -> list:
+        """The artists a threshold move, a pick or a new first divergence redraws."""
+        return [self.thr, self.thr_rows, self.first, self.selected, self.ax.get_legend(), self.ax.title]
 
     def _label_x(self) -> None:
         df, ax = self.table, self.ax
         passes = df["pass"].to_numpy()
         groups = [_group(op) for op in df["op"]]
-        ticks, labels = [], []
-        for i, g in enumerate(groups):
-            if i == 0 or g != groups[i - 1] or passes[i] != passes[i - 1]:
-                ticks.append(i)
-                labels.append(g)
+        # each run of one group is labelled at its middle; labels closer than one upright 7-point
+        # line (in rows, at the axes' width) would overprint: a pass's first label wins, else the later
+        width = ax.get_position().width * ax.figure.get_figwidth() * 72
+        gap = len(df) * 7 * 1.5 / max(width, 1.0)
+        starts = [
+            i for i in range(len(df)) if i == 0 or groups[i] != groups[i - 1] or passes[i] != passes[i - 1]
+        ]
+        ticks: list[float] = []
+        labels: list[str] = []
+        firsts: list[bool] = []
+        for start, end in zip(starts, [*starts[1:], len(df)]):
+            first = start == 0 or passes[start] != passes[start - 1]
+            if ticks and (start + end - 1) / 2 - ticks[-1] < gap:
+                if firsts[-1] and not first:
+                    continue
+                ticks.pop(), labels.pop(), firsts.pop()
+            ticks.append((start + end - 1) / 2)
+            labels.append(groups[start])
+            firsts.append(first)
         ax.set_xticks(ticks, labels, rotation=90, fontsize=7)
-        ax.set_xticks(self.x, minor=True)
-        ax.tick_params(axis="x", which="minor", length=2)
         band = ax.get_xaxis_transform()
+        # one tick per entry, drawn as one artist (hundreds of minor Tick objects cost most of a draw)
+        ax.plot(
+            self.x,
+            np.zeros(len(df)),
+            ls="none",
+            marker=3,
+            ms=3,
+            mew=0.6,
+            color="k",
+            transform=band,
+            clip_on=False,
+        )
         for i in np.flatnonzero(np.diff(passes)) + 1:
             ax.axvline(i - 0.5, color="0.5", ls=":", lw=0.8)
         for p in dict.fromkeys(passes.tolist()):
@@ -202,15 +237,17 @@ class DivergencePlot:
         else:
             self.thr.set_ydata([threshold, threshold])
             text = sc.text(threshold)
-        thr_line.set_label(f"threshold {text} ({'above' if metric.higher_is_worse else 'below'} diverges)")
+        # two lines: the legend stays inside the figure's right margin
+        thr_line.set_label(f"threshold {text}\n({'above' if metric.higher_is_worse else 'below'} diverges)")
         self.first.set_xdata([self.row(div)] * 2)
         self.selected.set_xdata([selected, selected])
         thr_values = np.atleast_1d(threshold)
         values = np.append(
             y[shown], thr_values[np.isfinite(thr_values) & ((thr_values > 0) if sc.log else True)]
         )
-        if sc.log:
-            lo, hi = values[values > 0].min() / 5, values.max() * 5
+        if sc.log:  # whole decades: a threshold moved inside them keeps the axis (and its pixels)
+            lo = 10.0 ** math.floor(math.log10(values[values > 0].min() / 2))
+            hi = 10.0 ** math.ceil(math.log10(values.max() * 2))
         else:
             pad = max(float(values.max() - values.min()) * 0.08, 1e-9)
             lo, hi = values.min() - pad, values.max() + pad
@@ -239,6 +276,7 @@ class DivergencePlot:
         else:
             title = "no divergence"
         ax.set_title(_plain(title), fontsize=9, pad=14)
+        self.static_key = (metric.name, ax.get_ylim(), hash(y.tobytes()), hash(structural.tobytes()))
 
 
 def divergence(
@@ -283,12 +321,15 @@ def divergence(
     if rank is not None:
         df = df[df["rank"] == rank]
     df = df.reset_index(drop=True)
-    fig, ax = (ax.figure, ax) if ax is not None else _plt().subplots(figsize=(11, 3.8))
+    if ax is None:
+        fig, ax = _plt().subplots(figsize=(11, 3.8))
+        fig.subplots_adjust(**DIVERGENCE_MARGINS)
+    else:
+        fig = ax.figure
     verdict = diff.verdict(threshold, m.name)  # the diff's spec: structural mode, allowed entries
     DivergencePlot(df, ax).draw(
         m, drawn_threshold(diff, threshold, m.name, df), verdict.divergence, verdict=verdict
     )
-    fig.subplots_adjust(left=0.07, right=0.76, bottom=0.22, top=0.85)
     return fig
 
 
@@ -409,26 +450,42 @@ class SideBySide:
 
     Re-drawing into the same axes (image data, colour limits, histogram
     steps, texts) instead of building six axes and colour bars again keeps
-    a new entry under a few hundred milliseconds.
+    a new entry cheap. What a new entry changes is :meth:`dynamic` (images,
+    colour bars, histograms, texts); the heatmaps' frames, ticks and labels
+    are the same while :attr:`static_key` (the view's shape) is, so a view
+    can keep their pixels.
     """
 
     def __init__(self, fig):
         self.fig = fig
+        from matplotlib.ticker import MaxNLocator
+
         fig.clear()
         axes = fig.subplots(2, 3)
         fig.subplots_adjust(left=0.06, right=0.97, bottom=0.09, top=0.88, wspace=0.42, hspace=0.5)
         self.axes = axes
         empty = np.zeros((1, 1))
-        self.images = []
-        for ax, name, cmap, label in (
-            (axes[0, 0], "A (reference)", "RdBu_r", "value"),
-            (axes[0, 1], "B", "RdBu_r", "value"),
-            (axes[0, 2], "|A - B|", "magma", "|A - B|"),
+        self.images: list = []
+        self.colorbars: list = []
+        self.static_key: tuple = ()
+        for ax, name, cmap in (
+            (axes[0, 0], "A (reference)", "RdBu_r"),
+            (axes[0, 1], "B", "RdBu_r"),
+            (axes[0, 2], "|A - B|", "magma"),
         ):
             im = ax.imshow(empty, aspect="auto", cmap=cmap, interpolation="nearest")
             ax.set_title(name, fontsize=9)
-            fig.colorbar(im, ax=ax, label=label)
             self.images.append(im)
+        # A and B share their colour limits: one colour bar for both (fewer labels to draw)
+        for shown, beside, label in (
+            (self.images[1], axes[0, :2], "value"),
+            (self.images[2], axes[0, 2], "|A - B|"),
+        ):
+            cb = fig.colorbar(
+                shown, ax=beside, label=label, fraction=0.04 if shown is self.images[1] else 0.15
+            )
+            cb.locator = MaxNLocator(5)
+            self.colorbars.append(cb)
         h = axes[1, 0]
         self.hist_a = h.stairs([0], [0, 1], label="A")
         self.hist_b = h.stairs([0], [0, 1], label="B")
@@ -444,6 +501,27 @@ class SideBySide:
         axes[1, 2].axis("off")
         self.metrics = axes[1, 2].text(0, 1, "", va="top", family="monospace", fontsize=8)
         self.title = fig.suptitle("", fontsize=10)
+        for ax in axes[1, :2]:  # a handful of ticks: each label is text drawn for every entry
+            ax.xaxis.set_major_locator(MaxNLocator(5))
+            ax.yaxis.set_major_locator(MaxNLocator(4))
+
+    def dynamic(self) -> list:
+        """What a new entry of the same shape redraws: images, colour bars, histograms, texts."""
+        values, diffs = self.axes[1, 0], self.axes[1, 1]
+        return [
+            *self.images,
+            *(spine for ax in self.axes[0] for spine in ax.spines.values()),  # drawn over the image edge
+            *(cb.ax for cb in self.colorbars),
+            self.axes[0, 2].title,
+            self.hist_a,
+            self.hist_b,
+            self.hist_d,
+            self.same,
+            diffs.title,
+            *(axis for ax in (values, diffs) if ax.axison for axis in (ax.xaxis, ax.yaxis)),
+            self.metrics,
+            self.title,
+        ]
 
     def update(self, a, b, title: str = "") -> None:
         """Show reference ``a`` and compared ``b`` (same shape)."""
@@ -498,6 +576,7 @@ class SideBySide:
             )
         )
         self.title.set_text(_plain(title))
+        self.static_key = (xa.shape, strided, bool(nonzero.size))
 
     @staticmethod
     def _fit(ax, edges, top) -> None:
@@ -527,23 +606,69 @@ def side_by_side(a, b, *, title: str = "", fig=None):
     return fig
 
 
+class TensorView:
+    """The DumpSet explorer's figure (heatmap and histogram of one tensor), made once;
+    :meth:`update` swaps a tensor in: image data, colour limits, histogram, texts."""
+
+    def __init__(self, fig):
+        from matplotlib.ticker import MaxNLocator
+
+        self.fig = fig
+        fig.clear()
+        self.heat, self.hist = fig.subplots(1, 2)
+        fig.subplots_adjust(left=0.08, right=0.97, bottom=0.16, top=0.8, wspace=0.45)
+        self.image = self.heat.imshow(np.zeros((1, 1)), aspect="auto", cmap="RdBu_r", interpolation="nearest")
+        self.colorbar = fig.colorbar(self.image, ax=self.heat, label="value")
+        self.static_key: tuple = ()
+        self.bars = self.hist.stairs([0], [0, 1], fill=True)
+        self.hist.set_xlabel("value", fontsize=8)
+        self.hist.set_ylabel("elements", fontsize=8)
+        self.hist.set_title("histogram (finite values)", fontsize=9)
+        self.hist.xaxis.set_major_locator(MaxNLocator(5))
+        self.hist.yaxis.set_major_locator(MaxNLocator(4))
+        self.title = fig.suptitle("", fontsize=10)
+
+    def dynamic(self) -> list:
+        """What another tensor of the same shape redraws (as :meth:`SideBySide.dynamic`)."""
+        return [
+            self.image,
+            *self.heat.spines.values(),
+            self.colorbar.ax,
+            self.bars,
+            self.hist.xaxis,
+            self.hist.yaxis,
+            self.title,
+        ]
+
+    def update(self, t, title: str = "") -> tuple:
+        """Show tensor ``t`` under ``title``; returns what :meth:`show` takes to show it again
+        (its 2-D view, at most 256 × 256, not the tensor)."""
+        x, strided = _as_2d(t)
+        drawn = (x, strided, tuple(t.shape), title)
+        self.show(*drawn)
+        return drawn
+
+    def show(self, x: np.ndarray, strided: bool, shape: tuple, title: str = "") -> None:
+        """Show a 2-D view ``x`` (from :func:`_as_2d`) of a tensor of ``shape``."""
+        finite = x[np.isfinite(x)]
+        lim = float(np.abs(finite).max(initial=0)) or 1.0
+        self.image.set_data(x)
+        self.image.set_extent((-0.5, x.shape[1] - 0.5, x.shape[0] - 0.5, -0.5))
+        self.image.set_clim(-lim, lim)
+        _label_image(self.heat, strided)
+        self.heat.set_title(f"values {list(shape)}", fontsize=9)
+        edges = np.histogram_bin_edges(finite if finite.size else [0.0, 1.0], bins=60)
+        counts = np.histogram(finite, edges)[0]
+        self.bars.set_data(counts, edges)
+        SideBySide._fit(self.hist, edges, counts.max(initial=0))
+        self.title.set_text(_plain(title))
+        self.static_key = (x.shape, strided, shape)
+
+
 def tensor(t, *, title: str = "", fig=None):
     """Heatmap and histogram of one tensor (the DumpSet explorer's view), axes labelled."""
-    x, strided = _as_2d(t)
     fig = fig or _plt().figure(figsize=(10, 3.5))
-    fig.clear()
-    ax1, ax2 = fig.subplots(1, 2)
-    im = ax1.imshow(x, aspect="auto", cmap="RdBu_r", interpolation="nearest")
-    _label_image(ax1, strided)
-    ax1.set_title(f"values {list(t.shape)}", fontsize=9)
-    fig.colorbar(im, ax=ax1, label="value")
-    v = x.ravel()[np.isfinite(x.ravel())]
-    ax2.hist(v, bins=60)
-    ax2.set_xlabel("value", fontsize=8)
-    ax2.set_ylabel("elements", fontsize=8)
-    ax2.set_title("histogram (finite values)", fontsize=9)
-    fig.suptitle(_plain(title), fontsize=10)
-    fig.tight_layout()
+    TensorView(fig).update(t, title)
     return fig
 
 
