@@ -209,7 +209,8 @@ def _diff(args):
         from tdinspect.align.mapping import Mapping
 
         mapping = Mapping.from_file(args.mapping)
-    return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat)
+    extra = {"tokens": True} if getattr(args, "tokens", False) else {}
+    return a.diff(b, align=args.align, mapping=mapping, unshard=args.unshard, concat=args.concat, **extra)
 
 
 # the exit status of each outcome of first-divergence and diff (2: an error)
@@ -248,6 +249,10 @@ def cmd_first_divergence(args) -> int:
             print(f"  nearest: {visible(summary['nearest']['text'])}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
+        if "request" in div:  # --tokens: the pass is the request
+            where = f"request {div['request']}" + (
+                f", position {div['position']}" if div["position"] >= 0 else ""
+            )
         print(
             f"first divergence: {visible(div['key'])} ({where}, call {div['call']})\n"
             f"  {visible(div['reason'])}"
@@ -460,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 help="put consecutive passes or calls end to end along DIM on both "
                 "sides (a decode run against one full forward)",
+            )
+            p.add_argument(
+                "--tokens",
+                action="store_true",
+                help="line the runs up token by token, by (request, position), whatever their packing, "
+                "padding or passes (both recorded with dump.step(tokens=...)); the answer names the "
+                "request and position",
             )
             p.add_argument(
                 "--allow-uncompared",

@@ -491,18 +491,27 @@ class DumpSet:
         return self._derived(narrow(self._passes, dim, start, length), self._op_pattern)
 
     # -- comparing ------------------------------------------------------------------------
-    def diff(self, other: DumpSet | str | os.PathLike, **kwargs) -> Diff:
+    def diff(self, other: DumpSet | str | os.PathLike, *, tokens: bool = False, **kwargs) -> Diff:
         """Compare against ``other``; this DumpSet is the reference (``y``).
 
-        See :class:`tdinspect.compare.diff.Diff` for the keyword arguments.
+        See :class:`tdinspect.compare.diff.Diff` for the keyword arguments. ``tokens=True``
+        lines the runs up token by token, by (request, position), whatever their packing,
+        padding or passes (:class:`tdinspect.compare.tokens.TokenDiff`; both sides need
+        ``dump.step(tokens=...)``).
 
         Examples
         --------
         >>> div = DumpSet.open("a").diff("b").first_divergence()   # doctest: +SKIP
+        >>> DumpSet.open("hf").diff("engine", tokens=True).first_divergence()   # doctest: +SKIP
         """
+        other = DumpSet.coerce(other, client=self.client)
+        if tokens:
+            from tdinspect.compare.tokens import TokenDiff
+
+            return TokenDiff(self, other, **kwargs)
         from tdinspect.compare.diff import Diff
 
-        return Diff(self, DumpSet.coerce(other, client=self.client), **kwargs)
+        return Diff(self, other, **kwargs)
 
     def first_nonfinite(self):
         """The first output holding NaN or Inf, in (pass, execution order), or ``None``.

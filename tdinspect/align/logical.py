@@ -10,6 +10,7 @@ read. Nodes::
     {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
     {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken
     {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
+    {"op": "flat", "end": d, "part": node}             dims 0..d flattened into one (token rows)
     {"op": "error", "reason": text}                    cannot be assembled: why
 
 A :class:`LogicalPass` is a :class:`~tdinspect.store.passindex.PassIndex` whose
@@ -51,6 +52,9 @@ def shape_of(node: dict, shape) -> list[int] | None:
         if s is not None:
             s[node["dim"]] = node["length"]
         return s
+    if op == "flat":
+        s = shape_of(node["part"], shape)
+        return None if s is None else [math.prod(s[: node["end"] + 1])] + s[node["end"] + 1 :]
     shapes = [shape_of(p, shape) for p in node["parts"]]
     if any(s is None for s in shapes):
         return None
@@ -75,6 +79,8 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
         raise AlignError(node["reason"])
     if op == "narrow":
         return evaluate(node["part"], fetch).narrow(node["dim"], node["start"], node["length"])
+    if op == "flat":
+        return evaluate(node["part"], fetch).flatten(0, node["end"])
     if op == "cat":
         dim = node["dim"]
         parts = [t for _, t in pieces(node, fetch)[1]]
@@ -213,6 +219,8 @@ def describe(node: dict) -> str:
             f"narrow(dim {node['dim']}, {node['start']}..{node['start'] + node['length']}: "
             f"{describe(node['part'])})"
         )
+    if op == "flat":
+        return f"flat(dims 0..{node['end']}: {describe(node['part'])})"
     parts = [
         label if part["op"] == "read" else f"{label} [{describe(part)}]"
         for label, part in zip(node["labels"], node["parts"])

@@ -37,6 +37,7 @@ from tdinspect.store.format import (
 from tdinspect.store.rawpass import crc_failure, mapping_files, read_plain, read_raw
 from tdinspect.store.reindex import reindex
 from tdinspect.store.restore import restore, restored_shape
+from tdinspect.store.tokenlayout import TokenLayout
 from tdinspect.store.zipindex import ZipIndex, identity, read_index
 
 
@@ -70,6 +71,7 @@ class PassIndex:
     skipped: list[Any] | None = None  # why a tensor was not stored (meta, FakeTensor...)
     raw: list[Any] | None = None  # where stored tensors lie in the archive (tdinspect.store.rawpass)
     module_call: list[Any] | None = None  # op level: which call of its module ran the op
+    tokens: TokenLayout | None = None  # which request and position each token row holds
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -136,6 +138,9 @@ class PassIndex:
                 skipped=e.get("skipped"),
                 raw=e.get("raw"),
                 module_call=e.get("module_call"),
+                tokens=None
+                if doc.get("tokens") is None
+                else TokenLayout.from_json(doc["tokens"], str(files.sidecar)),
             )
             if pi.raw is not None:
                 pi._zip = index

@@ -1,0 +1,269 @@
+"""Tokens: two runs lined up by (request, position), whatever their packing, padding or passes.
+
+An engine packs the tokens of many requests into ``[total_tokens, ...]`` and batches
+them differently at every step (a prefill beside others' decode steps); a reference runs
+padded ``[batch, seq, ...]`` or one request at a time. Each pass's
+:class:`~tdinspect.store.tokenlayout.TokenLayout` (``dump.step(tokens=...)``) says which
+request and position each of its token rows holds. :func:`plan_tokens` maps every
+``(request, position)`` to ``(pass, row)`` on each side (:class:`TokenPlan`: plain data,
+printable before any tensor is read); :func:`request_passes` turns one side into a
+logical pass per request (the pass number is the request id) whose entries are that
+request's rows gathered in position order, ``[positions, ...]``: pads are never read,
+and the two sides compare entry by entry with the diff's metrics.
+
+Entries whose leading dims are not the pass's token rows (weights, logits of the last
+position only) cannot be gathered: they become structural entries with that reason,
+set aside and listed, never dropped. Tokens one side computed and the other did not are
+listed in :attr:`TokenPlan.one_sided`.
+
+Examples
+--------
+>>> d = DumpSet.open("dumps/hf").diff("dumps/engine", tokens=True)   # doctest: +SKIP
+>>> print(d.tokens)                                                  # doctest: +SKIP
+request 0: positions 0..4 (5): A pass 0 rows 0..4 | B pass 0 rows 0..2, pass 1 row 0, pass 2 row 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tdinspect.align.logical import LogicalPass, error, read
+from tdinspect.errors import AlignError
+from tdinspect.store.passindex import PassIndex
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive positions of one request in consecutive rows of one pass."""
+
+    pass_: int
+    row: int
+    position: int
+    length: int
+
+    def __str__(self) -> str:
+        rows = f"row {self.row}" if self.length == 1 else f"rows {self.row}..{self.row + self.length - 1}"
+        return f"pass {self.pass_} {rows}"
+
+
+@dataclass
+class RequestPlan:
+    """Where one request's tokens are on each side; ``positions``: those both hold (compared)."""
+
+    request: int
+    positions: list[int]
+    a: list[Run]
+    b: list[Run]
+    only_a: list[int] = field(default_factory=list)
+    only_b: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = f"request {self.request}: positions {spans(self.positions) or 'none'} ({len(self.positions)})"
+        text = f"{head}: A {', '.join(map(str, self.a)) or '-'} | B {', '.join(map(str, self.b)) or '-'}"
+        for side, only in (("A", self.only_a), ("B", self.only_b)):
+            if only:
+                text += f"; positions {spans(only)} in {side} only"
+        return text
+
+
+@dataclass
+class TokenPlan:
+    """Every request's tokens on both sides: :attr:`requests` ``{request: RequestPlan}``."""
+
+    requests: dict[int, RequestPlan]
+
+    @property
+    def one_sided(self) -> list[str]:
+        """Tokens only one side computed, one line per request (never compared)."""
+        out = []
+        for rp in self.requests.values():
+            for side, only in (("A", rp.only_a), ("B", rp.only_b)):
+                if only:
+                    out.append(f"request {rp.request} positions {spans(only)} in {side} only")
+        return out
+
+    def rows(self) -> list[dict]:
+        """One dict per compared token: ``request``, ``position``, ``a_pass``, ``a_row``, ``b_pass``, ``b_row``."""
+        out = []
+        for rp in self.requests.values():
+            a = [(r.pass_, r.row + k) for r in rp.a for k in range(r.length)]
+            b = [(r.pass_, r.row + k) for r in rp.b for k in range(r.length)]
+            for pos, (pa, ra), (pb, rb) in zip(rp.positions, a, b):
+                out.append(
+                    {
+                        "request": rp.request,
+                        "position": pos,
+                        "a_pass": pa,
+                        "a_row": ra,
+                        "b_pass": pb,
+                        "b_row": rb,
+                    }
+                )
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self.requests.values()))
+
+    def __repr__(self) -> str:
+        n = sum(len(rp.positions) for rp in self.requests.values())
+        text = f"TokenPlan({len(self.requests)} requests, {n} tokens compared"
+        return text + (f"; {'; '.join(self.one_sided)}" if self.one_sided else "") + ")"
+
+
+def spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][1] + 1 == v:
+            out[-1][1] = v
+        else:
+            out.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in out)
+
+
+def token_map(passes: dict[tuple[int, int], PassIndex], where) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(request, position): (pass, row)}`` of one side; :class:`AlignError` saying what is missing."""
+    ranks = sorted({r for r, _ in passes})
+    if len(ranks) > 1:
+        raise AlignError(
+            f"{where}: tokens=True lines up one rank, this dump has ranks {ranks}: add unshard=True "
+            "(ranks reassembled first), or select one rank"
+        )
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for (_, p), pi in sorted(passes.items(), key=lambda kv: kv[0][1]):
+        if pi.tokens is None:
+            raise AlignError(
+                f"{where}: pass {p} has no token layout: record it with "
+                "dump.step(tokens=tdinspect.tokens(...)) (request ids, positions, cu_seqlens or an attention mask)"
+            )
+        for row, request, position, length in pi.tokens.runs():
+            if request is None:
+                continue
+            for k in range(length):
+                at = out.setdefault((request, position + k), (p, row + k))
+                if at != (p, row + k):
+                    raise AlignError(
+                        f"{where}: request {request} position {position + k} is in pass {at[0]} row "
+                        f"{at[1]} and pass {p} row {row + k}: a token computed twice"
+                    )
+    return out
+
+
+def _runs(positions: list[int], where: dict[tuple[int, int], tuple[int, int]], request: int) -> list[Run]:
+    runs: list[Run] = []
+    for pos in positions:
+        p, row = where[(request, pos)]
+        last = runs[-1] if runs else None
+        if last and last.pass_ == p and last.row + last.length == row and last.position + last.length == pos:
+            runs[-1] = Run(p, last.row, last.position, last.length + 1)
+        else:
+            runs.append(Run(p, row, pos, 1))
+    return runs
+
+
+def plan_tokens(passes_a, passes_b, where_a="A", where_b="B") -> TokenPlan:
+    """Map each ``(request, position)`` to ``(pass, row)`` on both sides, from the token layouts alone.
+
+    Parameters
+    ----------
+    passes_a, passes_b : dict
+        ``{(rank, pass): PassIndex}`` of each side (:attr:`tdinspect.DumpSet.pass_map`), one rank each.
+    where_a, where_b : str or Path
+        The dumps, named in errors.
+
+    Raises
+    ------
+    AlignError
+        A pass without a token layout, several ranks, a token computed twice on one side.
+
+    Examples
+    --------
+    >>> plan = plan_tokens(hf.pass_map, engine.pass_map)   # doctest: +SKIP
+    >>> plan.requests[1].b                                 # doctest: +SKIP
+    [Run(pass_=0, row=3, position=0, length=6), Run(pass_=1, row=1, position=6, length=1), ...]
+    """
+    ma, mb = token_map(passes_a, where_a), token_map(passes_b, where_b)
+    by_a: dict[int, set[int]] = {}
+    by_b: dict[int, set[int]] = {}
+    for m, by in ((ma, by_a), (mb, by_b)):
+        for r, pos in m:
+            by.setdefault(r, set()).add(pos)
+    requests: dict[int, RequestPlan] = {}
+    for request in sorted(set(by_a) | set(by_b)):
+        pa, pb = by_a.get(request, set()), by_b.get(request, set())
+        common = sorted(pa & pb)
+        requests[request] = RequestPlan(
+            request,
+            common,
+            _runs(common, ma, request),
+            _runs(common, mb, request),
+            sorted(pa - pb),
+            sorted(pb - pa),
+        )
+    return TokenPlan(requests)
+
+
+def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], side: str) -> dict:
+    """One side as a logical pass per request (``{(0, request): LogicalPass}``), each entry that
+    request's compared token rows in position order, ``[len(positions), ...]``.
+
+    ``side`` is ``"a"`` or ``"b"``. Requests without a compared token have no pass (they are in
+    :attr:`TokenPlan.one_sided`).
+    """
+    by_pass = {p: pi for (_, p), pi in passes.items()}
+    out = {}
+    for request, rp in plan.requests.items():
+        runs = rp.a if side == "a" else rp.b
+        if not runs:
+            continue
+        sources = {r.pass_: by_pass[r.pass_] for r in runs}
+        keys = dict.fromkeys(k for p in sorted(sources) for k in sources[p].keys)
+        plans, first = {}, {}
+        for key in keys:
+            have = [p for p in sorted(sources) if key in sources[p].position]
+            first[key] = (have[0], sources[have[0]].position[key])
+            plans[key] = _gather(key, runs, sources, request, side.upper())
+        out[(0, request)] = LogicalPass.build(
+            0,
+            request,
+            sources,
+            plans,
+            first,
+            what=f"request {request}, positions {spans(rp.positions)}",
+        )
+    return out
+
+
+def _gather(key: str, runs: list[Run], sources: dict[int, PassIndex], request: int, side: str) -> dict:
+    """The plan of one entry of one request: its rows of each run, put end to end."""
+    parts, shapes = [], []
+    for run in runs:
+        pi = sources[run.pass_]
+        i = pi.position.get(key)
+        if i is None:
+            return error(
+                f"not in pass {run.pass_}, which holds request {request}'s positions "
+                f"{spans(list(range(run.position, run.position + run.length)))}"
+            )
+        shape, lead = pi.shape[i], list(pi.tokens.shape)
+        if shape is None or list(shape[: len(lead)]) != lead:
+            return error(
+                f"not token-major: shape {None if shape is None else list(shape)} in pass {run.pass_} "
+                f"does not lead with its token rows {lead} (set aside, not compared)"
+            )
+        node = read(run.pass_, key)
+        if len(lead) > 1:
+            node = {"op": "flat", "end": len(lead) - 1, "part": node}
+        rows = 1
+        for v in lead:
+            rows *= v
+        if run.row or run.length != rows:
+            node = {"op": "narrow", "dim": 0, "start": run.row, "length": run.length, "part": node}
+        parts.append(node)
+        shapes.append(list(shape[len(lead) :]))
+    if len(parts) == 1:
+        return parts[0]
+    if any(s != shapes[0] for s in shapes):
+        seen = ", ".join(f"{run}: {s}" for run, s in zip(runs, shapes))
+        return error(f"token rows of different shapes ({seen})")
+    return {"op": "cat", "dim": 0, "parts": parts, "zigzag": False, "labels": [f"{side} {r}" for r in runs]}
