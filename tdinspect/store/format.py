@@ -29,7 +29,9 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  # geometry = [sizes, strides, storage_offset] in the storage they shared;
                  # a view is rebuilt by indexing the stored tensor (tdinspect.store.reindex), never
                  # by running an operator
-                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]}}
+                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]},
+     # a pass recorded with step(tokens=...) (tdinspect.store.tokenlayout):
+     "tokens": {"shape": [lead dims], "segments": [[request | null, first_position, length], ...]}}
 
 Writes are atomic: a temporary name in the same folder, then ``os.replace``.
 """
