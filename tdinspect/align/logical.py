@@ -239,7 +239,8 @@ class _Loaded:
 
     def __init__(self, owner: LogicalPass, scratch: bool = False):
         self.owner = owner
-        self._open: dict[Any, Any] = {}
+        self.scratch = scratch
+        self._open: dict[Any, Any] = owner.opened_sources()
         self._buffers: dict[tuple, torch.Tensor] | None = {} if scratch else None
 
     def buffer(self, shape, dtype) -> torch.Tensor:
@@ -251,9 +252,10 @@ class _Loaded:
 
     def fetch(self, src, key) -> torch.Tensor:
         pi = self.owner.sources[src]
-        if src not in self._open:
-            self._open[src] = pi.load()
-        return pi.tensor(key, self._open[src])
+        opened = self._open.get(src)
+        if opened is None:
+            opened = self._open[src] = pi.load()
+        return pi.tensor(key, opened)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.owner.tensor(key, self)
@@ -319,6 +321,11 @@ class LogicalPass(PassIndex):
             plans=plans,
             what=what,
         )
+
+    def opened_sources(self) -> dict:
+        """Where a :meth:`load` keeps its opened sources: a fresh dict (a subclass may share one
+        between logical passes that read the same sources)."""
+        return {}
 
     def load(self, scratch: bool = False) -> _Loaded:
         """Open the sources lazily; ``scratch``: reuse output buffers (see :class:`_Loaded`)."""

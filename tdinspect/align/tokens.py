@@ -25,7 +25,13 @@ request 0: positions 0..4 (5): A pass 0 rows 0..4 | B pass 0 rows 0..2, pass 1 r
 
 from __future__ import annotations
 
+import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from tdinspect.align.logical import LogicalPass, error, read
 from tdinspect.errors import AlignError
@@ -203,6 +209,115 @@ def plan_tokens(passes_a, passes_b, where_a="A", where_b="B") -> TokenPlan:
     return TokenPlan(requests)
 
 
+# a concatenation whose parts average fewer bytes than this is assembled (one copy into a reused
+# buffer) and compared once, rather than part by part: a decode step's row is a few KB, and a
+# metric call per part cost 2.5x the plain diff of the same bytes (bench/tokens.py --decode 16)
+PIECE_BYTES = 1 << 20
+
+
+class OpenedPasses(OrderedDict):
+    """Source passes opened by the request passes of one side, shared between them: a pass that
+    holds the tokens of many requests is opened once, not once per request. The ``limit`` most
+    recently used stay open."""
+
+    def __init__(self, limit: int = 64):
+        super().__init__()
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.views: dict[Any, dict[str, tuple]] = {}  # src -> {key: (shape, dtype, bytes)}
+
+    def get(self, key, default=None):
+        with self.lock:
+            if key not in self:
+                return default
+            self.move_to_end(key)
+            return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        with self.lock:
+            super().__setitem__(key, value)
+            while len(self) > self.limit:
+                self.views.pop(self.popitem(last=False)[0], None)
+
+    def raw(self, src, key: str, fetch) -> tuple[list[int], torch.dtype, Any]:
+        """Entry ``key`` of source ``src`` as ``(shape, dtype, its bytes as a numpy view)``, read
+        once for every request whose tokens it holds."""
+        per = self.views.get(src)
+        hit = None if per is None else per.get(key)
+        if hit is None:
+            t = fetch(src, key)
+            t = t if t.is_contiguous() else t.contiguous()
+            hit = (list(t.shape), t.dtype, t.view(-1).view(torch.uint8).numpy())
+            self.views.setdefault(src, {})[key] = hit
+        return hit
+
+
+@dataclass(eq=False)
+class RequestPass(LogicalPass):
+    """One request's tokens of one side: a :class:`LogicalPass` whose sources are opened once for
+    every request (:class:`OpenedPasses`), and whose concatenations of small parts are assembled."""
+
+    shared: Any = field(default=None, repr=False)
+
+    def opened_sources(self) -> dict:
+        return self.shared if self.shared is not None else {}
+
+    def tensor(self, key: str, loaded=None) -> torch.Tensor:
+        """The entry; a concatenation is assembled by plain byte copies (one thread each: torch's
+        copies wake its thread pool per part, 20x slower on a busy machine for a decode row)."""
+        node = self.plans.get(key)
+        if node is None or node["op"] != "cat":
+            return super().tensor(key, loaded)
+        if not hasattr(loaded, "fetch"):
+            loaded = self.load()
+        shared = self.shared if self.shared is not None else OpenedPasses()
+        parts = [_part(p, lambda src, key: shared.raw(src, key, loaded.fetch)) for p in node["parts"]]
+        shape, dtype = [sum(p[0] for p in parts), *parts[0][1]], parts[0][2]
+        out = loaded.buffer(shape, dtype) if loaded.scratch else torch.empty(shape, dtype=dtype)
+        dst = out.view(-1).view(torch.uint8).numpy()
+        start = 0
+        for *_, raw in parts:
+            dst[start : start + raw.size] = raw
+            start += raw.size
+        return out
+
+    def pieces(self, key: str, loaded=None):
+        node = self.plans.get(key)
+        if node is None or node["op"] != "cat":
+            return None
+        i = self.position[key]
+        dtype = getattr(torch, str(self.dtype[i]).removeprefix("torch."), None)
+        size = math.prod(self.shape[i]) * (dtype.itemsize if isinstance(dtype, torch.dtype) else 1)
+        if size < PIECE_BYTES * len(node["parts"]):
+            return None
+        return super().pieces(key, loaded)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in super().__getstate__().items() if k != "shared"}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.shared = None
+
+
+def _part(node: dict, raw) -> tuple[int, list[int], torch.dtype, Any]:
+    """A part of a gather (``narrow`` of ``flat`` of ``read``, each but the read optional) as
+    ``(rows, shape of a row, dtype, its bytes as a numpy view)``: no torch op per part.
+    ``raw(src, key)`` gives a source entry as :meth:`OpenedPasses.raw` does."""
+    start = length = None
+    if node["op"] == "narrow":
+        start, length, node = node["start"], node["length"], node["part"]
+    end = 0
+    if node["op"] == "flat":
+        end, node = node["end"], node["part"]
+    shape, dtype, data = raw(node["src"], node["key"])
+    rows = math.prod(shape[: end + 1])
+    if start is not None:
+        per = data.size // rows if rows else 0
+        data, rows = data[start * per : (start + length) * per], length
+    return rows, shape[end + 1 :], dtype, data
+
+
 def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], side: str) -> dict:
     """One side as a logical pass per request (``{(0, request): LogicalPass}``), each entry that
     request's compared token rows in position order, ``[len(positions), ...]``.
@@ -211,6 +326,7 @@ def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], si
     :attr:`TokenPlan.one_sided`).
     """
     by_pass = {p: pi for (_, p), pi in passes.items()}
+    shared = OpenedPasses()
     out = {}
     for request, rp in plan.requests.items():
         runs = rp.a if side == "a" else rp.b
@@ -223,7 +339,7 @@ def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], si
             have = [p for p in sorted(sources) if key in sources[p].position]
             first[key] = (have[0], sources[have[0]].position[key])
             plans[key] = _gather(key, runs, sources, request, side.upper())
-        out[(0, request)] = LogicalPass.build(
+        out[(0, request)] = RequestPass.build(
             0,
             request,
             sources,
@@ -231,6 +347,7 @@ def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], si
             first,
             what=f"request {request}, positions {spans(rp.positions)}",
         )
+        out[(0, request)].shared = shared
     return out
 
 
