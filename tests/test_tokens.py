@@ -4,6 +4,7 @@ same model served packed with continuous batching (tdinspect.examples.engine).""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import tdinspect
+from tdinspect.dumper.recorder import Recorder
 from tdinspect.errors import AlignError, DumpFormatError, TokenLayoutError, UncomparedWarning
 from tdinspect.examples.engine import (
     CONTINUOUS,
@@ -207,3 +209,54 @@ def test_cli_first_divergence_tokens(dumps):
     assert ok.returncode == 0 and "no divergence" in ok.stdout, ok.stderr
     assert bad.returncode == 1
     assert "model.model.layers.0.self_attn.o_proj (request 1, position 6, call 0)" in bad.stdout
+
+
+def _record(root, rank, passes, dims=None, parallel=None):
+    """One rank's dump: ``passes`` is a list of ({key: tensor}, TokenLayout)."""
+    os.environ["RANK"] = str(rank)
+    try:
+        rec = Recorder(root, level="module", parallel=parallel, dims=dims, background_write=False)
+    finally:
+        del os.environ["RANK"]
+    for entries, layout in passes:
+        for key, t in entries.items():
+            rec.record(key, t, module_type="Linear")
+        rec.step(tokens=layout)
+    rec.close()
+
+
+def test_tensor_parallel_ranks_are_unsharded_before_tokens_line_up(tmp_path):
+    """Two requests run one at a time [1, L, 8] against a TP=2 engine packing them [T, 4] a rank."""
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, n, 8, generator=gen) for n in (3, 5)]
+    _record(
+        tmp_path / "ref",
+        0,
+        [
+            ({"m.out": t}, tdinspect.tokens(request_ids=[r], seq_lens=[t.shape[1]], shape=(1, t.shape[1])))
+            for r, t in enumerate(full)
+        ],
+    )
+    packed = torch.cat([full[0][0, :2], full[1][0, :4]])  # step 0: 2 + 4 tokens
+    steps = [
+        (packed, tdinspect.tokens(request_ids=[0, 1], seq_lens=[2, 4])),
+        (
+            torch.cat([full[0][0, 2:], full[1][0, 4:]]),
+            tdinspect.tokens(request_ids=[0, 1], positions=[2, 4], seq_lens=[1, 1]),
+        ),
+    ]
+    for name, fault in (("tp2", None), ("tp2_bad", 1)):
+        for rank in (0, 1):
+            passes = []
+            for rows, layout in steps:
+                shard = rows[:, rank * 4 : rank * 4 + 4].clone()
+                if fault == rank and layout.segments[0][1] == 0:
+                    shard[3:] *= 1.01  # request 1 positions 1..3 on rank 1
+                passes.append(({"m.out": shard}, layout))
+            _record(tmp_path / name, rank, passes, dims={"out$": "s h(tp)"}, parallel={"tp": (rank, 2)})
+    ref = tdinspect.DumpSet.open(tmp_path / "ref")
+    with pytest.raises(AlignError, match="ranks \\[0, 1\\]: add unshard=True"):
+        ref.diff(tmp_path / "tp2", tokens=True)
+    assert ref.diff(tmp_path / "tp2", tokens=True, unshard=True).verdict().outcome == "matches"
+    div = ref.diff(tmp_path / "tp2_bad", tokens=True, unshard=True).first_divergence()
+    assert (div.key, div.request, div.position) == ("m.out", 1, 1)
