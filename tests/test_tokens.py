@@ -260,3 +260,18 @@ def test_tensor_parallel_ranks_are_unsharded_before_tokens_line_up(tmp_path):
     assert ref.diff(tmp_path / "tp2", tokens=True, unshard=True).verdict().outcome == "matches"
     div = ref.diff(tmp_path / "tp2_bad", tokens=True, unshard=True).first_divergence()
     assert (div.key, div.request, div.position) == ("m.out", 1, 1)
+
+
+def test_a_token_computed_twice_on_one_side_is_an_error(tmp_path):
+    rows = torch.randn(4, 8)
+    _record(
+        tmp_path / "twice",
+        0,
+        [
+            ({"m.out": rows[:3]}, tdinspect.tokens(request_ids=[0], seq_lens=[3])),
+            ({"m.out": rows[3:]}, tdinspect.tokens(request_ids=[0], positions=[2], seq_lens=[1])),  # again
+        ],
+    )
+    _record(tmp_path / "ref", 0, [({"m.out": rows[:3]}, tdinspect.tokens(request_ids=[0], seq_lens=[3]))])
+    with pytest.raises(AlignError, match="request 0 position 2 is in pass 0 row 2 and pass 1 row 0"):
+        tdinspect.DumpSet.open(tmp_path / "ref").diff(tmp_path / "twice", tokens=True)

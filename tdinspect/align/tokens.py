@@ -127,15 +127,17 @@ def spans(values: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in out)
 
 
-def token_map(passes: dict[tuple[int, int], PassIndex], where) -> dict[tuple[int, int], tuple[int, int]]:
-    """``{(request, position): (pass, row)}`` of one side; :class:`AlignError` saying what is missing."""
+def token_map(passes: dict[tuple[int, int], PassIndex], where) -> dict[int, list[tuple[int, int, int, int]]]:
+    """``{request: [(first position, length, pass, first row), ...]}`` of one side, sorted by
+    position (runs of the layouts, never token by token); :class:`AlignError` saying what is
+    missing, or naming a token computed twice."""
     ranks = sorted({r for r, _ in passes})
     if len(ranks) > 1:
         raise AlignError(
             f"{where}: tokens=True lines up one rank, this dump has ranks {ranks}: add unshard=True "
             "(ranks reassembled first), or select one rank"
         )
-    out: dict[tuple[int, int], tuple[int, int]] = {}
+    out: dict[int, list[tuple[int, int, int, int]]] = {}
     for (_, p), pi in sorted(passes.items(), key=lambda kv: kv[0][1]):
         if pi.tokens is None:
             raise AlignError(
@@ -143,28 +145,52 @@ def token_map(passes: dict[tuple[int, int], PassIndex], where) -> dict[tuple[int
                 "dump.step(tokens=tdinspect.tokens(...)) (request ids, positions, cu_seqlens or an attention mask)"
             )
         for row, request, position, length in pi.tokens.runs():
-            if request is None:
-                continue
-            for k in range(length):
-                at = out.setdefault((request, position + k), (p, row + k))
-                if at != (p, row + k):
-                    raise AlignError(
-                        f"{where}: request {request} position {position + k} is in pass {at[0]} row "
-                        f"{at[1]} and pass {p} row {row + k}: a token computed twice"
-                    )
+            if request is not None:
+                out.setdefault(request, []).append((position, length, p, row))
+    for request, found in out.items():
+        found.sort()
+        for (p0, n0, pass0, row0), (p1, _, pass1, row1) in zip(found, found[1:]):
+            if p0 + n0 > p1:
+                raise AlignError(
+                    f"{where}: request {request} position {p1} is in pass {pass0} row "
+                    f"{row0 + p1 - p0} and pass {pass1} row {row1}: a token computed twice"
+                )
     return out
 
 
-def _runs(positions: list[int], where: dict[tuple[int, int], tuple[int, int]], request: int) -> list[Run]:
-    runs: list[Run] = []
-    for pos in positions:
-        p, row = where[(request, pos)]
-        last = runs[-1] if runs else None
-        if last and last.pass_ == p and last.row + last.length == row and last.position + last.length == pos:
-            runs[-1] = Run(p, last.row, last.position, last.length + 1)
+def _add(runs: list[Run], p: int, row: int, position: int, length: int) -> None:
+    """Append a run, joined to the last where it goes on in the same pass's next rows."""
+    last = runs[-1] if runs else None
+    if last and last.pass_ == p and last.row + last.length == row and last.position + last.length == position:
+        runs[-1] = Run(p, last.row, last.position, last.length + length)
+    else:
+        runs.append(Run(p, row, position, length))
+
+
+def _request_plan(request: int, a: list[tuple], b: list[tuple]) -> RequestPlan:
+    """Both sides' runs of one request (each sorted by position) cut where either side's
+    change: the positions both hold, and where each side holds them."""
+    positions: list[int] = []
+    runs_a: list[Run] = []
+    runs_b: list[Run] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        (pa, na, sa, ra), (pb, nb, sb, rb) = a[i], b[j]
+        lo, hi = max(pa, pb), min(pa + na, pb + nb)
+        if lo < hi:
+            positions.extend(range(lo, hi))
+            _add(runs_a, sa, ra + lo - pa, lo, hi - lo)
+            _add(runs_b, sb, rb + lo - pb, lo, hi - lo)
+        if pa + na <= pb + nb:
+            i += 1
         else:
-            runs.append(Run(p, row, pos, 1))
-    return runs
+            j += 1
+    only = [[], []]
+    for k, side in enumerate((a, b)):
+        if sum(n for _, n, _, _ in side) != len(positions):
+            common = set(positions)
+            only[k] = [q for p, n, _, _ in side for q in range(p, p + n) if q not in common]
+    return RequestPlan(request, positions, runs_a, runs_b, only[0], only[1])
 
 
 def plan_tokens(passes_a, passes_b, where_a="A", where_b="B") -> TokenPlan:
@@ -189,24 +215,7 @@ def plan_tokens(passes_a, passes_b, where_a="A", where_b="B") -> TokenPlan:
     [Run(pass_=0, row=3, position=0, length=6), Run(pass_=1, row=1, position=6, length=1), ...]
     """
     ma, mb = token_map(passes_a, where_a), token_map(passes_b, where_b)
-    by_a: dict[int, set[int]] = {}
-    by_b: dict[int, set[int]] = {}
-    for m, by in ((ma, by_a), (mb, by_b)):
-        for r, pos in m:
-            by.setdefault(r, set()).add(pos)
-    requests: dict[int, RequestPlan] = {}
-    for request in sorted(set(by_a) | set(by_b)):
-        pa, pb = by_a.get(request, set()), by_b.get(request, set())
-        common = sorted(pa & pb)
-        requests[request] = RequestPlan(
-            request,
-            common,
-            _runs(common, ma, request),
-            _runs(common, mb, request),
-            sorted(pa - pb),
-            sorted(pb - pa),
-        )
-    return TokenPlan(requests)
+    return TokenPlan({r: _request_plan(r, ma.get(r, []), mb.get(r, [])) for r in sorted(set(ma) | set(mb))})
 
 
 # a concatenation whose parts average fewer bytes than this is assembled (one copy into a reused
@@ -239,15 +248,15 @@ class OpenedPasses(OrderedDict):
             while len(self) > self.limit:
                 self.views.pop(self.popitem(last=False)[0], None)
 
-    def raw(self, src, key: str, fetch) -> tuple[list[int], torch.dtype, Any]:
-        """Entry ``key`` of source ``src`` as ``(shape, dtype, its bytes as a numpy view)``, read
-        once for every request whose tokens it holds."""
+    def raw(self, src, key: str, fetch) -> tuple[torch.dtype, Any]:
+        """Entry ``key`` of source ``src`` as ``(dtype, its bytes as a numpy view)``, read once for
+        every request whose tokens it holds."""
         per = self.views.get(src)
         hit = None if per is None else per.get(key)
         if hit is None:
             t = fetch(src, key)
             t = t if t.is_contiguous() else t.contiguous()
-            hit = (list(t.shape), t.dtype, t.view(-1).view(torch.uint8).numpy())
+            hit = (t.dtype, t.view(-1).view(torch.uint8).numpy())
             self.views.setdefault(src, {})[key] = hit
         return hit
 
@@ -258,6 +267,7 @@ class RequestPass(LogicalPass):
     every request (:class:`OpenedPasses`), and whose concatenations of small parts are assembled."""
 
     shared: Any = field(default=None, repr=False)
+    spans: dict = field(default_factory=dict, repr=False)  # key -> byte_spans()
 
     def opened_sources(self) -> dict:
         return self.shared if self.shared is not None else {}
@@ -265,21 +275,49 @@ class RequestPass(LogicalPass):
     def tensor(self, key: str, loaded=None) -> torch.Tensor:
         """The entry; a concatenation is assembled by plain byte copies (one thread each: torch's
         copies wake its thread pool per part, 20x slower on a busy machine for a decode row)."""
-        node = self.plans.get(key)
-        if node is None or node["op"] != "cat":
+        found = self.byte_spans(key)
+        if found is None:
             return super().tensor(key, loaded)
         if not hasattr(loaded, "fetch"):
             loaded = self.load()
         shared = self.shared if self.shared is not None else OpenedPasses()
-        parts = [_part(p, lambda src, key: shared.raw(src, key, loaded.fetch)) for p in node["parts"]]
-        shape, dtype = [sum(p[0] for p in parts), *parts[0][1]], parts[0][2]
+        shape, dtype, spans = found
         out = loaded.buffer(shape, dtype) if loaded.scratch else torch.empty(shape, dtype=dtype)
         dst = out.view(-1).view(torch.uint8).numpy()
-        start = 0
-        for *_, raw in parts:
-            dst[start : start + raw.size] = raw
-            start += raw.size
+        at = 0
+        for src, k, b0, b1, nbytes in spans:
+            got, data = shared.raw(src, k, loaded.fetch)
+            if got != dtype or data.size != nbytes:  # not as the sidecar says: the general road
+                return super().tensor(key, loaded)
+            dst[at : at + b1 - b0] = data[b0:b1]
+            at += b1 - b0
         return out
+
+    def byte_spans(self, key: str) -> tuple[list[int], torch.dtype, list[tuple]] | None:
+        """A concatenation as ``(shape, dtype, [(src, key, first byte, end byte, source bytes)])``
+        from the sidecars (worked out once an entry), or ``None`` for anything else."""
+        hit = self.spans.get(key)
+        if hit is None:
+            node = self.plans.get(key)
+            i = self.position.get(key)
+            dtype = None if i is None else getattr(torch, str(self.dtype[i]).removeprefix("torch."), None)
+            if node is None or node["op"] != "cat" or not isinstance(dtype, torch.dtype):
+                return None
+            spans = []
+            for part in node["parts"]:
+                start = length = None
+                if part["op"] == "narrow":
+                    start, length, part = part["start"], part["length"], part["part"]
+                end = 0
+                if part["op"] == "flat":
+                    end, part = part["end"], part["part"]
+                shape = self.source_shape(part["src"], part["key"])
+                row = math.prod(shape[end + 1 :]) * dtype.itemsize
+                b0 = (start or 0) * row
+                b1 = b0 + (math.prod(shape[: end + 1]) if start is None else length) * row
+                spans.append((part["src"], part["key"], b0, b1, math.prod(shape) * dtype.itemsize))
+            hit = self.spans[key] = (list(self.shape[i]), dtype, spans)
+        return hit
 
     def pieces(self, key: str, loaded=None):
         node = self.plans.get(key)
@@ -298,24 +336,6 @@ class RequestPass(LogicalPass):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.shared = None
-
-
-def _part(node: dict, raw) -> tuple[int, list[int], torch.dtype, Any]:
-    """A part of a gather (``narrow`` of ``flat`` of ``read``, each but the read optional) as
-    ``(rows, shape of a row, dtype, its bytes as a numpy view)``: no torch op per part.
-    ``raw(src, key)`` gives a source entry as :meth:`OpenedPasses.raw` does."""
-    start = length = None
-    if node["op"] == "narrow":
-        start, length, node = node["start"], node["length"], node["part"]
-    end = 0
-    if node["op"] == "flat":
-        end, node = node["end"], node["part"]
-    shape, dtype, data = raw(node["src"], node["key"])
-    rows = math.prod(shape[: end + 1])
-    if start is not None:
-        per = data.size // rows if rows else 0
-        data, rows = data[start * per : (start + length) * per], length
-    return rows, shape[end + 1 :], dtype, data
 
 
 def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], side: str) -> dict:

@@ -282,14 +282,11 @@ def _padded(request_ids, positions, attention_mask, shape) -> tuple[list, list, 
 
 
 def _check_unique(layout: TokenLayout, where: str) -> None:
-    """A (request, position) in two rows of one pass is an error naming both rows."""
-    seen: dict[tuple[int, int], int] = {}
-    for row, request, position, length in layout.runs():
-        if request is None:
-            continue
-        for k in range(length):
-            at = seen.setdefault((request, position + k), row + k)
-            if at != row + k:
-                raise TokenLayoutError(
-                    f"{where}: request {request} position {position + k} is in rows {at} and {row + k}"
-                )
+    """A (request, position) in two rows of one pass is an error naming both rows (checked on
+    the runs, sorted, never token by token)."""
+    found = sorted((r, p, n, row) for row, r, p, n in layout.runs() if r is not None)
+    for (r0, p0, n0, row0), (r1, p1, _, row1) in zip(found, found[1:]):
+        if r0 == r1 and p0 + n0 > p1:
+            raise TokenLayoutError(
+                f"{where}: request {r0} position {p1} is in rows {row0 + p1 - p0} and {row1}"
+            )
