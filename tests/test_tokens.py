@@ -275,3 +275,12 @@ def test_a_token_computed_twice_on_one_side_is_an_error(tmp_path):
     _record(tmp_path / "ref", 0, [({"m.out": rows[:3]}, tdinspect.tokens(request_ids=[0], seq_lens=[3]))])
     with pytest.raises(AlignError, match="request 0 position 2 is in pass 0 row 2 and pass 1 row 0"):
         tdinspect.DumpSet.open(tmp_path / "ref").diff(tmp_path / "twice", tokens=True)
+
+
+def test_a_statistics_only_side_is_refused_naming_it(tmp_path, dumps):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "s", stats_only=True) as dump:
+        model(torch.randn(5, 4))
+        dump.step(tokens=tdinspect.tokens(seq_lens=[5]))
+    with pytest.raises(AlignError, match=r"s is statistics-only: tokens=True gathers"):
+        dumps["hf"].diff(tmp_path / "s", tokens=True)

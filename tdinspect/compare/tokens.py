@@ -88,6 +88,12 @@ class TokenDiff(Diff):
             raise ValueError("tokens=True lines passes up by request and position: give no concat=")
         if kwargs.get("align", "name") != "name":
             raise ValueError("tokens=True pairs entries by name (or mapping=): give no align=")
+        for side in (a, b):
+            if side.stats_only:
+                raise AlignError(
+                    f"{side.path} is statistics-only: tokens=True gathers each request's token rows "
+                    "from the tensors (capture without stats_only)"
+                )
         if unshard:
             a, b = _unsharded(a), _unsharded(b)
         self.tokens: TokenPlan = plan_tokens(a.pass_map, b.pass_map, a.path, b.path)
