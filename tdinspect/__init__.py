@@ -31,6 +31,7 @@ from tdinspect.errors import (
 from tdinspect.naming import parse_key
 from tdinspect.store.format import load_pass
 from tdinspect.store.runs import list_runs
+from tdinspect.store.tokenlayout import tokens
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,7 @@ __all__ = [
     "load_pass",
     "list_runs",
     "parse_key",
+    "tokens",
     "DumpSet",
     "Diff",
     "Divergence",

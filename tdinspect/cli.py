@@ -218,6 +218,10 @@ def cmd_first_divergence(args) -> int:
             print(f"  nearest: {visible(summary['nearest']['text'])}")
     else:
         where = f"pass {div['pass']}" + (f", rank {div['rank']}" if div["rank"] else "")
+        if "request" in div:  # --tokens: the pass is the request
+            where = f"request {div['request']}" + (
+                f", position {div['position']}" if div["position"] >= 0 else ""
+            )
         print(
             f"first divergence: {visible(div['key'])} ({where}, call {div['call']})\n"
             f"  {visible(div['reason'])}"

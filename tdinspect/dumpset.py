@@ -531,23 +531,32 @@ class DumpSet:
         return self._derived(narrow(self._passes, dim, start, length), self._op_pattern)
 
     # -- comparing ------------------------------------------------------------------------
-    def diff(self, other: DumpSet | str | os.PathLike, **kwargs) -> Diff:
+    def diff(self, other: DumpSet | str | os.PathLike, *, tokens: bool = False, **kwargs) -> Diff:
         """Compare against ``other``; this DumpSet is the reference (``y``).
 
         See :class:`tdinspect.compare.diff.Diff` for the keyword arguments; ``baseline``
         (a run of the trusted implementation in B's precision: an error budget) may be a
-        DumpSet or a path.
+        DumpSet or a path. ``tokens=True`` (or a spec's ``tokens``) lines the runs up token by
+        token, by (request, position), whatever their packing, padding or passes
+        (:class:`tdinspect.compare.tokens.TokenDiff`; both sides need ``dump.step(tokens=...)``).
 
         Examples
         --------
         >>> div = DumpSet.open("a").diff("b").first_divergence()   # doctest: +SKIP
         >>> DumpSet.open("ref64").diff("port32", baseline="ref32").verdict()  # doctest: +SKIP
+        >>> DumpSet.open("hf").diff("engine", tokens=True).first_divergence()   # doctest: +SKIP
         """
+        other = DumpSet.coerce(other, client=self.client)
+        spec = kwargs.get("spec")
+        if tokens or getattr(spec, "tokens", False) or (isinstance(spec, dict) and spec.get("tokens")):
+            from tdinspect.compare.tokens import TokenDiff
+
+            return TokenDiff(self, other, **kwargs)
         from tdinspect.compare.diff import Diff
 
         if kwargs.get("baseline") is not None:
             kwargs["baseline"] = DumpSet.coerce(kwargs["baseline"], client=self.client)
-        return Diff(self, DumpSet.coerce(other, client=self.client), **kwargs)
+        return Diff(self, other, **kwargs)
 
     def first_nonfinite(self):
         """The first output holding NaN or Inf, in (pass, execution order), or ``None``.

@@ -50,6 +50,11 @@ class AlignError(ValueError):
     """A logical entry that cannot be assembled; the message says why (and names ranks)."""
 
 
+class TokenLayoutError(ValueError):
+    """Token layout metadata (``tdinspect.tokens(...)``, a sidecar's ``tokens``) that does not
+    describe a pass's token rows; the message names the argument or file."""
+
+
 class CaptureWriteError(RuntimeError):
     """Writing a pass failed (full disk, permissions...); capture has stopped."""
 

@@ -192,7 +192,7 @@ def test_warnings_are_one_line_of_the_command_never_a_source_line(tmp_path, caps
         timeout=120,
     )
     assert out.returncode == 0
-    assert "holds 2 runs" in out.stderr and "[RunWarning]" in out.stderr and ".py:" not in out.stderr
+    assert "holds 2 runs" in out.stderr and "[RunsNote]" in out.stderr and ".py:" not in out.stderr
     assert main(["stats", str(tmp_path / "d"), "--op", "["]) == 2
     assert "error: --op: invalid regex '['" in capsys.readouterr().err
     assert main(["first-divergence", str(tmp_path / "d"), str(tmp_path / "d"), "--threshold", "abc"]) == 2

@@ -151,7 +151,7 @@ def test_committed_notebooks_show_their_output():
     """Every code cell ran, without error, and the file says so (a reader on GitHub sees results)."""
     nbformat = pytest.importorskip("nbformat")
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    assert len(notebooks) == 7
+    assert len(notebooks) == 8
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
@@ -166,7 +166,7 @@ def test_public_api_is_curated_and_resolves():
     each resolves, completion lists those alone, and the rest stay in their modules."""
     import tdinspect
 
-    assert 15 <= len(tdinspect.__all__) <= 25 and len(set(tdinspect.__all__)) == len(tdinspect.__all__)
+    assert 15 <= len(tdinspect.__all__) <= 28 and len(set(tdinspect.__all__)) == len(tdinspect.__all__)
     for name in tdinspect.__all__:
         assert getattr(tdinspect, name) is not None, name
     assert dir(tdinspect) == sorted([*tdinspect.__all__, "__version__"])

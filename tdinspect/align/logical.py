@@ -13,6 +13,7 @@ read. Nodes::
     {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
     {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken
     {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
+    {"op": "flat", "end": d, "part": node}             dims 0..d flattened into one (token rows)
     {"op": "error", "reason": text}                    cannot be assembled: why
 
 A :class:`LogicalPass` is a :class:`~tdinspect.store.passindex.PassIndex` whose
@@ -54,6 +55,9 @@ def shape_of(node: dict, shape) -> list[int] | None:
         if s is not None:
             s[node["dim"]] = node["length"]
         return s
+    if op == "flat":
+        s = shape_of(node["part"], shape)
+        return None if s is None else [math.prod(s[: node["end"] + 1])] + s[node["end"] + 1 :]
     shapes = [shape_of(p, shape) for p in node["parts"]]
     if any(s is None for s in shapes):
         return None
@@ -78,6 +82,8 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
         raise AlignError(node["reason"])
     if op == "narrow":
         return evaluate(node["part"], fetch).narrow(node["dim"], node["start"], node["length"])
+    if op == "flat":
+        return evaluate(node["part"], fetch).flatten(0, node["end"])
     if op == "cat":
         dim = node["dim"]
         parts = [t for _, t in pieces(node, fetch)[1]]
@@ -218,6 +224,8 @@ def describe(node: dict) -> str:
         )
     if op == "cat" and node.get("segments"):
         return _describe_fused(node)
+    if op == "flat":
+        return f"flat(dims 0..{node['end']}: {describe(node['part'])})"
     parts = [
         label if part["op"] == "read" else f"{label} [{describe(part)}]"
         for label, part in zip(node["labels"], node["parts"])
@@ -250,7 +258,8 @@ class _Loaded:
 
     def __init__(self, owner: LogicalPass, scratch: bool = False):
         self.owner = owner
-        self._open: dict[Any, Any] = {}
+        self.scratch = scratch
+        self._open: dict[Any, Any] = owner.opened_sources()
         self._buffers: dict[tuple, torch.Tensor] | None = {} if scratch else None
 
     def buffer(self, shape, dtype) -> torch.Tensor:
@@ -262,9 +271,10 @@ class _Loaded:
 
     def fetch(self, src, key) -> torch.Tensor:
         pi = self.owner.sources[src]
-        if src not in self._open:
-            self._open[src] = pi.load()
-        return pi.tensor(key, self._open[src])
+        opened = self._open.get(src)
+        if opened is None:
+            opened = self._open[src] = pi.load()
+        return pi.tensor(key, opened)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.owner.tensor(key, self)
@@ -330,6 +340,11 @@ class LogicalPass(PassIndex):
             plans=plans,
             what=what,
         )
+
+    def opened_sources(self) -> dict:
+        """Where a :meth:`load` keeps its opened sources: a fresh dict (a subclass may share one
+        between logical passes that read the same sources)."""
+        return {}
 
     def load(self, scratch: bool = False) -> _Loaded:
         """Open the sources lazily; ``scratch``: reuse output buffers (see :class:`_Loaded`)."""

@@ -154,6 +154,8 @@ class Diff:
     >>> d.first_divergence()                              # doctest: +SKIP
     """
 
+    token_aligned = False  # a TokenDiff lines passes up by (request, position)
+
     def __init__(
         self,
         a,
@@ -188,6 +190,10 @@ class Diff:
             baseline=baseline,
             baseline_factor=baseline_factor,
         )
+        if spec.tokens and not self.token_aligned:
+            raise ValueError(
+                "spec tokens=True: make the diff with DumpSet.diff(other, tokens=True) (a TokenDiff)"
+            )
         self.spec = spec
         baseline = spec.baseline
         if isinstance(baseline, (str, os.PathLike)):  # a spec from flags or JSON names a folder

@@ -51,6 +51,9 @@ class CompareSpec:
         Reassemble tensor/context/expert-parallel ranks on both sides first.
     concat : str or (over, dim), optional
         ``"call:1"``, ``"pass:1"``: decode steps put end to end on both sides.
+    tokens : bool
+        Line the runs up token by token, by (request, position), whatever their packing,
+        padding or passes (:class:`~tdinspect.compare.tokens.TokenDiff`).
     structural : {"diverge", "report"}
         Whether entries differing in structure (one side only, another shape)
         diverge or are set aside (:meth:`tdinspect.Diff.first_divergence`).
@@ -77,6 +80,7 @@ class CompareSpec:
     mapping: Mapping | None = None
     unshard: bool = False
     concat: str | tuple | None = None
+    tokens: bool = False
     structural: str = "diverge"
     metric: str | None = None
     threshold: Any = "auto"
@@ -105,6 +109,11 @@ class CompareSpec:
         if isinstance(self.concat, list):
             set_("concat", tuple(self.concat))
         set_("unshard", bool(self.unshard))
+        set_("tokens", bool(self.tokens))
+        if self.tokens and (self.concat is not None or self.align != "name"):
+            raise ValueError(
+                "tokens=True lines passes up by request and position: no concat or align='sequence'"
+            )
         set_("baseline_factor", check_factor(self.baseline_factor))
 
     def __eq__(self, other) -> bool:
@@ -146,6 +155,7 @@ class CompareSpec:
             mapping=mapping,
             unshard=args.unshard,
             concat=args.concat,
+            tokens=bool(getattr(args, "tokens", False)),
             structural=args.structural,
             metric=args.metric,
             threshold=threshold_values(args.threshold),
@@ -158,9 +168,15 @@ class CompareSpec:
     def live_options(self) -> dict[str, Any]:
         """The keyword arguments of ``tdinspect.capture(compare_to=...)`` of this spec (live
         comparison pairs by name and takes neither unshard nor concat: ``ValueError``)."""
-        if self.align != "name" or self.unshard or self.concat is not None or self.baseline is not None:
+        if (
+            self.align != "name"
+            or self.unshard
+            or self.tokens
+            or self.concat is not None
+            or self.baseline is not None
+        ):
             raise ValueError(
-                "live comparison pairs entries by name: no align='sequence', unshard, concat or baseline"
+                "live comparison pairs entries by name: no align='sequence', unshard, tokens, concat or baseline"
             )
         return {
             "metric": self.metric,
@@ -180,6 +196,7 @@ class CompareSpec:
             "mapping": None if self.mapping is None else self.mapping.to_dict(),
             "unshard": self.unshard,
             "concat": list(self.concat) if isinstance(self.concat, tuple) else self.concat,
+            "tokens": self.tokens,
             "structural": self.structural,
             "metric": self.metric,
             "threshold": self.threshold,
@@ -219,8 +236,8 @@ class CompareSpec:
             if name == "mapping":
                 n = len(value)
                 parts.append(f"mapping {n} rule{'s' if n != 1 else ''}")
-            elif name == "unshard":
-                parts.append("unshard")
+            elif name in ("unshard", "tokens"):
+                parts.append(name)
             elif name == "allow_uncompared":
                 parts.append(f"allow_uncompared {list(value)}")
             elif name == "baseline":

@@ -502,14 +502,16 @@ class ModuleCapture(StopsOnCheck, InMemory):
         self.close(write_pending=False, warn=False)
 
     # -- public API -----------------------------------------------------------------------
-    def step(self, failed: str | None = None):
+    def step(self, failed: str | None = None, *, tokens=None):
         """End the current pass and write it (always, even when empty).
 
         With ``on_nonfinite``, flags kept on an accelerator are read here (one
         copy per step) and the first offending entry is reported.
         ``failed`` (an error's text) marks a pass cut short by an error, in its
         sidecar: what it holds ran before the error (``%%tdi_capture`` sets it
-        when the cell raises).
+        when the cell raises). ``tokens`` (:func:`tdinspect.tokens`) records which
+        request and position each token row of the pass holds, for
+        ``DumpSet.diff(other, tokens=True)``.
 
         Returns
         -------
@@ -525,7 +527,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
             "directly (hooks need model(...)), or did the model run under "
             "CUDA-graph replay or torch.compile?"
         )
-        path = self.recorder.step(failed)
+        path = self.recorder.step(failed, tokens)
         if self.health is not None:
             self._checked(self.health.end_pass)
         return path

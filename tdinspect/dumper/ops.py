@@ -341,10 +341,11 @@ class OpCapture(StopsOnCheck, InMemory):
             stacklevel=3,
         )
 
-    def step(self, failed: str | None = None):
+    def step(self, failed: str | None = None, *, tokens=None):
         """End the pass and write it (always, even when empty); returns its path.
 
-        ``failed`` marks a pass cut short by an error, as for :meth:`ModuleCapture.step`.
+        ``failed`` marks a pass cut short by an error, and ``tokens`` its token layout,
+        as for :meth:`ModuleCapture.step`.
         """
         if self.recorder is None:
             return None
@@ -353,7 +354,7 @@ class OpCapture(StopsOnCheck, InMemory):
         self._seen.clear()
         self._by_storage.clear()
         with _disable_current_modes():  # the recorder's own ops are not the model's
-            path = self._checked(self.recorder.step, failed)
+            path = self._checked(self.recorder.step, failed, tokens)
             if self.health is not None:
                 self._checked(self.health.end_pass)
             return path

@@ -19,12 +19,13 @@ import torch
 from tdinspect.dumper.kinds import is_plain, prepare, safe_stats, shape_of
 from tdinspect.dumper.memory import MemoryStore
 from tdinspect.dumper.writer import AsyncWriter, PendingPass
-from tdinspect.errors import ConfigError
+from tdinspect.errors import ConfigError, TokenLayoutError
 from tdinspect.naming import make_key, split_call
 from tdinspect.numerics.checksum import row_checksums, tensor_checksum
 from tdinspect.numerics.stats import stats_and_checksum
 from tdinspect.store.format import pass_filename, sidecar_filename
 from tdinspect.store.runs import new_run_folder, release_run_folder
+from tdinspect.store.tokenlayout import TokenLayout
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
@@ -524,20 +525,40 @@ class Recorder:
             if len(values) == n:
                 values.append(None)
 
-    def step(self, failed: str | None = None) -> Path | None:
+    def step(self, failed: str | None = None, tokens: TokenLayout | None = None) -> Path | None:
         """End the pass: hand it to the writer (empty or not); returns its file's path.
 
         ``failed`` marks a pass cut short by an error (the sidecar's ``failed``
-        field holds it): it holds what ran before the error.
+        field holds it): it holds what ran before the error. ``tokens`` (a
+        :class:`~tdinspect.store.tokenlayout.TokenLayout`) is written as its ``tokens`` field.
         """
+        if tokens is not None and not isinstance(tokens, TokenLayout):
+            raise TypeError(f"step(tokens={tokens!r}): expected tdinspect.tokens(...)")
         if self._forked_from is not None:
             self._forked_note()
             return None
         with self._lock:
-            return self._step(failed)
+            if tokens is not None:
+                self._check_tokens(tokens)
+            return self._step(failed, tokens)
 
-    def _step(self, failed: str | None) -> Path | None:
+    def _check_tokens(self, tokens: TokenLayout) -> None:
+        """A layout no entry of the pass fits is refused before the pass is written (the
+        pass stays open: call ``step`` again with the right one)."""
+        k = len(tokens.shape)
+        shapes = [s for s in self._pass.columns["shape"] if s is not None]
+        if shapes and not any(list(s[:k]) == list(tokens.shape) for s in shapes):
+            seen = sorted({str(list(s)) for s in shapes})[:4]
+            raise TokenLayoutError(
+                f"step(tokens=...): its shape {list(tokens.shape)} ({tokens.rows} token rows) leads no "
+                f"entry of pass {self.pass_index} (shapes {', '.join(seen)}, ...): give the leading dims "
+                "of the pass's token-major tensors, e.g. shape=(1, T) for [1, T, hidden]"
+            )
+
+    def _step(self, failed: str | None, tokens: TokenLayout | None = None) -> Path | None:
         p = self._pass
+        if tokens is not None:
+            p.header = {**p.header, "tokens": tokens.to_json()}
         if self.observer is not None:
             self.observer.end_pass(self.pass_index)
         if self.writer is None:

@@ -34,7 +34,9 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  "checksum": [null | "0123456789abcdef"],
                  # capture(checksum=True, checksum_dim=d): one fingerprint per index along d
                  # (the row's own checksum, tdinspect.numerics.checksum.row_checksums)
-                 "checksum_rows": [null | {"dim": d, "rows": ["0123456789abcdef", ...]}]}}
+                 "checksum_rows": [null | {"dim": d, "rows": ["0123456789abcdef", ...]}]},
+     # a pass recorded with step(tokens=...) (tdinspect.store.tokenlayout):
+     "tokens": {"shape": [lead dims], "segments": [[request | null, first_position, length], ...]}}
 
 Columns are added where they apply; a reader ignores those it does not know, so dumps
 written without them open as before.

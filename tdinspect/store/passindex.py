@@ -37,6 +37,7 @@ from tdinspect.store.format import (
 from tdinspect.store.rawpass import crc_failure, mapping_files, read_plain, read_raw
 from tdinspect.store.reindex import reindex
 from tdinspect.store.restore import restore, restored_shape
+from tdinspect.store.tokenlayout import TokenLayout
 from tdinspect.store.zipindex import ZipIndex, identity, read_index
 
 
@@ -72,6 +73,7 @@ class PassIndex:
     module_call: list[Any] | None = None  # op level: which call of its module ran the op
     # capture(checksum_dim=d): per entry {"dim": d, "rows": [16 hex digits per index]} or None
     checksum_rows: list[Any] | None = None
+    tokens: TokenLayout | None = None  # which request and position each token row holds
 
     def __post_init__(self) -> None:
         self.position = {k: i for i, k in enumerate(self.keys)}
@@ -149,6 +151,9 @@ class PassIndex:
             raw=e.get("raw"),
             module_call=e.get("module_call"),
             checksum_rows=e.get("checksum_rows"),
+            tokens=None
+            if doc.get("tokens") is None
+            else TokenLayout.from_json(doc["tokens"], str(files.sidecar)),
         )
         return pi
 

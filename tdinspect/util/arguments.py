@@ -122,6 +122,15 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict]] = [
         ),
     ),
     (
+        ("--tokens",),
+        dict(
+            action="store_true",
+            help="line the runs up token by token, by (request, position), whatever their packing, "
+            "padding or passes (both recorded with dump.step(tokens=...)); the answer names the "
+            "request and position",
+        ),
+    ),
+    (
         ("--structural",),
         dict(
             choices=["diverge", "report"],

@@ -1,0 +1,286 @@
+"""Token alignment: a tiny Hugging Face Llama run one request at a time, or padded, against the
+same model served packed with continuous batching (tdinspect.examples.engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect.dumper.recorder import Recorder
+from tdinspect.errors import AlignError, DumpFormatError, TokenLayoutError, UncomparedWarning
+from tdinspect.examples.engine import (
+    CONTINUOUS,
+    PACKED,
+    PackedLlama,
+    capture_engine,
+    capture_reference,
+    engine_prompts,
+)
+from tdinspect.examples.port import make_hf_llama
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokens")
+    hf = make_hf_llama(seed=0)
+    prompts = engine_prompts()
+    out = {
+        "hf": capture_reference(hf, prompts, root / "hf"),
+        "padded": capture_reference(hf, prompts, root / "padded", padded=True),
+        "packed": capture_engine(PackedLlama(hf), prompts, PACKED, root / "packed"),
+        "continuous": capture_engine(PackedLlama(hf), prompts, CONTINUOUS, root / "continuous"),
+        "bug": capture_engine(PackedLlama(hf, bug=(1, 6)), prompts, CONTINUOUS, root / "bug"),
+        "last": capture_engine(PackedLlama(hf, logits="last"), prompts, PACKED, root / "last"),
+        "short": capture_engine(PackedLlama(hf), prompts, CONTINUOUS[:-2], root / "short"),
+    }
+    return {k: tdinspect.DumpSet.open(v) for k, v in out.items()}
+
+
+# -- the layout ------------------------------------------------------------------------------
+
+
+def test_layout_from_engine_tensors():
+    packed = tdinspect.tokens(
+        request_ids=torch.tensor([4, 2]),
+        positions=torch.tensor([7, 0, 1, 2]),
+        cu_seqlens=torch.tensor([0, 1, 4]),
+    )
+    assert packed.shape == (4,) and packed.segments == ((4, 7, 1), (2, 0, 3))
+    padded = tdinspect.tokens(attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), request_ids=[9, 3])
+    assert padded.shape == (2, 3) and padded.segments == ((None, 0, 1), (9, 0, 2), (3, 0, 3))
+    per_token = tdinspect.tokens(request_ids=[1, 1, 0], positions=[3, 4, 0], shape=(1, 3))
+    assert per_token.segments == ((1, 3, 2), (0, 0, 1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(request_ids=[0, 1], seq_lens=[2, 3], positions=[0, 1, 2]), "positions has 3 values"),
+        (dict(request_ids=[0], seq_lens=[2, 3]), "request_ids has 1 values for 2 sequences"),
+        (dict(cu_seqlens=[1, 3]), "cu_seqlens"),
+        (dict(cu_seqlens=[0, 3, 2]), "non-decreasing"),
+        (
+            dict(seq_lens=[2, 2], request_ids=[5, 5], positions=[0, 1, 1, 2]),
+            "request 5 position 1 is in rows",
+        ),
+        (dict(seq_lens=[4], shape=(3,)), "shape [3] holds 3 rows"),
+        (dict(seq_lens=[2], positions=[0, -1]), "positions[1] = -1"),
+        (dict(attention_mask=[[1, 2]]), "0 (pad) and 1"),
+        (dict(attention_mask=[[1, 1]], seq_lens=[2]), "padded batch"),
+        (dict(positions=[0, 1]), "give cu_seqlens or seq_lens"),
+        (dict(seq_lens=torch.tensor([1.0])), "floating-point"),
+    ],
+)
+def test_layout_errors_name_the_argument(kwargs, words):
+    with pytest.raises(TokenLayoutError, match=re.escape(words)):
+        tdinspect.tokens(**kwargs)
+
+
+def test_step_writes_the_layout_and_refuses_one_no_entry_fits(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "d") as dump:
+        model(torch.randn(5, 4))
+        with pytest.raises(TokenLayoutError, match=r"shape \[6\] \(6 token rows\) leads no entry"):
+            dump.step(tokens=tdinspect.tokens(seq_lens=[6]))
+        dump.step(tokens=tdinspect.tokens(request_ids=[3, 4], seq_lens=[2, 3]))  # the pass stayed open
+        model(torch.randn(2, 4))
+        dump.step()  # without a layout: as before
+    ds = tdinspect.DumpSet.open(tmp_path / "d")
+    assert ds.get_pass(0).tokens.segments == ((3, 0, 2), (4, 0, 3))
+    assert ds.get_pass(1).tokens is None
+    sidecar = next((tmp_path / "d").glob("rank*/pass00000.json"))
+    assert json.loads(sidecar.read_text())["tokens"] == {"shape": [5], "segments": [[3, 0, 2], [4, 0, 3]]}
+
+
+def test_a_malformed_layout_on_disk_names_the_file(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "d", stats_only=True) as dump:
+        model(torch.randn(5, 4))
+        dump.step(tokens=tdinspect.tokens(seq_lens=[5]))
+    sidecar = next((tmp_path / "d").glob("rank*/pass00000.json"))
+    doc = json.loads(sidecar.read_text())
+    doc["tokens"]["segments"] = [[0, 0, 4]]  # 4 rows for a shape of 5
+    doc.pop("binding", None)
+    sidecar.write_text(json.dumps(doc))
+    with pytest.raises(
+        DumpFormatError, match=r"pass00000.json: malformed 'tokens' field \(segments cover 4 rows"
+    ):
+        tdinspect.DumpSet.open(tmp_path / "d").get_pass(0)
+
+
+# -- the aligner ----------------------------------------------------------------------------
+
+
+def test_plan_maps_each_token_before_any_tensor_is_read(dumps):
+    d = dumps["hf"].diff(dumps["continuous"], tokens=True)
+    assert str(d.tokens.requests[1]) == (
+        "request 1: positions 0..8 (9): A pass 1 rows 0..8 | "
+        "B pass 0 rows 3..8, pass 1 row 1, pass 2 row 1, pass 3 row 0"
+    )
+    rows = d.tokens.rows()
+    assert len(rows) == 30
+    assert {"request": 2, "position": 12, "a_pass": 2, "a_row": 12, "b_pass": 2, "b_row": 2} in rows
+    assert d.passes_read == []
+
+
+@pytest.mark.parametrize("ref, engine", [("hf", "packed"), ("hf", "continuous"), ("padded", "continuous")])
+def test_a_correct_engine_matches_whatever_the_batching(dumps, ref, engine):
+    d = dumps[ref].diff(dumps[engine], tokens=True)
+    v = d.verdict()
+    assert v.outcome == "matches", v.text
+    assert v.compared == 3 * 25  # every entry of every request
+    # not by luck: the same entries compared by pass would not even line up
+    assert dumps[ref].diff(dumps[engine]).verdict().outcome == "diverges"
+
+
+def test_a_planted_bug_is_named_by_module_request_and_position(dumps):
+    d = dumps["hf"].diff(dumps["bug"], tokens=True)
+    div = d.first_divergence()
+    assert (div.key, div.request, div.position) == ("model.model.layers.0.self_attn.o_proj", 1, 6)
+    assert "B pass 1 row 1" in div.reason  # the engine's step and row where position 6 ran
+    assert d.verdict().text.startswith(
+        "diverges: model.model.layers.0.self_attn.o_proj (request 1, position 6)"
+    )
+    pp = d.per_position("model.model.layers.0.self_attn.o_proj")
+    thr = pp.attrs["threshold"]
+    one = pp.sel(request=1, call=0)
+    assert (one.sel(position=slice(0, 5)) <= thr).all() and (one.sel(position=slice(6, 8)) > thr).all()
+    assert (pp.sel(request=[0, 2]).fillna(0) <= thr).all()
+    assert pp["token_position"].sel(request=1).values.tolist()[:9] == list(range(9))
+
+
+def test_entries_without_token_rows_are_set_aside_not_dropped(dumps):
+    d = dumps["hf"].diff(dumps["last"], tokens=True)
+    div = d.first_divergence()  # structural="diverge": it is the answer
+    assert div.key == "model.lm_head" and div.structural and "not token-major" in div.reason
+    with pytest.warns(UncomparedWarning, match="not token-major"):
+        assert d.first_divergence(structural="report") is None
+    v = d.verdict(structural="report")
+    assert v.outcome == "incomplete" and v.compared == 3 * 24
+
+
+def test_tokens_one_side_did_not_compute_make_the_verdict_incomplete(dumps):
+    d = dumps["hf"].diff(dumps["short"], tokens=True)
+    v = d.verdict()
+    assert v.outcome == "incomplete"
+    assert "request 2 positions 14..15 in A only" in v.gap
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert d.first_divergence() is None
+    assert any("14..15 in A only" in str(w.message) for w in seen)
+
+
+def test_a_pass_without_layout_is_an_error_naming_the_dump(dumps, tmp_path):
+    hf = make_hf_llama(seed=0)
+    with torch.no_grad(), tdinspect.capture(hf, tmp_path / "plain") as dump:
+        hf(engine_prompts()[0][None])
+        dump.step()
+    with pytest.raises(
+        AlignError, match=r"plain: pass 0 has no token layout: record it with dump.step\(tokens="
+    ):
+        dumps["hf"].diff(tmp_path / "plain", tokens=True)
+
+
+def test_cli_first_divergence_tokens(dumps):
+    def run(b):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tdinspect",
+                "first-divergence",
+                str(dumps["hf"].path),
+                str(b.path),
+                "--tokens",
+            ],
+            capture_output=True,
+            text=True,
+        )
+
+    ok, bad = run(dumps["continuous"]), run(dumps["bug"])
+    assert ok.returncode == 0 and "no divergence" in ok.stdout, ok.stderr
+    assert bad.returncode == 1
+    assert "model.model.layers.0.self_attn.o_proj (request 1, position 6, call 0)" in bad.stdout
+
+
+def _record(root, rank, passes, dims=None, parallel=None):
+    """One rank's dump: ``passes`` is a list of ({key: tensor}, TokenLayout)."""
+    os.environ["RANK"] = str(rank)
+    try:
+        rec = Recorder(root, level="module", parallel=parallel, dims=dims, background_write=False)
+    finally:
+        del os.environ["RANK"]
+    for entries, layout in passes:
+        for key, t in entries.items():
+            rec.record(key, t, module_type="Linear")
+        rec.step(tokens=layout)
+    rec.close()
+
+
+def test_tensor_parallel_ranks_are_unsharded_before_tokens_line_up(tmp_path):
+    """Two requests run one at a time [1, L, 8] against a TP=2 engine packing them [T, 4] a rank."""
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, n, 8, generator=gen) for n in (3, 5)]
+    _record(
+        tmp_path / "ref",
+        0,
+        [
+            ({"m.out": t}, tdinspect.tokens(request_ids=[r], seq_lens=[t.shape[1]], shape=(1, t.shape[1])))
+            for r, t in enumerate(full)
+        ],
+    )
+    packed = torch.cat([full[0][0, :2], full[1][0, :4]])  # step 0: 2 + 4 tokens
+    steps = [
+        (packed, tdinspect.tokens(request_ids=[0, 1], seq_lens=[2, 4])),
+        (
+            torch.cat([full[0][0, 2:], full[1][0, 4:]]),
+            tdinspect.tokens(request_ids=[0, 1], positions=[2, 4], seq_lens=[1, 1]),
+        ),
+    ]
+    for name, fault in (("tp2", None), ("tp2_bad", 1)):
+        for rank in (0, 1):
+            passes = []
+            for rows, layout in steps:
+                shard = rows[:, rank * 4 : rank * 4 + 4].clone()
+                if fault == rank and layout.segments[0][1] == 0:
+                    shard[3:] *= 1.01  # request 1 positions 1..3 on rank 1
+                passes.append(({"m.out": shard}, layout))
+            _record(tmp_path / name, rank, passes, dims={"out$": "s h(tp)"}, parallel={"tp": (rank, 2)})
+    ref = tdinspect.DumpSet.open(tmp_path / "ref")
+    with pytest.raises(AlignError, match="ranks \\[0, 1\\]: add unshard=True"):
+        ref.diff(tmp_path / "tp2", tokens=True)
+    assert ref.diff(tmp_path / "tp2", tokens=True, unshard=True).verdict().outcome == "matches"
+    div = ref.diff(tmp_path / "tp2_bad", tokens=True, unshard=True).first_divergence()
+    assert (div.key, div.request, div.position) == ("m.out", 1, 1)
+
+
+def test_a_token_computed_twice_on_one_side_is_an_error(tmp_path):
+    rows = torch.randn(4, 8)
+    _record(
+        tmp_path / "twice",
+        0,
+        [
+            ({"m.out": rows[:3]}, tdinspect.tokens(request_ids=[0], seq_lens=[3])),
+            ({"m.out": rows[3:]}, tdinspect.tokens(request_ids=[0], positions=[2], seq_lens=[1])),  # again
+        ],
+    )
+    _record(tmp_path / "ref", 0, [({"m.out": rows[:3]}, tdinspect.tokens(request_ids=[0], seq_lens=[3]))])
+    with pytest.raises(AlignError, match="request 0 position 2 is in pass 0 row 2 and pass 1 row 0"):
+        tdinspect.DumpSet.open(tmp_path / "ref").diff(tmp_path / "twice", tokens=True)
+
+
+def test_a_statistics_only_side_is_refused_naming_it(tmp_path, dumps):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "s", stats_only=True) as dump:
+        model(torch.randn(5, 4))
+        dump.step(tokens=tdinspect.tokens(seq_lens=[5]))
+    with pytest.raises(AlignError, match=r"s is statistics-only: tokens=True gathers"):
+        dumps["hf"].diff(tmp_path / "s", tokens=True)
