@@ -29,7 +29,9 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  # geometry = [sizes, strides, storage_offset] in the storage they shared;
                  # a view is rebuilt by indexing the stored tensor (tdinspect.store.reindex), never
                  # by running an operator
-                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]}}
+                 "call_args": [null | {"aten": name, "spec": treespec, "leaves": [...]}]},
+     # module level, when the model is torch.compile'd (absent otherwise):
+     "compile": {"mode": "graph"|"eager"|"mixed", "graphs": N, "graph_breaks": N, "recompiles": N}}
 
 Writes are atomic: a temporary name in the same folder, then ``os.replace``.
 """
