@@ -194,3 +194,26 @@ def test_cuda_graph_replays_are_recorded(tmp_path):
     assert graph.passes == [0, 1, 2] and graph.ops == eager.ops, said
     for p in graph.passes:
         assert torch.equal(graph.tensor("model.lm_head", pass_=p), outs[p].cpu())
+
+
+def test_a_captured_model_never_shares_a_graph_with_an_uncaptured_twin(tmp_path):
+    """Dynamo does not guard on module hooks by default: a second instance of the same class
+    reused the first one's graph, compiled without the record op, and captured nothing.
+    Dynamo-level behaviour, so a fast backend is enough here."""
+    tokens = make_tokens()
+    plain, captured = make_model(**SMALL), make_model(**SMALL)
+    torch._dynamo.reset()
+    fast_plain = torch.compile(plain, backend="aot_eager")
+    fast_captured = torch.compile(captured, backend="aot_eager")
+    with torch.no_grad():
+        fast_plain(tokens)  # compiled first, without hooks
+        outs, dump, _ = _capture(fast_captured, tmp_path / "d", lambda m: (fast_plain(tokens), m(tokens)))
+    torch._dynamo.reset()
+    ds = DumpSet.open(tmp_path / "d")
+    keys = ds.get_pass(0).keys  # the captured twin's calls only: expert runs 3 times a forward
+    assert len(ds.ops) > 10 and [k for k in keys if "::call" in k] == [
+        "model.expert::call1",
+        "model.expert::call2",
+    ]
+    assert torch.equal(ds.tensor("model.lm_head"), outs[0][1])
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # dynamo's default, restored at close

@@ -18,7 +18,10 @@ Usage (what :class:`tdinspect.dumper.modules.ModuleCapture` does)::
 
 Dynamo does not guard compiled code on the hooks of submodules
 (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled before the capture
-started never calls the hooks, so :func:`drop_compiled_code` makes dynamo compile anew.
+started never calls the hooks, so :func:`drop_compiled_code` makes dynamo compile anew,
+and :func:`hold_hook_guards` has it guard on hooks while captures are open (another
+instance of the same class, compiled without hooks, would otherwise share its graph
+with the captured one, and the other way round).
 
 Nothing here imports ``torch._dynamo`` until a compiled model is captured.
 """
@@ -38,6 +41,8 @@ _sites: dict[int, Callable[[list[str], list[torch.Tensor]], None]] = {}
 _numbers = itertools.count(1)
 _lock = threading.Lock()
 _op = None
+_guard_holds: set[int] = set()
+_guard_prior: bool | None = None
 
 
 def record_op():
@@ -121,6 +126,31 @@ def drop_compiled_code() -> bool:
         return False
     dynamo.reset()
     return True
+
+
+def hold_hook_guards(token: int) -> None:
+    """Dynamo guards compiled code on module hooks until the last :func:`release_hook_guards`."""
+    global _guard_prior
+    from torch._dynamo import config
+
+    with _lock:
+        if not _guard_holds:
+            _guard_prior = config.skip_nnmodule_hook_guards
+            config.skip_nnmodule_hook_guards = False
+        _guard_holds.add(token)
+
+
+def release_hook_guards(token: int) -> None:
+    """Give up a hold (twice does nothing); the last one restores dynamo's setting."""
+    global _guard_prior
+    with _lock:
+        if token not in _guard_holds:
+            return
+        _guard_holds.discard(token)
+        if not _guard_holds and _guard_prior is not None:
+            from torch._dynamo import config
+
+            config.skip_nnmodule_hook_guards, _guard_prior = _guard_prior, None
 
 
 class CompileCounter:

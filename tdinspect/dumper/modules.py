@@ -270,6 +270,11 @@ class ModuleCapture(StopsOnCheck):
         This process's ``rank<R>_pid<P>`` folder.
     names : list of str
         The hooked module names.
+    compile_mode : {"graph", "eager"} or None
+        How a compiled model is captured (see :func:`capture`'s ``compile``).
+    compile_counts : dict
+        Graphs dynamo compiled, graph breaks and recompiles while this capture ran
+        (``{"graphs", "graph_breaks", "recompiles"}``; counted in graph mode).
     """
 
     def __init__(
@@ -371,6 +376,8 @@ class ModuleCapture(StopsOnCheck):
                 # code compiled before the hooks were added would never call them
                 graphs.drop_compiled_code()
                 if "torch._dynamo" in sys.modules:
+                    graphs.hold_hook_guards(id(self))
+                    weakref.finalize(self, graphs.release_hook_guards, id(self))
                     self._counter = graphs.CompileCounter()
         except BaseException:
             self.close(write_pending=False, warn=False)  # hooks removed, nothing left on
@@ -667,7 +674,8 @@ class ModuleCapture(StopsOnCheck):
             self._annotate_pass()
         for site in self._sites:  # compiled code may outlive the capture: its calls do nothing
             graphs.drop_site(site)
-        if self._counter is not None:  # the model's next call compiles without the record op
+        if self.compile_mode == "graph":  # the model's next call compiles without the record op
+            graphs.release_hook_guards(id(self))
             graphs.drop_compiled_code()
         rec, self.recorder = self.recorder, None
         unfired = self.unfired
