@@ -19,7 +19,7 @@ Usage (what :class:`tdinspect.dumper.modules.ModuleCapture` does)::
 Dynamo does not guard compiled code on the hooks of submodules
 (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled before the capture
 started never calls the hooks, so :func:`drop_compiled_code` makes dynamo compile anew,
-and :func:`hold_hook_guards` has it guard on hooks while captures are open (another
+and :data:`HOOK_GUARDS` has it guard on hooks while captures are open (another
 instance of the same class, compiled without hooks, would otherwise share its graph
 with the captured one, and the other way round).
 
@@ -35,14 +35,14 @@ from collections.abc import Callable
 
 import torch
 
+from tdinspect.dumper.stance import SharedHold
+
 SEP = "\x1f"  # between labels in the op's string argument (never in a module name)
 _NAMESPACE = "tdinspect"
 _sites: dict[int, Callable[[list[str], list[torch.Tensor]], None]] = {}
 _numbers = itertools.count(1)
 _lock = threading.Lock()
 _op = None
-_guard_holds: set[int] = set()
-_guard_prior: bool | None = None
 
 
 def record_op():
@@ -128,29 +128,15 @@ def drop_compiled_code() -> bool:
     return True
 
 
-def hold_hook_guards(token: int) -> None:
-    """Dynamo guards compiled code on module hooks until the last :func:`release_hook_guards`."""
-    global _guard_prior
+def _guard_hooks():
     from torch._dynamo import config
 
-    with _lock:
-        if not _guard_holds:
-            _guard_prior = config.skip_nnmodule_hook_guards
-            config.skip_nnmodule_hook_guards = False
-        _guard_holds.add(token)
+    prior, config.skip_nnmodule_hook_guards = config.skip_nnmodule_hook_guards, False
+    return lambda: setattr(config, "skip_nnmodule_hook_guards", prior)
 
 
-def release_hook_guards(token: int) -> None:
-    """Give up a hold (twice does nothing); the last one restores dynamo's setting."""
-    global _guard_prior
-    with _lock:
-        if token not in _guard_holds:
-            return
-        _guard_holds.discard(token)
-        if not _guard_holds and _guard_prior is not None:
-            from torch._dynamo import config
-
-            config.skip_nnmodule_hook_guards, _guard_prior = _guard_prior, None
+# dynamo guards compiled code on module hooks while a capture in graph mode is open
+HOOK_GUARDS = SharedHold(_guard_hooks)
 
 
 class CompileCounter:

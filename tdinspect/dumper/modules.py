@@ -322,6 +322,7 @@ class ModuleCapture(StopsOnCheck):
         self.compile_counts = dict.fromkeys(graphs.CompileCounter.FIELDS, 0)
         self._counter: graphs.CompileCounter | None = None
         self._sites: list[int] = []
+        self._guards: int | None = None  # a hold of graphs.HOOK_GUARDS
         self._pass_modes: set[str] = set()
         if not self.enabled:
             return
@@ -376,8 +377,8 @@ class ModuleCapture(StopsOnCheck):
                 # code compiled before the hooks were added would never call them
                 graphs.drop_compiled_code()
                 if "torch._dynamo" in sys.modules:
-                    graphs.hold_hook_guards(id(self))
-                    weakref.finalize(self, graphs.release_hook_guards, id(self))
+                    self._guards = graphs.HOOK_GUARDS.hold()
+                    weakref.finalize(self, graphs.HOOK_GUARDS.release, self._guards)
                     self._counter = graphs.CompileCounter()
         except BaseException:
             self.close(write_pending=False, warn=False)  # hooks removed, nothing left on
@@ -675,7 +676,7 @@ class ModuleCapture(StopsOnCheck):
         for site in self._sites:  # compiled code may outlive the capture: its calls do nothing
             graphs.drop_site(site)
         if self.compile_mode == "graph":  # the model's next call compiles without the record op
-            graphs.release_hook_guards(id(self))
+            graphs.HOOK_GUARDS.release(self._guards)
             graphs.drop_compiled_code()
         rec, self.recorder = self.recorder, None
         unfired = self.unfired
