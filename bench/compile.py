@@ -76,8 +76,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--modes", default="stats_only")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--dir", default=None, help="folder for the dumps (default: a temporary one)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"capture inside torch.compile (inductor, {threads_note()})")
     with scratch_dir("compile", args.dir) as out:
         for mode in args.modes.split(","):
