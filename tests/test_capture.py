@@ -340,7 +340,7 @@ def test_compiled_model_runs_eagerly_with_warning(tmp_path, tokens):
     ref = model(tokens)
     compiled = torch.compile(model)
     with pytest.warns(UserWarning, match="compile"):
-        with tdinspect.capture(compiled, tmp_path, filter=r"lm_head") as dump:
+        with tdinspect.capture(compiled, tmp_path, filter=r"lm_head", compile="eager") as dump:
             out = compiled(tokens)
             dump.step()
     assert torch.equal(out, ref)

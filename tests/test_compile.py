@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import warnings
 
+import pytest
 import torch
 
 import tdinspect
@@ -44,7 +46,7 @@ def test_compiling_after_capture_started_runs_and_records_the_eager_entries(tmp_
     assert a.diff(b).first_divergence(metric="equal") is None
 
 
-def _eager_and(tmp_path, prepare):
+def _eager_and(tmp_path, prepare, **options):
     """Capture an eager run and a run of the same model after ``prepare(model)``."""
     tokens = make_tokens()
     runs = {}
@@ -52,7 +54,10 @@ def _eager_and(tmp_path, prepare):
         model = fn(make_model(seed=0))
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            with torch.no_grad(), tdinspect.capture(model, tmp_path / name, environ={}) as dump:
+            with (
+                torch.no_grad(),
+                tdinspect.capture(model, tmp_path / name, environ={}, **options) as dump,
+            ):
                 model(tokens)
                 dump.step()
         runs[name] = (DumpSet.open(tmp_path / name), [str(w.message) for w in seen])
@@ -60,28 +65,32 @@ def _eager_and(tmp_path, prepare):
     return runs
 
 
-def test_in_place_compile_is_detected_at_capture_and_runs_eagerly(tmp_path):
-    """Issue 13: m.compile() in place captured nothing, with only a warning at the end."""
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_in_place_compile_is_detected_at_capture(tmp_path, mode):
+    """Issue 13: m.compile() in place captured nothing, with only a warning at the end.
+    compile="eager" runs it eagerly and says so; "graph" (issue 30) records in its graphs."""
 
     def compile_in_place(m):
         m.compile(backend="eager")
         return m
 
-    runs = _eager_and(tmp_path, compile_in_place)
+    runs = _eager_and(tmp_path, compile_in_place, compile=mode)
     (eager, _), (compiled, said) = runs["eager"], runs["compiled"]
-    assert any("compile" in s and "eagerly" in s for s in said), said
+    assert any("compile" in s and "eagerly" in s for s in said) == (mode == "eager"), said
+    assert json.loads(next(compiled.path.glob("*/pass00000.json")).read_text())["compile"]["mode"] == mode
     assert compiled.ops == eager.ops and len(eager.ops) > 10
     assert eager.diff(compiled).first_divergence(metric="equal") is None
 
 
-def test_compiled_submodule_names_line_up_with_the_eager_run(tmp_path):
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_compiled_submodule_names_line_up_with_the_eager_run(tmp_path, mode):
     """Issue 13: a compiled submodule gave names with _orig_mod and 18 modules missing."""
 
     def compile_a_layer(m):
         m.layers[1] = torch.compile(m.layers[1], backend="eager")
         return m
 
-    runs = _eager_and(tmp_path, compile_a_layer)
+    runs = _eager_and(tmp_path, compile_a_layer, compile=mode)
     (eager, _), (compiled, _) = runs["eager"], runs["compiled"]
     assert not [op for op in compiled.ops if "_orig_mod" in op]
     assert compiled.ops == eager.ops

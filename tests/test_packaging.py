@@ -151,7 +151,7 @@ def test_committed_notebooks_show_their_output():
     """Every code cell ran, without error, and the file says so (a reader on GitHub sees results)."""
     nbformat = pytest.importorskip("nbformat")
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    assert len(notebooks) == 8
+    assert len(notebooks) == 9
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]

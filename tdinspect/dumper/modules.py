@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
 
 from tdinspect.config import DumpConfig, FilterSpec, parse_memory, parse_record
+from tdinspect.dumper import compiled as graphs
 from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, live_options, open_live
 from tdinspect.dumper.memory import InMemory
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
@@ -76,6 +77,22 @@ def _eager(fn):
         return disabled(*args, **kwargs)
 
     return hook
+
+
+_PARAM = "\x1e"  # marks a parameter's or buffer's label in the record op's labels
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """``(kind, name, tensor)`` of the module's own parameters and buffers."""
+    return [
+        (kind, pname, tensor)
+        for kind, items in (
+            ("param", module.named_parameters(recurse=False)),
+            ("buffer", module.named_buffers(recurse=False)),
+        )
+        for pname, tensor in items
+        if tensor is not None
+    ]
 
 
 def path_label(path) -> str:
@@ -212,7 +229,7 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, compiled
 
 
-def _eager_name(name: str) -> str:
+def eager_name(name: str) -> str:
     """``layers.0._orig_mod.proj`` -> ``layers.0.proj``: a compiled submodule's wrapper adds
     ``_orig_mod`` to the path, which would keep compiled and eager runs from lining up."""
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
@@ -224,7 +241,7 @@ def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list
         raise ConfigError(f"modules={modules!r}: expected 'leaves' or 'all'")
     chosen = []
     for name, mod in model.named_modules():
-        full = module_key(root, _eager_name(name))
+        full = module_key(root, eager_name(name))
         if modules == "leaves" and next(mod.children(), None) is not None:
             continue
         if type(mod).__name__ == "OptimizedModule":  # its _orig_mod is hooked under this name
@@ -254,6 +271,11 @@ class ModuleCapture(StopsOnCheck, InMemory):
         This process's ``rank<R>_pid<P>`` folder.
     names : list of str
         The hooked module names.
+    compile_mode : {"graph", "eager"} or None
+        How a compiled model is captured (see :func:`capture`'s ``compile``).
+    compile_counts : dict
+        Graphs dynamo compiled, graph breaks and recompiles while this capture ran
+        (``{"graphs", "graph_breaks", "recompiles"}``; counted in graph mode).
     """
 
     def __init__(
@@ -277,7 +299,10 @@ class ModuleCapture(StopsOnCheck, InMemory):
         overwrite: bool = False,
         checksum_dim: int | None = None,
         memory=None,
+        compile: str | None = None,
     ):
+        if compile not in (None, "graph", "eager"):
+            raise ConfigError(f"compile={compile!r}: expected 'graph' or 'eager'")
         self.config = config
         memory = memory_limit(memory, config, compare_to)
         rank = current_rank(parallel_coords(parallel))
@@ -299,6 +324,12 @@ class ModuleCapture(StopsOnCheck, InMemory):
         self._params_seen: dict[str, tuple] = {}  # key -> (identity, pass stored, stats)
         self._on_step: list[Any] = []
         self.recorder: Recorder | None = None
+        self.compile_mode: str | None = None  # "graph" or "eager" once hooks are installed
+        self.compile_counts = dict.fromkeys(graphs.CompileCounter.FIELDS, 0)
+        self._counter: graphs.CompileCounter | None = None
+        self._sites: list[int] = []
+        self._guards: int | None = None  # a hold of graphs.HOOK_GUARDS
+        self._pass_modes: set[str] = set()
         if not self.enabled:
             return
         if not isinstance(model, nn.Module):
@@ -338,16 +369,26 @@ class ModuleCapture(StopsOnCheck, InMemory):
         )
         self.folder = self.recorder.folder
         self._memory, self.recorder.on_stop = self.recorder.memory, self._on_check_error
+        self._compiled = compiled
+        self.compile_mode = compile or ("graph" if compiled else "eager")
         try:
             self._install(chosen)
-            if compiled:  # last: nothing after it can fail, and close() undoes it
+            if compiled and self.compile_mode == "eager":  # last: nothing after it can fail
                 warnings.warn(
                     "tdinspect: the model is torch.compile'd; running it eagerly while "
-                    "capturing (hooks do not fire inside compiled graphs)",
+                    "capturing (compile='eager'; compile='graph' records inside the "
+                    "compiled graphs)",
                     stacklevel=3,
                 )
                 self._stance = hold_eager()
                 weakref.finalize(self, release, self._stance)  # a capture dropped unclosed
+            elif self.compile_mode == "graph":
+                # code compiled before the hooks were added would never call them
+                graphs.drop_compiled_code()
+                if "torch._dynamo" in sys.modules:
+                    self._guards = graphs.HOOK_GUARDS.hold()
+                    weakref.finalize(self, graphs.HOOK_GUARDS.release, self._guards)
+                    self._counter = graphs.CompileCounter()
         except BaseException:
             self.close(write_pending=False, warn=False)  # hooks removed, nothing left on
             raise
@@ -398,23 +439,60 @@ class ModuleCapture(StopsOnCheck, InMemory):
             close_reruns(_UNMANAGED.get(root, ()), self.config.dump_dir, what, stacklevel=4)
 
     def _make_pre_hook(self, name: str, module_type: str):
-        rec, record = self.recorder, self.record
+        record = self.record
 
         def pre_hook(module, args, kwargs):
             if self._under_graph_capture(args[0] if args else None):
                 return None
-            call = rec.next_call(name)
-            # the forward hook of this call takes the same number (a stack: calls may nest)
-            self._open_calls.setdefault(name, []).append((rec.pass_index, call))
-            if "params" in record and call == 0:
-                self._record_params(name, module, module_type)
-            if "inputs" in record:
-                suffix = "" if call == 0 else f"{CALL_SEP}{call}"
-                for sub, tensor in flatten_inputs(args, kwargs):
-                    rec.record(name + sub + suffix, tensor, module_type=module_type, kind="input")
+            self._pass_modes.add("eager")
+            params = _own_tensors(module) if "params" in record else ()
+            inputs = flatten_inputs(args, kwargs) if "inputs" in record else ()
+            self._begin_call(name, module_type, params, inputs)
             return None
 
-        return _eager(pre_hook)
+        if self.compile_mode != "graph":
+            return _eager(pre_hook)
+
+        def traced(module, args, kwargs):  # dynamo traces this: labels and tensors only
+            params = (
+                [(f"{_PARAM}{kind}.{pname}", t) for kind, pname, t in _own_tensors(module)]
+                if "params" in record
+                else []
+            )
+            return params + (list(flatten_inputs(args, kwargs)) if "inputs" in record else [])
+
+        def sink(labels, tensors):
+            if tensors and self._under_graph_capture(tensors[0]):
+                return
+            self._pass_modes.add("graph")
+            params = [
+                (*label[len(_PARAM) :].split(".", 1), t)
+                for label, t in zip(labels, tensors)
+                if label.startswith(_PARAM)
+            ]
+            inputs = [(k, t) for k, t in zip(labels, tensors) if not k.startswith(_PARAM)]
+            self._begin_call(name, module_type, params, inputs)
+
+        return graphs.traced_pre_hook(self._site(sink), graphs.record_op(), traced, _eager(pre_hook))
+
+    def _site(self, sink) -> int:
+        site = graphs.new_site(sink)
+        self._sites.append(site)
+        return site
+
+    def _begin_call(self, name: str, module_type: str, params, inputs) -> None:
+        """A call of ``name`` starts: its number, then its parameters (first call of the
+        pass) and inputs, given as ``(kind, name, tensor)`` and ``(label, tensor)``."""
+        rec = self.recorder
+        call = rec.next_call(name)
+        # the forward hook of this call takes the same number (a stack: calls may nest)
+        self._open_calls.setdefault(name, []).append((rec.pass_index, call))
+        if "params" in self.record and call == 0:
+            self._record_params(name, params, module_type)
+        if "inputs" in self.record:
+            suffix = "" if call == 0 else f"{CALL_SEP}{call}"
+            for sub, tensor in inputs:
+                rec.record(name + sub + suffix, tensor, module_type=module_type, kind="input")
 
     def _call_number(self, name: str) -> int:
         rec = self.recorder
@@ -426,50 +504,60 @@ class ModuleCapture(StopsOnCheck, InMemory):
         return rec.next_call(name)
 
     def _make_hook(self, name: str, module_type: str):
-        rec, fired, health, extra = self.recorder, self._fired, self.health, self._out_extra
-        outputs = "outputs" in self.record
-
         def hook(module, args, output):
             if self._under_graph_capture(output):
                 return None
-            fired.add(name)  # it ran, even if recording it fails below
-            call = self._call_number(name)
-            suffix = "" if call == 0 else f"{CALL_SEP}{call}"
+            self._pass_modes.add("eager")
             dropped: dict[str, str] = {}
-            for sub, tensor in flatten_output(output, dropped=dropped):
-                key = name + sub + suffix
-                order = len(rec)
-                # recorded first: its statistics' NaN/Inf counts spare the check a read
-                row = rec.record(key, tensor, module_type=module_type, **extra) if outputs else None
-                if health is not None:
-                    self._checked(health.check, key, tensor, pass_=rec.pass_index, order=order, row=row)
-            if dropped:
-                rec.note_dropped({name + sub + suffix: kind for sub, kind in dropped.items()})
+            self._end_call(name, module_type, flatten_output(output, dropped=dropped), dropped)
             return None
 
-        return _eager(hook)
+        if self.compile_mode != "graph":
+            return _eager(hook)
 
-    def _record_params(self, name: str, module: nn.Module, module_type: str) -> None:
-        """Parameters and buffers of ``module``: copied when they changed since last stored."""
+        def sink(labels, tensors):
+            if tensors and self._under_graph_capture(tensors[0]):
+                return
+            self._pass_modes.add("graph")
+            self._end_call(name, module_type, zip(labels, tensors), {})
+
+        return graphs.traced_hook(
+            self._site(sink), graphs.record_op(), lambda out: list(flatten_output(out)), _eager(hook)
+        )
+
+    def _end_call(self, name: str, module_type: str, items, dropped: dict[str, str]) -> None:
+        """A call of ``name`` returned ``items`` (``(label, tensor)``): record and check them."""
+        rec, health = self.recorder, self.health
+        self._fired.add(name)  # it ran, even if recording it fails below
+        call = self._call_number(name)
+        suffix = "" if call == 0 else f"{CALL_SEP}{call}"
+        outputs = "outputs" in self.record
+        for sub, tensor in items:
+            key = name + sub + suffix
+            order = len(rec)
+            # recorded first: its statistics' NaN/Inf counts spare the check a read
+            row = rec.record(key, tensor, module_type=module_type, **self._out_extra) if outputs else None
+            if health is not None:
+                self._checked(health.check, key, tensor, pass_=rec.pass_index, order=order, row=row)
+        if dropped:
+            rec.note_dropped({name + sub + suffix: kind for sub, kind in dropped.items()})
+
+    def _record_params(self, name: str, items, module_type: str) -> None:
+        """Parameters and buffers of a module (``(kind, name, tensor)``): copied when they
+        changed since last stored."""
         rec = self.recorder
-        for kind, items in (
-            ("param", module.named_parameters(recurse=False)),
-            ("buffer", module.named_buffers(recurse=False)),
-        ):
-            for pname, tensor in items:
-                if tensor is None:
-                    continue
-                key = f"{name}.{pname}"
-                # same storage and version counter: nothing has written to it since
-                ident = (tensor.data_ptr(), tensor._version, tensor.dtype, tuple(tensor.shape))
-                seen = self._params_seen.get(key)
-                if seen is not None and seen[0] == ident:
-                    rec.record_unchanged(
-                        key, tensor, seen[2], of_pass=seen[1], module_type=module_type, kind=kind
-                    )
-                else:
-                    rec.record(key, tensor, module_type=module_type, kind=kind)
-                    self._params_seen[key] = (ident, rec.pass_index, rec.facts(key))
+        for kind, pname, tensor in items:
+            key = f"{name}.{pname}"
+            # same storage and version counter: nothing has written to it since
+            ident = (tensor.data_ptr(), tensor._version, tensor.dtype, tuple(tensor.shape))
+            seen = self._params_seen.get(key)
+            if seen is not None and seen[0] == ident:
+                rec.record_unchanged(
+                    key, tensor, seen[2], of_pass=seen[1], module_type=module_type, kind=kind
+                )
+            else:
+                rec.record(key, tensor, module_type=module_type, kind=kind)
+                self._params_seen[key] = (ident, rec.pass_index, rec.facts(key))
 
     def _make_grad_hook(self, key: str, module_type: str):
         rec = self.recorder
@@ -495,6 +583,35 @@ class ModuleCapture(StopsOnCheck, InMemory):
                 stacklevel=3,
             )
         return True
+
+    def _annotate_pass(self) -> None:
+        """Say in the pass's sidecar how a compiled model was captured (``compile``:
+        ``mode``, and the graphs, graph breaks and recompiles dynamo counted during the
+        pass), and warn of graph breaks and recompiles."""
+        if not self._compiled and not (self._pass_modes - {"eager"}):
+            return
+        modes, self._pass_modes = self._pass_modes, set()
+        mode = "mixed" if len(modes) > 1 else next(iter(modes), self.compile_mode)
+        info: dict[str, Any] = {"mode": mode}
+        if self._counter is None and "torch._dynamo" in sys.modules and self.compile_mode == "graph":
+            self._counter = graphs.CompileCounter()  # dynamo loaded after the capture began
+        elif self._counter is not None:
+            counts = self._counter.since()
+            self._counter.mark()
+            info.update(counts)
+            for k, v in counts.items():
+                self.compile_counts[k] += v
+            if counts["graph_breaks"] or counts["recompiles"]:
+                reasons = graphs.graph_break_reasons() if counts["graph_breaks"] else []
+                warnings.warn(
+                    f"tdinspect: {counts['graph_breaks']} graph break(s) and "
+                    f"{counts['recompiles']} recompile(s) while capturing pass "
+                    f"{self.recorder.pass_index} of the compiled model"
+                    + (f" (latest: {'; '.join(reasons)})" if reasons else ""),
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        self.recorder.annotate(compile=info)
 
     def _on_check_error(self) -> None:
         """A check raised: leave the model as it was (hooks removed, no partial pass written)
@@ -527,6 +644,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
             "directly (hooks need model(...)), or did the model run under "
             "CUDA-graph replay or torch.compile?"
         )
+        self._annotate_pass()
         path = self.recorder.step(failed, tokens)
         if self.health is not None:
             self._checked(self.health.end_pass)
@@ -564,6 +682,13 @@ class ModuleCapture(StopsOnCheck, InMemory):
         if self._stance is not None:
             release(self._stance)  # the last capture open restores the stance of before
             self._stance = None
+        if write_pending and len(self.recorder):
+            self._annotate_pass()
+        for site in self._sites:  # compiled code may outlive the capture: its calls do nothing
+            graphs.drop_site(site)
+        if self.compile_mode == "graph":  # the model's next call compiles without the record op
+            graphs.HOOK_GUARDS.release(self._guards)
+            graphs.drop_compiled_code()
         rec, self.recorder = self.recorder, None
         unfired = self.unfired
         rec.close(write_pending=write_pending)
@@ -657,6 +782,7 @@ def capture(
     dims: dict[str, str] | None = None,
     overwrite: bool = False,
     memory=None,
+    compile: str | None = None,
     environ=None,
 ) -> ModuleCapture:
     """Capture module outputs of ``model``, one pass file per :meth:`~ModuleCapture.step`.
@@ -664,7 +790,8 @@ def capture(
     Parameters
     ----------
     model : nn.Module
-        The model; a ``torch.compile``'d model is unwrapped and run eagerly.
+        The model; ``torch.compile(model)``, ``model.compile()`` and compiled submodules are
+        captured as ``compile`` says, under the eager run's names (no ``_orig_mod``).
     dump_dir : str or Path, optional
         Output directory. Without it (and without ``TDINSPECT_DUMP_DIR`` /
         ``PHYAI_DEBUG_TENSOR_DUMP_DIR``) capture is off and costs nothing.
@@ -774,6 +901,14 @@ def capture(
         it (the capture stops, its pass in progress dropped). ``cap.dumpset`` is then a
         :class:`tdinspect.DumpSet`, ``cap.save(folder)`` writes a normal dump
         (:mod:`tdinspect.dumper.memory`). Not with a dump folder or ``compare_to``.
+    compile : {"graph", "eager"}, optional
+        For a compiled model: ``"graph"`` (the default when the model is compiled) records
+        what the compiled code computes, inside its graphs (a traced record op per hooked
+        call, no graph break); ``"eager"`` runs the model eagerly while capturing. Each
+        pass's sidecar says which (``compile``), with the graphs, graph breaks and
+        recompiles dynamo counted during it; graph breaks and recompiles are warned of
+        and summed in ``capture.compile_counts``. Graph mode makes dynamo compile anew at
+        the start and at ``close()`` (its code caches are process-wide). See docs/compile.md.
     environ : mapping, optional
         The environment to overlay (``os.environ`` by default).
 
@@ -813,4 +948,5 @@ def capture(
         compare_options=live_options(locals()),
         overwrite=overwrite,
         memory=memory,
+        compile=compile,
     )

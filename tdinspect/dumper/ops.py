@@ -38,6 +38,7 @@ What is stored (the sidecar says which, see :mod:`tdinspect.store.format`):
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any, TextIO
 
@@ -54,9 +55,10 @@ from tdinspect.config import DumpConfig, FilterSpec
 from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, live_options, open_live
 from tdinspect.dumper.kinds import holds_no_data
 from tdinspect.dumper.memory import InMemory
-from tdinspect.dumper.modules import memory_limit, resolve_config
+from tdinspect.dumper.modules import eager_name, memory_limit, resolve_config, unwrap_compiled
 from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
+from tdinspect.dumper.stance import hold_eager, release
 from tdinspect.errors import ConfigError
 from tdinspect.naming import CALL_SEP, module_key
 from tdinspect.store.format import encode_arg
@@ -126,7 +128,8 @@ class _ModuleTracker:
     def attach(self, model: nn.Module | None) -> None:
         if model is not None:
             for name, mod in model.named_modules():
-                self._names[id(mod)] = module_key(self.root, name)
+                # a compiled module's wrapper is skipped: its _orig_mod is named as eager
+                self._names[id(mod)] = module_key(self.root, eager_name(name))
             self.types.update({self._names[id(m)]: type(m).__name__ for m in model.modules()})
         reg = nn.modules.module
         self.handles = [
@@ -148,6 +151,8 @@ class _ModuleTracker:
         return name
 
     def _pre(self, mod, args):
+        if type(mod).__name__ == "OptimizedModule":
+            return
         name = self._name_of(mod)
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
@@ -161,7 +166,7 @@ class _ModuleTracker:
         )
 
     def _post(self, mod, args, output):
-        if not self.stack:
+        if not self.stack or type(mod).__name__ == "OptimizedModule":
             return None
         name, _, _ = self.stack.pop()
         inputs = self._pending_inputs.pop()
@@ -273,6 +278,7 @@ class OpCapture(StopsOnCheck, InMemory):
         self._mode: _OpRecorderMode | None = None
         self._tracker = _ModuleTracker(root)
         self._model = model
+        self._stance = None
         self.recorder = None
         self.folder = None
         self._stats_only = stats_only
@@ -319,12 +325,30 @@ class OpCapture(StopsOnCheck, InMemory):
             self.recorder.observer = self.live
             self.folder = self.recorder.folder
             self._memory = self.recorder.memory
+        self._hold_eager()
         self._tracker.attach(self._model)
         self._mode = _OpRecorderMode(self)
         self._mode.__enter__()
         if not getattr(self, "_managed", False):
             _UNMANAGED.add(self)
         return self
+
+    def _hold_eager(self) -> None:
+        """Compiled code runs eagerly while ops are recorded: a compiled graph runs
+        inductor's kernels, not aten ops, so what it computes is not recordable op by op.
+        The eager decomposition is recorded instead, with a warning when the model is
+        compiled (module-level ``capture`` records the compiled graph's values)."""
+        if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
+            return
+        if self._model is not None and unwrap_compiled(self._model)[1]:
+            warnings.warn(
+                "tdinspect: the model is torch.compile'd; capture_ops records the eager "
+                "aten ops (the compiled graph runs fused kernels, not these ops). "
+                "tdinspect.capture(model) records the compiled values module by module.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self._stance = hold_eager()
 
     def _close_stale(self) -> None:
         """Close the earlier op captures into the same folder still recording outside a
@@ -377,6 +401,9 @@ class OpCapture(StopsOnCheck, InMemory):
             self._mode.__exit__(None, None, None)
             self._mode = None
             self._tracker.detach()
+        if self._stance is not None:
+            release(self._stance)
+            self._stance = None
         rec, self.recorder = self.recorder, None
         if rec is not None:
             rec.close(write_pending=write_pending)

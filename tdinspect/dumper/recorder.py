@@ -324,6 +324,10 @@ class Recorder:
     def __len__(self) -> int:
         return len(self._pass.keys)
 
+    def annotate(self, **fields: Any) -> None:
+        """Add ``fields`` to the current pass's sidecar header."""
+        self._pass.header.update(fields)
+
     def note_dropped(self, parts: dict[str, str]) -> None:
         """Parts of outputs that are neither tensors nor plain data (not stored): listed in
         the pass's sidecar (``dropped``: {label: type}) and said once per capture."""

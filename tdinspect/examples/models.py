@@ -116,6 +116,30 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes) -> Ti
     return model.to(dtype).eval()
 
 
+class CompiledGELU(nn.GELU):
+    """A GELU whose compiled form is the tanh approximation: the same module computes other
+    numbers under ``torch.compile`` than eagerly, as a kernel swapped by a compiler does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return F.gelu(x, approximate="tanh")
+        return super().forward(x)
+
+
+def make_compile_sensitive(seed: int = 0, layer: int = 1, **sizes) -> TinyTransformer:
+    """:func:`make_model` whose ``layers[layer].mlp.act`` is a :class:`CompiledGELU`: its
+    eager and compiled runs first differ at ``model.layers.<layer>.mlp.act``.
+
+    Examples
+    --------
+    >>> type(make_compile_sensitive().layers[1].mlp.act).__name__
+    'CompiledGELU'
+    """
+    model = make_model(seed, **sizes)
+    model.layers[layer].mlp.act = CompiledGELU()
+    return model
+
+
 def make_tokens(batch: int = 2, seq: int = 16, vocab: int = 100, seed: int = 1) -> torch.Tensor:
     """Deterministic token ids."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))

@@ -36,7 +36,9 @@ that a 1,500-entry pass parses fast; the list index is the execution order::
                  # (the row's own checksum, tdinspect.numerics.checksum.row_checksums)
                  "checksum_rows": [null | {"dim": d, "rows": ["0123456789abcdef", ...]}]},
      # a pass recorded with step(tokens=...) (tdinspect.store.tokenlayout):
-     "tokens": {"shape": [lead dims], "segments": [[request | null, first_position, length], ...]}}
+     "tokens": {"shape": [lead dims], "segments": [[request | null, first_position, length], ...]},
+     # module level, when the model is torch.compile'd (absent otherwise):
+     "compile": {"mode": "graph"|"eager"|"mixed", "graphs": N, "graph_breaks": N, "recompiles": N}}
 
 Columns are added where they apply; a reader ignores those it does not know, so dumps
 written without them open as before.

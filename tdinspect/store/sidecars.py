@@ -211,7 +211,7 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
     """
     if not isinstance(doc, dict):
         raise DumpFormatError(f"{path}: not a tdinspect sidecar")
-    for name, kinds in (("level", str), ("stats_only", bool), ("partial", bool)):
+    for name, kinds in (("level", str), ("stats_only", bool), ("partial", bool), ("compile", dict)):
         if name in doc and not isinstance(doc[name], kinds):
             raise DumpFormatError(
                 f"{path}: sidecar field {name!r} is {doc[name]!r}, expected {kinds.__name__}"

@@ -1,0 +1,219 @@
+"""Issue 30: capture inside torch.compile'd graphs (CPU inductor), against the eager run.
+
+Inductor compiles take seconds to tens of seconds on CPU: each capture in graph mode
+compiles its model once, and the compiled runs are shared by module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect import DumpSet
+from tdinspect.errors import DivergenceError, NonFiniteError
+from tdinspect.examples.models import make_compile_sensitive, make_model, make_tokens
+from tdinspect.examples.port import make_hf_llama, port_tokens
+
+SMALL = dict(n_layers=2, d_model=16, n_heads=2)  # fewer ops: a faster inductor compile
+
+
+def _sidecars(ds: DumpSet) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(ds.path.glob("**/pass*.json"))]
+
+
+def _capture(model, folder, run, passes=1, **options):
+    """``run(model)`` under a capture, once per pass; the outputs, capture and warnings."""
+    outs = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad(), tdinspect.capture(model, folder, environ={}, **options) as dump:
+            for _ in range(passes):
+                outs.append(run(model))
+                dump.step()
+    return outs, dump, [str(w.message) for w in seen]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny HF Llama: captured eagerly, then compiled (inductor, fullgraph=True) and run
+    without capture, captured for two passes, and run again after the capture closed."""
+    root = tmp_path_factory.mktemp("llama")
+    model, tokens = make_hf_llama(0), port_tokens()
+
+    def run(m):
+        return m(tokens, use_cache=False).logits
+
+    _capture(model, root / "eager", run)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        plain = run(compiled)
+    outs, dump, said = _capture(compiled, root / "compiled", run, passes=2)
+    with torch.no_grad():
+        after = run(compiled)
+    torch._dynamo.reset()
+    return dict(
+        eager=DumpSet.open(root / "eager"),
+        compiled=DumpSet.open(root / "compiled"),
+        plain=plain,
+        outs=outs,
+        after=after,
+        counts=dump.compile_counts,
+        said=said,
+    )
+
+
+def test_compiled_llama_lines_up_with_eager_entry_for_entry(llama):
+    eager, compiled = llama["eager"], llama["compiled"]
+    assert compiled.ops == eager.ops and len(eager.ops) > 20
+    assert not [op for op in compiled.ops if "_orig_mod" in op]
+    assert compiled.passes == [0, 1]
+    # compiled against eager: fused kernels round differently, within float32 noise
+    diff = eager.diff(compiled.sel(pass_=0))
+    assert diff.first_divergence(metric="max_abs", threshold=1e-4) is None
+
+
+def test_compiled_outputs_are_bitwise_the_same_with_and_without_capture(llama):
+    plain, (first, second), after = llama["plain"], llama["outs"], llama["after"]
+    assert torch.equal(first, plain) and torch.equal(second, plain) and torch.equal(after, plain)
+
+
+def test_the_recorded_values_are_what_the_compiled_graph_computed(llama):
+    """The last recorded entry is lm_head's output: the compiled model's logits, bitwise."""
+    compiled = llama["compiled"]
+    assert compiled.ops[-1] == "model.lm_head"
+    assert torch.equal(compiled.tensor("model.lm_head", pass_=1), llama["outs"][1])
+
+
+def test_capture_in_a_fullgraph_model_adds_no_graph_break_nor_recompile(llama):
+    assert llama["counts"] == {"graphs": 1, "graph_breaks": 0, "recompiles": 0}
+    assert not [s for s in llama["said"] if "graph break" in s or "eagerly" in s], llama["said"]
+    heads = [doc["compile"] for doc in _sidecars(llama["compiled"])]
+    assert heads == [
+        {"mode": "graph", "graphs": 1, "graph_breaks": 0, "recompiles": 0},
+        {"mode": "graph", "graphs": 0, "graph_breaks": 0, "recompiles": 0},
+    ]
+    assert all("compile" not in doc for doc in _sidecars(llama["eager"]))
+
+
+@pytest.fixture(scope="module")
+def sensitive(tmp_path_factory):
+    """make_compile_sensitive (a GELU that is tanh-approximated only under compile) with
+    inputs and parameters recorded, eagerly and compiled (inductor)."""
+    root = tmp_path_factory.mktemp("sensitive")
+    tokens = make_tokens()
+    record = ("inputs", "outputs", "params")
+    _capture(make_compile_sensitive(**SMALL), root / "eager", lambda m: m(tokens), record=record)
+    torch._dynamo.reset()
+    compiled = torch.compile(make_compile_sensitive(**SMALL))
+    _, dump, said = _capture(compiled, root / "compiled", lambda m: m(tokens), record=record)
+    torch._dynamo.reset()
+    return DumpSet.open(root / "eager"), DumpSet.open(root / "compiled"), dump, said
+
+
+def test_a_module_that_computes_otherwise_when_compiled_is_the_first_divergence(sensitive):
+    eager, compiled, dump, _ = sensitive
+    found = eager.diff(compiled).first_divergence()
+    assert found is not None and found.op == "model.layers.1.mlp.act"
+    assert dump.compile_counts["graph_breaks"] == 0 and dump.compile_counts["recompiles"] == 0
+
+
+def test_inputs_params_and_repeated_calls_are_recorded_inside_the_graph(sensitive):
+    eager, compiled, _, _ = sensitive
+    assert compiled.ops == eager.ops
+    keys = compiled.get_pass(0).keys
+    assert keys == eager.get_pass(0).keys
+    for key in ("model.expert::call2", "model.layers.0.mlp.up[in][0]", "model.layers.0.mlp.up.weight"):
+        assert key in keys
+    weight = compiled.tensor("model.layers.0.mlp.up.weight")
+    assert torch.equal(weight, eager.tensor("model.layers.0.mlp.up.weight"))
+    assert [doc["compile"]["mode"] for doc in _sidecars(compiled)] == ["graph"]
+
+
+def test_live_comparison_stops_a_compiled_forward_at_the_module_that_moved(sensitive, tmp_path):
+    eager = sensitive[0]
+    tokens = make_tokens()
+    torch._dynamo.reset()
+    model = torch.compile(make_compile_sensitive(**SMALL))
+    with pytest.raises(DivergenceError) as err, torch.no_grad():
+        with tdinspect.capture(model, compare_to=eager, record=("inputs", "outputs", "params")):
+            model(tokens)
+    torch._dynamo.reset()
+    assert err.value.divergence.op == "model.layers.1.mlp.act"
+
+
+def test_on_nonfinite_and_stats_only_inside_the_graph(tmp_path):
+    model = make_model(n_layers=3, d_model=16, n_heads=2)
+    with torch.no_grad():
+        model.layers[2].mlp.up.bias[3] = float("inf")
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    tokens = make_tokens()
+    _, dump, said = _capture(
+        compiled, tmp_path / "d", lambda m: m(tokens), stats_only=True, on_nonfinite="warn"
+    )
+    torch._dynamo.reset()
+    assert any("model.layers.2.mlp.up" in s for s in said), said
+    ds = DumpSet.open(tmp_path / "d")
+    assert ds.stats_only and "model.expert::call1" in ds.get_pass(0).keys
+    assert _sidecars(ds)[0]["compile"]["mode"] == "graph"
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.2\.mlp\.up"), torch.no_grad():
+        with tdinspect.capture(torch.compile(model), on_nonfinite="raise"):
+            torch.compile(model)(tokens)
+    torch._dynamo.reset()
+
+
+def test_capture_ops_on_a_compiled_model_records_the_eager_ops_and_says_so(tmp_path):
+    model, tokens = make_model(), make_tokens()
+    compiled = torch.compile(model)
+    with pytest.warns(RuntimeWarning, match="eager aten ops"), torch.no_grad():
+        with tdinspect.capture_ops(tmp_path / "ops", model=compiled) as dump:
+            out = compiled(tokens)
+            dump.step()
+    with torch.no_grad():
+        assert torch.equal(out, model(tokens))
+    ops = DumpSet.open(tmp_path / "ops").ops
+    assert any(op.startswith("model.layers.0.mlp.up/aten.") for op in ops), ops[:5]
+    assert not [op for op in ops if "_orig_mod" in op]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_are_recorded(tmp_path):
+    """mode="reduce-overhead" (CUDA graphs): the replays' values are recorded, as eager's."""
+    model, tokens = make_model().cuda(), make_tokens().cuda()
+    _capture(model, tmp_path / "eager", lambda m: m(tokens))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    outs, _, said = _capture(compiled, tmp_path / "graph", lambda m: m(tokens).clone(), passes=3)
+    torch._dynamo.reset()
+    eager, graph = DumpSet.open(tmp_path / "eager"), DumpSet.open(tmp_path / "graph")
+    assert graph.passes == [0, 1, 2] and graph.ops == eager.ops, said
+    for p in graph.passes:
+        assert torch.equal(graph.tensor("model.lm_head", pass_=p), outs[p].cpu())
+
+
+def test_a_captured_model_never_shares_a_graph_with_an_uncaptured_twin(tmp_path):
+    """Dynamo does not guard on module hooks by default: a second instance of the same class
+    reused the first one's graph, compiled without the record op, and captured nothing.
+    Dynamo-level behaviour, so a fast backend is enough here."""
+    tokens = make_tokens()
+    plain, captured = make_model(**SMALL), make_model(**SMALL)
+    torch._dynamo.reset()
+    fast_plain = torch.compile(plain, backend="aot_eager")
+    fast_captured = torch.compile(captured, backend="aot_eager")
+    with torch.no_grad():
+        fast_plain(tokens)  # compiled first, without hooks
+        outs, dump, _ = _capture(fast_captured, tmp_path / "d", lambda m: (fast_plain(tokens), m(tokens)))
+    torch._dynamo.reset()
+    ds = DumpSet.open(tmp_path / "d")
+    keys = ds.get_pass(0).keys  # the captured twin's calls only: expert runs 3 times a forward
+    assert len(ds.ops) > 10 and [k for k in keys if "::call" in k] == [
+        "model.expert::call1",
+        "model.expert::call2",
+    ]
+    assert torch.equal(ds.tensor("model.lm_head"), outs[0][1])
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # dynamo's default, restored at close
