@@ -356,7 +356,7 @@ def share_colour(share: float) -> str:
     Examples
     --------
     >>> share_colour(0.0), share_colour(1e-5), share_colour(0.5), share_colour(2.0)
-    ('hsl(120,55%,42%)', 'hsl(120,55%,42%)', 'hsl(43,85%,45%)', 'hsl(0,75%,45%)')
+    ('hsl(120,55%,42%)', 'hsl(120,55%,42%)', 'hsl(46,83%,45%)', 'hsl(0,75%,43%)')
     """
     if share != share:
         return "hsl(0,0%,55%)"

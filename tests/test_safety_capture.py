@@ -31,7 +31,8 @@ def _tiny_llama():
 
 def test_every_path_out_of_a_capture_of_a_compiled_model_restores_the_stance(tmp_path):
     """A failed capture() (bad dims, a file as dump_dir) and two captures closed in the order
-    they were opened each left dynamo's force_eager on: compiled models then ran eagerly."""
+    they were opened each left dynamo's force_eager on: compiled models then ran eagerly
+    (compile="eager": the mode that runs a compiled model eagerly while capturing)."""
     model = _tiny_llama()
     compiled = torch.compile(model, backend="eager")
     ids = torch.randint(0, 64, (1, 8))
@@ -41,14 +42,16 @@ def test_every_path_out_of_a_capture_of_a_compiled_model_restores_the_stance(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(Exception, match="dims|spec"):
-            tdinspect.capture(compiled, tmp_path / "d0", dims={"lm_head": "b s ?? ?"}, environ={})
+            tdinspect.capture(
+                compiled, tmp_path / "d0", dims={"lm_head": "b s ?? ?"}, compile="eager", environ={}
+            )
         assert _stance() == "default"
         with pytest.raises(tdinspect.ConfigError, match="a_file"):
-            tdinspect.capture(compiled, file, environ={})
+            tdinspect.capture(compiled, file, compile="eager", environ={})
         assert _stance() == "default"
         for order in ("opened", "reversed"):
-            a = tdinspect.capture(compiled, tmp_path / f"{order}_a", environ={})
-            b = tdinspect.capture(compiled, tmp_path / f"{order}_b", environ={})
+            a = tdinspect.capture(compiled, tmp_path / f"{order}_a", compile="eager", environ={})
+            b = tdinspect.capture(compiled, tmp_path / f"{order}_b", compile="eager", environ={})
             with torch.no_grad():
                 compiled(ids)
             assert _stance() == "force_eager"
