@@ -620,6 +620,43 @@ def main():
                 "print(tdinspect.DumpSet.open(ref).diff(last, tokens=True).verdict(structural='report').text)"
             ),
             MD(
+                "## Fused tensor-parallel shards too\n\n"
+                "`tdinspect.examples.engine_tp.TPPackedLlama` is the same engine serving a port of the model "
+                "sharded over TP=2, as engines shard it: each rank's fused `qkv` holds `[q_r | k_r | v_r]` and "
+                "its `gate_up` `[gate_r | up_r]`; `o` and `down` are row-parallel (partial sums, all-reduced). "
+                "`capture_tp_engine` starts two processes in a real `gloo` group (the ranks are child "
+                "processes: the kernel itself joins no group), each serving the requests by the same schedule "
+                "and recording its steps' token layouts, its rank and the fused dims. `bug=(rank, request, k)` "
+                "plants a bug on one rank: layer 0's k segment is wrong for that request's positions >= k."
+            ),
+            CODE(
+                "from tdinspect.examples.engine_tp import capture_tp_engine\n"
+                "from tdinspect.examples.port_tp import hf_port_mapping, tp_port_dims\n"
+                "tp = capture_tp_engine(work + '/tp2')                          # 2 processes, gloo\n"
+                "tp_buggy = capture_tp_engine(work + '/tp2_bug', bug=(1, 1, 6))  # rank 1, request 1, positions >= 6\n"
+                "tp_port_dims(hf.config)"
+            ),
+            MD(
+                "The port names its modules its own way (`blocks.0.attn.qkv`): `hf_port_mapping` cuts q, k "
+                "and v (gate and up) out of the fused entries. With `unshard=True` each engine step's ranks "
+                "are reassembled first (the fused segments put back in the model's `[q | k | v]`), then the "
+                "tokens line up by (request, position):"
+            ),
+            CODE(
+                "m = hf_port_mapping(hf.config)\n"
+                "tp_ok = tdinspect.DumpSet.open(ref).diff(tp, tokens=True, unshard=True, mapping=m)\n"
+                "print(tp_ok.verdict(structural='report', allow_uncompared='rotary_emb|act_fn').text)\n"
+                "tp_bad = tdinspect.DumpSet.open(ref).diff(tp_buggy, tokens=True, unshard=True, mapping=m)\n"
+                "print(tp_bad.verdict(structural='report').text)"
+            ),
+            MD(
+                "No false alarm on the correct run (the reference's rotary embedding and activation have "
+                "no module in the port, hence `allow_uncompared`). With the bug: the module (the "
+                "reference's `k_proj`, cut out of the fused `qkv`; `q_proj` before it matches), the rank "
+                "and segment (`rank 1 (tp 1 of 2) k`), the request and the first position, then the "
+                "engine steps and rows where those tokens ran."
+            ),
+            MD(
                 "The same from the command line: `tdinspect first-divergence dumps/hf dumps/engine --tokens` "
                 "(exit status 0, 1 or 3)."
             ),

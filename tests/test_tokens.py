@@ -260,6 +260,7 @@ def test_tensor_parallel_ranks_are_unsharded_before_tokens_line_up(tmp_path):
     assert ref.diff(tmp_path / "tp2", tokens=True, unshard=True).verdict().outcome == "matches"
     div = ref.diff(tmp_path / "tp2_bad", tokens=True, unshard=True).first_divergence()
     assert (div.key, div.request, div.position) == ("m.out", 1, 1)
+    assert "in rank 1 (tp 1 of 2): rel_diff" in div.reason and "rank 0 (tp 0" not in div.reason, div.reason
 
 
 def test_a_token_computed_twice_on_one_side_is_an_error(tmp_path):

@@ -872,30 +872,40 @@ class Diff:
             parts = slices_of(node, pi.source_shape) if node else []
             if len(parts) < 2:
                 continue
-            ya = self.a.get_pass(row["pass"], row["rank"]).tensor(row["key"])
-            xb = self.b.get_pass(row["pass"], row["rank"]).tensor(row["key_b"])
-            masks = None
-            if transform is not None:
-                if side is self.b:
-                    masks = _part_masks(transform, xb.shape, parts, ya.shape)
-                    if masks is None:
-                        continue  # the transform does not only move elements: no slices to follow
-                xb, why = apply_transform(transform, xb, ya)
-                if why:
-                    return ""
-            bad = []
-            for n_part, (label, spans, dim) in enumerate(parts):
-                if masks is not None:
-                    y, x = ya[masks[n_part]], xb[masks[n_part]]
-                else:
-                    y = torch.cat([ya.narrow(dim, s, n) for s, n in spans], dim)
-                    x = torch.cat([xb.narrow(dim, s, n) for s, n in spans], dim)
-                value = compare_tensors(x, y, chunk=self.chunk)[m.name]
-                if m.diverges(value, thr):
-                    bad.append(f"{label}: {m.name} {value:.3g}")
+            bad, ya, xb = self._parts_differ(row, m, thr, parts, side is self.b, transform)
+            if bad is None:
+                continue  # the transform does not only move elements: no slices to follow
             if bad:
                 return "; in " + ", ".join(bad) + self._fused_hint(row, pi, key, node, side is self.b, ya, xb)
         return ""
+
+    def _parts_differ(self, row: dict, m, thr: float, parts: list, b_side: bool, transform):
+        """``(labels, A, B)``: ``"label: metric value"`` of each of one side's ``parts``
+        (:func:`slices_of`'s, in that side's tensor of ``row``) past ``thr``, and the two
+        tensors compared (B transformed). ``labels`` is ``None`` when the transform cannot
+        be followed part by part."""
+        ya = self.a.get_pass(row["pass"], row["rank"]).tensor(row["key"])
+        xb = self.b.get_pass(row["pass"], row["rank"]).tensor(row["key_b"])
+        masks = None
+        if transform is not None:
+            if b_side:
+                masks = _part_masks(transform, xb.shape, parts, ya.shape)
+                if masks is None:
+                    return None, ya, xb
+            xb, why = apply_transform(transform, xb, ya)
+            if why:
+                return None, ya, xb
+        bad = []
+        for n_part, (label, spans, dim) in enumerate(parts):
+            if masks is not None:
+                y, x = ya[masks[n_part]], xb[masks[n_part]]
+            else:
+                y = torch.cat([ya.narrow(dim, s, n) for s, n in spans], dim)
+                x = torch.cat([xb.narrow(dim, s, n) for s, n in spans], dim)
+            value = compare_tensors(x, y, chunk=self.chunk)[m.name]
+            if m.diverges(value, thr):
+                bad.append(f"{label}: {m.name} {value:.3g}")
+        return bad, ya, xb
 
     def _fused_hint(self, row: dict, pi: LogicalPass, key: str, node: dict, b_side: bool, ya, xb) -> str:
         """For shards concatenated rank after rank: say when they may be a fused layout,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tdinspect.align.logical import LogicalPass, slices_of
 from tdinspect.align.tokens import TokenPlan, plan_tokens, request_passes
 from tdinspect.compare.diff import Diff
 from tdinspect.compare.spec import CompareSpec
@@ -152,6 +153,19 @@ class TokenDiff(Diff):
             base["reason"] = f"{base['reason']}; from position {position} of request {request}"
         return TokenDivergence(**base, request=request, position=position)
 
+    def _locate(self, row: dict, m, thr: float) -> str:
+        """The token runs that differ (:meth:`Diff._locate`), after the shards (ranks, and
+        segments of a fused dim) that differ where the runs come from unsharded passes."""
+        by_token = super()._locate(row, m, thr)
+        transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
+        for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
+            parts = _shard_slices(side.pass_map.get((row["rank"], row["pass"])), key)
+            if parts:
+                bad = self._parts_differ(row, m, thr, parts, side is self.b, transform)[0]
+                if bad:
+                    return "; in " + ", ".join(bad) + by_token
+        return by_token
+
     def summary(self, threshold=None, metric=None, structural="diverge", *, allow_uncompared=None) -> dict:
         """As :meth:`Diff.summary`, with ``tokens`` (the plan, one line per request) and the first
         divergence's ``request`` and ``position``."""
@@ -181,6 +195,34 @@ class TokenDiff(Diff):
             pos = self.tokens.requests[r].positions[:npos]
             table[i, : len(pos)] = pos
         return da.assign_coords(token_position=(("request", "position"), table))
+
+
+def _shard_slices(pi, key: str) -> list[tuple[str, list[tuple[int, int]], int]]:
+    """The shards' slices (:func:`slices_of`'s) in one request's gathered entry ``key``: where
+    each of its token runs is read from an unsharded pass that concatenates the ranks along a
+    dim past the token rows, the same in every run; else ``[]``."""
+    node = pi.plans.get(key) if isinstance(pi, LogicalPass) else None
+    todo, found = ([node] if node else []), None
+    while todo:
+        n = todo.pop()
+        if n["op"] in ("narrow", "flat"):
+            todo.append(n["part"])
+            continue
+        if n["op"] == "cat" and "src" not in n:
+            todo.extend(n["parts"])
+            continue
+        if n["op"] != "read":
+            return []
+        src = pi.sources[n["src"]]
+        plan = src.plans.get(n["key"]) if isinstance(src, LogicalPass) else None
+        if plan is None or src.tokens is None:
+            return []
+        lead = len(src.tokens.shape) - 1  # the token dims, flattened into one when gathered
+        parts = [(label, spans, dim - lead) for label, spans, dim in slices_of(plan, src.source_shape)]
+        if len(parts) < 2 or any(dim < 1 for *_, dim in parts) or found not in (None, parts):
+            return []
+        found = parts
+    return found or []
 
 
 def _like(ds, passes):

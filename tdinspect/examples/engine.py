@@ -72,6 +72,14 @@ class FlatCache:
         return k, v
 
 
+def step_mask(
+    keys_request: torch.Tensor, keys_position: torch.Tensor, request: torch.Tensor, position: torch.Tensor
+) -> torch.Tensor:
+    """``[T, K]``: which of the flat cache's keys (every token so far, this step's last) each
+    of the step's ``T`` tokens attends to: its own request's, up to its own position."""
+    return (keys_request[None, :] == request[:, None]) & (keys_position[None, :] <= position[:, None])
+
+
 class PackedLlama(nn.Module):
     """A ``LlamaForCausalLM``'s modules run on packed tokens with continuous batching.
 
@@ -102,7 +110,7 @@ class PackedLlama(nn.Module):
         """One step: token ``ids``, their ``request`` and ``position`` (each ``[T]``) -> ``{"logits"}``."""
         keys_r = torch.cat([self.kv_request, request])
         keys_p = torch.cat([self.kv_position, position])
-        mask = (keys_r[None, :] == request[:, None]) & (keys_p[None, :] <= position[:, None])
+        mask = step_mask(keys_r, keys_p, request, position)
         if self.bug is not None:
             r, k = self.bug
             late = (request == r) & (position >= k)
@@ -133,27 +141,37 @@ def capture_engine(
     import tdinspect
 
     engine.reset()
-    fed = [0] * len(prompts)
     with torch.no_grad(), tdinspect.capture(engine, path) as dump:
-        for step in schedule:
-            ids, req, pos, lens = [], [], [], []
-            for r, n in step:
-                if not 0 < n <= len(prompts[r]) - fed[r]:
-                    raise ValueError(
-                        f"schedule step {step}: request {r} has {len(prompts[r]) - fed[r]} tokens left, not {n}"
-                    )
-                ids.append(prompts[r][fed[r] : fed[r] + n])
-                req.append(torch.full((n,), r))
-                pos.append(torch.arange(fed[r], fed[r] + n))
-                lens.append(n)
-                fed[r] += n
-            ids, req, pos = torch.cat(ids), torch.cat(req), torch.cat(pos)
+        for ids, req, pos, layout in engine_steps(prompts, schedule):
             engine(ids, req, pos)
-            layout = tdinspect.tokens(
-                request_ids=[r for r, _ in step], positions=pos, seq_lens=lens, shape=(1, len(ids))
-            )
             dump.step(tokens=layout)
     return Path(path)
+
+
+def engine_steps(prompts: list[torch.Tensor], schedule):
+    """Each step of ``schedule`` (``[(request, tokens fed), ...]``) packed:
+    ``(ids, request, position, layout)``, the first three ``[T]``, ``layout`` the step's
+    :func:`tdinspect.tokens` for tensors ``[1, T, ...]``."""
+    import tdinspect
+
+    fed = [0] * len(prompts)
+    for step in schedule:
+        ids, req, pos, lens = [], [], [], []
+        for r, n in step:
+            if not 0 < n <= len(prompts[r]) - fed[r]:
+                raise ValueError(
+                    f"schedule step {step}: request {r} has {len(prompts[r]) - fed[r]} tokens left, not {n}"
+                )
+            ids.append(prompts[r][fed[r] : fed[r] + n])
+            req.append(torch.full((n,), r))
+            pos.append(torch.arange(fed[r], fed[r] + n))
+            lens.append(n)
+            fed[r] += n
+        ids, req, pos = torch.cat(ids), torch.cat(req), torch.cat(pos)
+        layout = tdinspect.tokens(
+            request_ids=[r for r, _ in step], positions=pos, seq_lens=lens, shape=(1, len(ids))
+        )
+        yield ids, req, pos, layout
 
 
 def capture_reference(

@@ -25,7 +25,6 @@ True
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,12 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tdinspect.examples.gloo import joined, spawn_ranks
 from tdinspect.examples.port import Block, LlamaPort, PortConfig, make_hf_llama, port_tokens, rotate
 
 FAULTS = ("k",)  # what ``fault=`` can plant: a wrong k segment of layer 0's qkv on this rank
 
 
-def _all_reduce(t: torch.Tensor, size: int) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, size: int) -> torch.Tensor:
     if size > 1:
         torch.distributed.all_reduce(t)
     return t
@@ -63,7 +63,7 @@ class ShardAttention(nn.Module):
         pos = torch.arange(s)
         q, k = rotate(q, pos, self.cfg.theta, "half"), rotate(k, pos, self.cfg.theta, "half")
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return _all_reduce(self.o(out.transpose(1, 2).reshape(b, s, -1)), self.size)
+        return all_reduce(self.o(out.transpose(1, 2).reshape(b, s, -1)), self.size)
 
 
 class ShardFeedForward(nn.Module):
@@ -77,7 +77,7 @@ class ShardFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, -1)
-        return _all_reduce(self.down(F.silu(gate) * up), self.size)
+        return all_reduce(self.down(F.silu(gate) * up), self.size)
 
 
 class TPLlamaPort(LlamaPort):
@@ -279,46 +279,19 @@ def capture_tp_port(
         _capture_rank(root, 0, 1, seed, steps, fault[1] if fault and fault[0] == 0 else None, fused)
         return root
     root.mkdir(parents=True, exist_ok=True)
-    store = root.parent / f".{root.name}.store"  # the gloo rendezvous (a fresh file per run)
-    store.unlink(missing_ok=True)
-    package_parent = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_parent, os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
-    env.setdefault("OMP_NUM_THREADS", "1")  # tiny matmuls: threads only contend
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tdinspect.examples.port_tp",
-                str(r),
-                str(size),
-                str(store),
-                str(root),
-                str(seed),
-                str(steps),
-                str(int(fused)),
-                fault[1] if fault and fault[0] == r else "",
-            ],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(size)
-    ]
-    errors = []
-    try:
-        for r, p in enumerate(procs):
-            _, err = p.communicate(timeout=timeout)
-            if p.returncode:
-                errors.append(f"rank {r} exited {p.returncode}: {err[-2000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        store.unlink(missing_ok=True)
-    if errors:
-        raise RuntimeError("capture_tp_port: " + "\n".join(errors))
+    spawn_ranks(
+        "tdinspect.examples.port_tp",
+        size,
+        root.parent / f".{root.name}.store",  # the gloo rendezvous (a fresh file per run)
+        lambda r: [
+            str(root),
+            str(seed),
+            str(steps),
+            str(int(fused)),
+            fault[1] if fault and fault[0] == r else "",
+        ],
+        timeout,
+    )
     return root
 
 
@@ -333,11 +306,8 @@ def main(argv: list[str]) -> None:
         int(argv[5]),
     )
     fused, fault = argv[6] == "1", (argv[7] if len(argv) > 7 and argv[7] else None)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    try:
+    with joined(rank, size, store):
         _capture_rank(Path(out), rank, size, seed, steps, fault, fused)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
