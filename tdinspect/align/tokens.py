@@ -377,10 +377,10 @@ class RequestPass(LogicalPass):
         shared = self.shared if self.shared is not None else OpenedPasses()
         out = dst = None
         found, at, small = [], 0, None  # small: where the run of small parts being copied began
+        raw, sources, fetch = shared.raw, self.sources, loaded.fetch
         for src, k, b0, b1, nbytes in spans:
-            got, data = shared.raw(
-                src, k, loaded.fetch, not isinstance(self.sources[src], LogicalPass), self.sources[src]
-            )
+            pi = sources[src]
+            got, data = raw(src, k, fetch, not isinstance(pi, LogicalPass), pi)
             if got != dtype or data.size != nbytes:  # not as the sidecar says: the general road
                 return self._general_pieces(key, loaded)
             if b1 - b0 >= PIECE_BYTES:
@@ -450,10 +450,13 @@ def _request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], s
         labels = [f"{side.upper()} {r}" for r in runs]
         count = sum(r.length for r in runs)
         tables = [rows[r.pass_] for r in runs]
-        plans, first, shapes = {}, {}, {}
+        plans, first, shapes, located = {}, {}, {}, {}
         for key in dict.fromkeys(k for p in order for k in sources[p].keys):
             first[key] = next((p, sources[p].position[key]) for p in order if key in sources[p].position)
-            plans[key], shapes[key] = _gather(key, runs, [t.get(key) for t in tables], request, labels, count)
+            found = [t.get(key) for t in tables]
+            plans[key], shapes[key] = _gather(key, runs, found, request, labels, count)
+            if plans[key]["op"] == "cat":
+                located[key] = _byte_spans(key, runs, found, shapes[key])
         out[(0, request)] = RequestPass.build(
             0,
             request,
@@ -464,7 +467,25 @@ def _request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], s
             what=f"request {request}, positions {_run_spans(runs)}",
         )
         out[(0, request)].shared = shared
+        out[(0, request)].spans = {k: v for k, v in located.items() if v is not None}
     return out
+
+
+def _byte_spans(key: str, runs: list[Run], found: list, shape: list[int]):
+    """:meth:`RequestPass.byte_spans` of a gathered entry, from its runs (``None``: one dtype
+    does not hold for all its parts, or it is not a torch one)."""
+    dtype = found[0][3]
+    if dtype is None or any(f[3] != dtype for f in found):
+        return None
+    row = math.prod(shape[1:]) * dtype.itemsize
+    return (
+        shape,
+        dtype,
+        [
+            (run.pass_, key, run.row * row, (run.row + run.length) * row, rows * row)
+            for run, (_, rows, _, _) in zip(runs, found)
+        ],
+    )
 
 
 def _run_spans(runs: list[Run]) -> str:
@@ -478,10 +499,12 @@ def _run_spans(runs: list[Run]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in out)
 
 
-def _token_rows(pi: PassIndex, p: int, key: str) -> tuple[dict, int, list[int]] | str:
+def _token_rows(pi: PassIndex, p: int, key: str) -> tuple[dict, int, list[int], torch.dtype | None] | str:
     """Entry ``key`` of pass ``p`` as token rows: ``(plan reading it, its token rows, the shape
-    of a row)``, or the reason it is not (its shape does not lead with the pass's token rows)."""
-    shape, lead = pi.shape[pi.position[key]], list(pi.tokens.shape)
+    of a row, its torch dtype)``, or the reason it is not (its shape does not lead with the
+    pass's token rows)."""
+    i = pi.position[key]
+    shape, lead = pi.shape[i], list(pi.tokens.shape)
     if shape is None or list(shape[: len(lead)]) != lead:
         return (
             f"not token-major: shape {None if shape is None else list(shape)} in pass {p} "
@@ -490,7 +513,8 @@ def _token_rows(pi: PassIndex, p: int, key: str) -> tuple[dict, int, list[int]] 
     node = read(p, key)
     if len(lead) > 1:
         node = {"op": "flat", "end": len(lead) - 1, "part": node}
-    return node, math.prod(lead), list(shape[len(lead) :])
+    dtype = getattr(torch, str(pi.dtype[i]).removeprefix("torch."), None)
+    return node, math.prod(lead), list(shape[len(lead) :]), dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _gather(key: str, runs: list[Run], found: list, request: int, labels: list[str], count: int):
@@ -513,7 +537,7 @@ def _gather(key: str, runs: list[Run], found: list, request: int, labels: list[s
         node
         if not run.row and run.length == rows
         else {"op": "narrow", "dim": 0, "start": run.row, "length": run.length, "part": node}
-        for run, (node, rows, _) in zip(runs, found)
+        for run, (node, rows, _, _) in zip(runs, found)
     ]
     node = (
         parts[0]
