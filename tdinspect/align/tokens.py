@@ -377,10 +377,14 @@ class RequestPass(LogicalPass):
         shared = self.shared if self.shared is not None else OpenedPasses()
         out = dst = None
         found, at, small = [], 0, None  # small: where the run of small parts being copied began
-        raw, sources, fetch = shared.raw, self.sources, loaded.fetch
-        for src, k, b0, b1, nbytes in spans:
-            pi = sources[src]
-            got, data = raw(src, k, fetch, not isinstance(pi, LogicalPass), pi)
+        raw, views, sources, fetch = shared.raw, shared.views, self.sources, loaded.fetch
+        for src, k, b0, b1, nbytes in spans:  # a decode run's thousands of rows: kept lean
+            per = views.get(src)
+            hit = None if per is None else per.get(k)
+            if hit is None:
+                pi = sources[src]
+                hit = raw(src, k, fetch, not isinstance(pi, LogicalPass), pi)
+            got, data = hit
             if got != dtype or data.size != nbytes:  # not as the sidecar says: the general road
                 return self._general_pieces(key, loaded)
             if b1 - b0 >= PIECE_BYTES:
