@@ -25,6 +25,7 @@ from tdinspect.examples.engine import (
     engine_prompts,
 )
 from tdinspect.examples.port import make_hf_llama
+from tdinspect.numerics.metrics import compare_tensors
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +286,55 @@ def test_a_statistics_only_side_is_refused_naming_it(tmp_path, dumps):
         dump.step(tokens=tdinspect.tokens(seq_lens=[5]))
     with pytest.raises(AlignError, match=r"s is statistics-only: tokens=True gathers"):
         dumps["hf"].diff(tmp_path / "s", tokens=True)
+
+
+def test_the_gap_and_the_nearest_line_name_requests_not_passes(dumps):
+    v = dumps["hf"].diff(dumps["last"], tokens=True).verdict(structural="report")
+    assert v.outcome == "incomplete" and "model.lm_head (request 0): B: not token-major" in v.gap, v.gap
+    assert "entry 24 of 25, request 0)" in v.gap and "(pass " not in v.gap, v.gap
+    near = dumps["hf"].diff(dumps["continuous"], tokens=True).nearest()
+    assert re.search(r"\(request \d\): ", near["text"]) and "(pass " not in near["text"], near["text"]
+
+
+def test_large_parts_compared_in_place_and_small_ones_copied_give_the_assembled_answer(tmp_path):
+    """Prefill parts of 100 to 400 rows of 1 KB (the large ones compared where they lie) and decode
+    rows one a pass (copied together): the metrics are those of the assembled tensors, and a
+    fault is found in either kind of part."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, decode = (300, 400), 3
+    ref = [torch.randn(1, n + decode, 256, generator=gen) for n in lengths]
+    _record(
+        tmp_path / "ref",
+        0,
+        [
+            ({"m.out": t}, tdinspect.tokens(request_ids=[r], seq_lens=[t.shape[1]], shape=(1, t.shape[1])))
+            for r, t in enumerate(ref)
+        ],
+    )
+    pieces = [[(0, 0, 300), (1, 0, 100)], [(1, 100, 300)]]  # request 1 cut across two passes
+    pieces += [[(0, 300 + d, 1), (1, 400 + d, 1)] for d in range(decode)]
+    for name, (request, position) in (("ok", (None, None)), ("late", (1, 401)), ("early", (1, 250))):
+        served = [t + 1e-6 * torch.randn(t.shape, generator=gen) for t in ref]
+        if request is not None:
+            served[request][0, position] *= 1.01
+        steps = []
+        for step in pieces:
+            rows = torch.cat([served[r][0, p : p + k] for r, p, k in step])
+            layout = tdinspect.tokens(
+                request_ids=[r for r, _, _ in step],
+                positions=torch.cat([torch.arange(p, p + k) for _, p, k in step]),
+                seq_lens=[k for _, _, k in step],
+            )
+            steps.append(({"m.out": rows}, layout))
+        _record(tmp_path / name, 0, steps)
+        d = tdinspect.DumpSet.open(tmp_path / "ref").diff(tmp_path / name, tokens=True)
+        if request is None:
+            assert d.verdict().outcome == "matches"
+            table = d.table(progress=False).set_index("pass")
+            for r in (0, 1):
+                whole = compare_tensors(served[r][0], ref[r][0])
+                for metric in ("rel_diff", "max_abs", "mean_abs", "max_rel", "mismatch"):
+                    assert table.at[r, metric] == pytest.approx(whole[metric], rel=1e-9, abs=1e-300), metric
+        else:
+            div = d.first_divergence()
+            assert (div.key, div.request, div.position) == ("m.out", request, position)

@@ -302,9 +302,12 @@ class LogicalPass(PassIndex):
         *,
         dims: dict[str, str | None] | None = None,
         what: str = "",
+        shapes: dict[str, list[int] | None] | None = None,
     ) -> LogicalPass:
         """A logical pass with entries ``plans`` (in order); ``first[key] = (src, i)``
-        is a source entry whose metadata (dtype, module type) the logical entry takes."""
+        is a source entry whose metadata (dtype, module type) the logical entry takes;
+        ``shapes``, where the caller knows them, the entries' shapes (else worked out from
+        the plans)."""
         keys = list(plans)
 
         def shape(src, key):
@@ -322,7 +325,7 @@ class LogicalPass(PassIndex):
             index,
             some.files,
             keys,
-            [shape_of(plans[k], shape) for k in keys],
+            [shape_of(plans[k], shape) for k in keys] if shapes is None else [shapes[k] for k in keys],
             [meta("dtype", k) for k in keys],
             [meta("module_type", k) for k in keys],
             [True] * n,

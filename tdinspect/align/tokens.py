@@ -35,6 +35,8 @@ from tdinspect.align.logical import LogicalPass, error, read
 from tdinspect.errors import AlignError
 from tdinspect.store.passindex import PassIndex
 from tdinspect.store.rawpass import mapping_files
+from tdinspect.store.rawspans import element_starts
+from tdinspect.util.gcpause import paused
 
 
 @dataclass(frozen=True)
@@ -217,10 +219,12 @@ def plan_tokens(passes_a, passes_b, where_a="A", where_b="B") -> TokenPlan:
     return TokenPlan({r: _request_plan(r, ma.get(r, []), mb.get(r, [])) for r in sorted(set(ma) | set(mb))})
 
 
-# a concatenation whose parts average fewer bytes than this is assembled (one copy into a reused
-# buffer) and compared once, rather than part by part: a decode step's row is a few KB, and a
-# metric call per part cost 2.5x the plain diff of the same bytes (bench/tokens.py --decode 16)
-PIECE_BYTES = 1 << 20
+# a part of a concatenation this large is compared where it lies (a view of its pass file, its
+# metrics combined with the others'); the smaller parts between are copied together into one
+# buffer and compared at once: a decode step's row is a few KB, and a metric call per row cost
+# 2.5x the plain diff of the same bytes (bench/tokens.py --decode 16), while copying a prefill's
+# rows (most of the bytes) cost 1.8x
+PIECE_BYTES = 1 << 18
 
 
 class OpenedPasses(dict):
@@ -237,25 +241,63 @@ class OpenedPasses(dict):
         # (TDINSPECT_MMAP=0) its bytes
         self.limit = limit if limit is not None else (512 if mapping_files() else 4)
         self.views: dict[Any, dict[str, tuple]] = {}  # src -> {key: (dtype, bytes)}
+        self.files: dict[Any, tuple | None] = {}  # src -> located()
 
     def __setitem__(self, key, value) -> None:
         if len(self) < self.limit:
             super().__setitem__(key, value)
 
-    def raw(self, src, key: str, fetch, keep: bool = True) -> tuple[torch.dtype, Any]:
+    def raw(self, src, key: str, fetch, keep: bool = True, source=None) -> tuple[torch.dtype, Any]:
         """Entry ``key`` of source ``src`` as ``(dtype, its bytes as a numpy view)``; with ``keep``
         (a view of a pass file, not a tensor assembled in memory), kept for every request whose
-        tokens it holds while its pass stays open."""
+        tokens it holds while its pass stays open. ``source`` (its :class:`PassIndex`): a stored
+        entry is read straight from the mapped file (:func:`located`), its pass never loaded."""
         per = self.views.get(src)
         hit = None if per is None else per.get(key)
         if hit is None:
-            t = fetch(src, key)
-            keep = keep and t.is_contiguous()  # else a copy: not kept
-            t = t if t.is_contiguous() else t.contiguous()
-            hit = (t.dtype, t.view(-1).view(torch.uint8).numpy())
-            if keep and src in self:
+            hit = self._from_file(src, key, source) if keep and source is not None else None
+            if hit is None:
+                t = fetch(src, key)
+                keep = keep and t.is_contiguous()  # else a copy: not kept
+                t = t if t.is_contiguous() else t.contiguous()
+                hit = (t.dtype, t.view(-1).view(torch.uint8).numpy())
+            if keep and (src in self or src in self.files):
                 self.views.setdefault(src, {})[key] = hit
         return hit
+
+    def _from_file(self, src, key: str, source) -> tuple[torch.dtype, Any] | None:
+        found = self.files.get(src, self)
+        if found is self:
+            found = located(source)
+            if len(self.files) < self.limit:
+                self.files[src] = found
+        where = None if found is None else found[1].get(key)
+        if where is None:
+            return None
+        first, nbytes, dtype = where
+        return dtype, found[0][first : first + nbytes]
+
+
+def located(pi: PassIndex) -> tuple[Any, dict[str, tuple[int, int, torch.dtype]]] | None:
+    """``(the pass file's bytes, {key: (first byte, bytes, dtype)})`` of its plain stored
+    contiguous entries (:func:`tdinspect.store.rawspans.element_starts`: the checks of a load),
+    or ``None`` (read its tensors instead)."""
+    if isinstance(pi, LogicalPass) or pi.raw is None or pi.files.tensors is None or pi.stats_only:
+        return None
+    rows = [
+        i
+        for i, stored in enumerate(pi.stored)
+        if stored and not pi.uninitialized[i] and not (pi.storage and pi.storage[i] is not None)
+    ]
+    found = element_starts(pi.files.tensors, [pi.keys[i] for i in rows], [pi.raw[i] for i in rows])
+    if found is None or not found.data.flags.writeable:
+        return None
+    out = {}
+    for i, where in zip(rows, found.starts):
+        dtype = None if where is None else getattr(torch, str(where[2]).removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            out[pi.keys[i]] = (where[0], where[1] * dtype.itemsize, dtype)
+    return found.data, out
 
 
 @dataclass(eq=False)
@@ -283,7 +325,9 @@ class RequestPass(LogicalPass):
         dst = out.view(-1).view(torch.uint8).numpy()
         at = 0
         for src, k, b0, b1, nbytes in spans:
-            got, data = shared.raw(src, k, loaded.fetch, keep=not isinstance(self.sources[src], LogicalPass))
+            got, data = shared.raw(
+                src, k, loaded.fetch, not isinstance(self.sources[src], LogicalPass), self.sources[src]
+            )
             if got != dtype or data.size != nbytes:  # not as the sidecar says: the general road
                 return super().tensor(key, loaded)
             dst[at : at + b1 - b0] = data[b0:b1]
@@ -317,6 +361,51 @@ class RequestPass(LogicalPass):
         return hit
 
     def pieces(self, key: str, loaded=None):
+        """A concatenation as :func:`~tdinspect.align.logical.pieces` gives it: its parts of at
+        least :data:`PIECE_BYTES` as views of their pass files, each run of smaller parts between
+        them copied into one buffer (the entry's reused one, at their place: never two pieces in
+        one memory); ``None`` (compared assembled) where every part is small."""
+        found = self.byte_spans(key)
+        if found is None:
+            return self._general_pieces(key, loaded)
+        shape, dtype, spans = found
+        row = math.prod(shape[1:]) * dtype.itemsize
+        if not row or all(b1 - b0 < PIECE_BYTES for _, _, b0, b1, _ in spans):
+            return None
+        if not hasattr(loaded, "fetch"):
+            loaded = self.load()
+        shared = self.shared if self.shared is not None else OpenedPasses()
+        out = dst = None
+        found, at, small = [], 0, None  # small: where the run of small parts being copied began
+        raw, views, sources, fetch = shared.raw, shared.views, self.sources, loaded.fetch
+        for src, k, b0, b1, nbytes in spans:  # a decode run's thousands of rows: kept lean
+            per = views.get(src)
+            hit = None if per is None else per.get(k)
+            if hit is None:
+                pi = sources[src]
+                hit = raw(src, k, fetch, not isinstance(pi, LogicalPass), pi)
+            got, data = hit
+            if got != dtype or data.size != nbytes:  # not as the sidecar says: the general road
+                return self._general_pieces(key, loaded)
+            if b1 - b0 >= PIECE_BYTES:
+                if small is not None:
+                    found.append((small // row, out.narrow(0, small // row, (at - small) // row)))
+                    small = None
+                part = torch.from_numpy(data[b0:b1]).view(dtype).view((b1 - b0) // row, *shape[1:])
+                found.append((at // row, part))
+            else:
+                if out is None:
+                    out = loaded.buffer(shape, dtype) if loaded.scratch else torch.empty(shape, dtype=dtype)
+                    dst = out.view(-1).view(torch.uint8).numpy()
+                dst[at : at + b1 - b0] = data[b0:b1]
+                small = at if small is None else small
+            at += b1 - b0
+        if small is not None:
+            found.append((small // row, out.narrow(0, small // row, (at - small) // row)))
+        return 0, found
+
+    def _general_pieces(self, key: str, loaded=None):
+        """:meth:`LogicalPass.pieces`, where the parts average at least :data:`PIECE_BYTES`."""
         node = self.plans.get(key)
         if node is None or node["op"] != "cat":
             return None
@@ -342,62 +431,121 @@ def request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], si
     ``side`` is ``"a"`` or ``"b"``. Requests without a compared token have no pass (they are in
     :attr:`TokenPlan.one_sided`).
     """
+    # a dict or two per part, none in a cycle: the collections they would trigger walk every
+    # object of both opened dumps (half the time of this function, bench/tokens.py --decode 16)
+    with paused():
+        return _request_passes(plan, passes, side)
+
+
+def _request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], side: str) -> dict:
     by_pass = {p: pi for (_, p), pi in passes.items()}
     shared = OpenedPasses()
+    rows: dict[int, dict[str, Any]] = {}  # pass -> {key: _token_rows()}: the same for every request
     out = {}
     for request, rp in plan.requests.items():
         runs = rp.a if side == "a" else rp.b
         if not runs:
             continue
         sources = {r.pass_: by_pass[r.pass_] for r in runs}
-        keys = dict.fromkeys(k for p in sorted(sources) for k in sources[p].keys)
-        plans, first = {}, {}
-        for key in keys:
-            have = [p for p in sorted(sources) if key in sources[p].position]
-            first[key] = (have[0], sources[have[0]].position[key])
-            plans[key] = _gather(key, runs, sources, request, side.upper())
+        for p, pi in sources.items():
+            if p not in rows:
+                rows[p] = {key: _token_rows(pi, p, key) for key in pi.keys}
+        order = sorted(sources)
+        labels = [f"{side.upper()} {r}" for r in runs]
+        count = sum(r.length for r in runs)
+        tables = [rows[r.pass_] for r in runs]
+        plans, first, shapes, located = {}, {}, {}, {}
+        for key in dict.fromkeys(k for p in order for k in sources[p].keys):
+            first[key] = next((p, sources[p].position[key]) for p in order if key in sources[p].position)
+            found = [t.get(key) for t in tables]
+            plans[key], shapes[key] = _gather(key, runs, found, request, labels, count)
+            if plans[key]["op"] == "cat":
+                located[key] = _byte_spans(key, runs, found, shapes[key])
         out[(0, request)] = RequestPass.build(
             0,
             request,
             sources,
             plans,
             first,
-            what=f"request {request}, positions {spans(rp.positions)}",
+            shapes=shapes,
+            what=f"request {request}, positions {_run_spans(runs)}",
         )
         out[(0, request)].shared = shared
+        out[(0, request)].spans = {k: v for k, v in located.items() if v is not None}
     return out
 
 
-def _gather(key: str, runs: list[Run], sources: dict[int, PassIndex], request: int, side: str) -> dict:
-    """The plan of one entry of one request: its rows of each run, put end to end."""
-    parts, shapes = [], []
-    for run in runs:
-        pi = sources[run.pass_]
-        i = pi.position.get(key)
-        if i is None:
+def _byte_spans(key: str, runs: list[Run], found: list, shape: list[int]):
+    """:meth:`RequestPass.byte_spans` of a gathered entry, from its runs (``None``: one dtype
+    does not hold for all its parts, or it is not a torch one)."""
+    dtype = found[0][3]
+    if dtype is None or any(f[3] != dtype for f in found):
+        return None
+    row = math.prod(shape[1:]) * dtype.itemsize
+    return (
+        shape,
+        dtype,
+        [
+            (run.pass_, key, run.row * row, (run.row + run.length) * row, rows * row)
+            for run, (_, rows, _, _) in zip(runs, found)
+        ],
+    )
+
+
+def _run_spans(runs: list[Run]) -> str:
+    """The positions ``runs`` hold, as :func:`spans` writes them (without listing each one)."""
+    out: list[list[int]] = []
+    for r in sorted(runs, key=lambda r: r.position):
+        if out and out[-1][1] + 1 == r.position:
+            out[-1][1] = r.position + r.length - 1
+        else:
+            out.append([r.position, r.position + r.length - 1])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in out)
+
+
+def _token_rows(pi: PassIndex, p: int, key: str) -> tuple[dict, int, list[int], torch.dtype | None] | str:
+    """Entry ``key`` of pass ``p`` as token rows: ``(plan reading it, its token rows, the shape
+    of a row, its torch dtype)``, or the reason it is not (its shape does not lead with the
+    pass's token rows)."""
+    i = pi.position[key]
+    shape, lead = pi.shape[i], list(pi.tokens.shape)
+    if shape is None or list(shape[: len(lead)]) != lead:
+        return (
+            f"not token-major: shape {None if shape is None else list(shape)} in pass {p} "
+            f"does not lead with its token rows {lead} (set aside, not compared)"
+        )
+    node = read(p, key)
+    if len(lead) > 1:
+        node = {"op": "flat", "end": len(lead) - 1, "part": node}
+    dtype = getattr(torch, str(pi.dtype[i]).removeprefix("torch."), None)
+    return node, math.prod(lead), list(shape[len(lead) :]), dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _gather(key: str, runs: list[Run], found: list, request: int, labels: list[str], count: int):
+    """The plan of one entry of one request, its rows of each run put end to end, and its
+    shape (``None`` where it cannot be gathered); ``found``: :func:`_token_rows` of the entry
+    in each run's pass (``None`` where that pass lacks it)."""
+    for run, f in zip(runs, found):
+        if f is None:
             return error(
                 f"not in pass {run.pass_}, which holds request {request}'s positions "
                 f"{spans(list(range(run.position, run.position + run.length)))}"
-            )
-        shape, lead = pi.shape[i], list(pi.tokens.shape)
-        if shape is None or list(shape[: len(lead)]) != lead:
-            return error(
-                f"not token-major: shape {None if shape is None else list(shape)} in pass {run.pass_} "
-                f"does not lead with its token rows {lead} (set aside, not compared)"
-            )
-        node = read(run.pass_, key)
-        if len(lead) > 1:
-            node = {"op": "flat", "end": len(lead) - 1, "part": node}
-        rows = 1
-        for v in lead:
-            rows *= v
-        if run.row or run.length != rows:
-            node = {"op": "narrow", "dim": 0, "start": run.row, "length": run.length, "part": node}
-        parts.append(node)
-        shapes.append(list(shape[len(lead) :]))
-    if len(parts) == 1:
-        return parts[0]
-    if any(s != shapes[0] for s in shapes):
-        seen = ", ".join(f"{run}: {s}" for run, s in zip(runs, shapes))
-        return error(f"token rows of different shapes ({seen})")
-    return {"op": "cat", "dim": 0, "parts": parts, "zigzag": False, "labels": [f"{side} {r}" for r in runs]}
+            ), None
+        if isinstance(f, str):
+            return error(f), None
+    shape = found[0][2]
+    if any(f[2] != shape for f in found):
+        seen = ", ".join(f"{run}: {f[2]}" for run, f in zip(runs, found))
+        return error(f"token rows of different shapes ({seen})"), None
+    parts = [
+        node
+        if not run.row and run.length == rows
+        else {"op": "narrow", "dim": 0, "start": run.row, "length": run.length, "part": node}
+        for run, (node, rows, _, _) in zip(runs, found)
+    ]
+    node = (
+        parts[0]
+        if len(parts) == 1
+        else {"op": "cat", "dim": 0, "parts": parts, "zigzag": False, "labels": labels}
+    )
+    return node, [count, *shape]

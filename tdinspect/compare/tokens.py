@@ -137,6 +137,10 @@ class TokenDiff(Diff):
             return TokenVerdict("incomplete", None, text, **counts, stopped=v.stopped)
         return TokenVerdict(v.outcome, None, v.gap, **counts, stopped=v.stopped)
 
+    def _where(self, pass_: int, rank: int) -> str:
+        """``request R``: a token-aligned diff's passes are its requests (ranks reassembled)."""
+        return f"request {pass_}"
+
     def _token_divergence(self, div: Divergence, metric, threshold) -> TokenDivergence:
         request, position = div.pass_, -1
         if not div.structural:
