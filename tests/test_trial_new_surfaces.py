@@ -1,0 +1,96 @@
+"""A new user's pass over the release's new surfaces: what was found wrong, each pinned.
+
+A tiny Hugging Face Llama against its hand-written port (``tdinspect.examples.port``): the
+report page and ``%tdi_diff``'s summary said "every entry compared" beside a table of
+entries left out by ``allow_uncompared``; ``tdinspect report --json`` was accepted and
+ignored (an HTML page came out); a comparison spec read from hand-edited JSON crashed on a
+wrong type (``AttributeError``, ``TypeError``) or took ``"false"`` for true; an empty
+mapping file compared by name as if no ``--mapping`` was given.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tdinspect import DumpSet, suggest_mapping  # noqa: E402
+from tdinspect.cli import main  # noqa: E402
+from tdinspect.compare.spec import CompareSpec  # noqa: E402
+from tdinspect.errors import MappingError  # noqa: E402
+from tdinspect.examples.port import capture_port_pair  # noqa: E402
+from tdinspect.report import DiffSummary  # noqa: E402
+
+ONE_SIDED = r"rotary_emb|act_fn"
+
+
+@pytest.fixture(scope="module")
+def port(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trial")
+    ref, good = capture_port_pair(root / "good")
+    rules = suggest_mapping(DumpSet.open(ref), DumpSet.open(good)).save(root / "rules.yaml")
+    return {"root": root, "ref": ref, "good": good, "rules": rules}
+
+
+def test_a_match_with_entries_allowed_out_does_not_claim_every_entry_compared(port):
+    d = DumpSet.open(port["ref"]).diff(
+        port["good"], mapping=port["rules"], structural="report", allow_uncompared=ONE_SIDED
+    )
+    summary = DiffSummary(d)
+    assert summary.verdict.outcome == "matches"
+    for text in (repr(summary), summary._repr_html_()):
+        assert "every entry compared" not in text
+        assert "all 21 entries compared" in text
+        assert "4 left out by allow_uncompared" in text
+
+
+def test_report_page_says_what_was_left_out(port, capsys):
+    out = port["root"] / "report.html"
+    argv = [str(port["ref"]), str(port["good"]), "--mapping", str(port["rules"])]
+    argv += ["--structural", "report", "--allow-uncompared", ONE_SIDED, "-o", str(out)]
+    assert main(["report", *argv]) == 0
+    page = out.read_text()
+    assert "every entry compared" not in page
+    assert "4 left out by allow_uncompared" in page
+
+
+def test_report_refuses_json_rather_than_ignoring_it(port, capsys):
+    out = port["root"] / "r.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(port["ref"]), str(port["good"]), "--json", "-o", str(out)])
+    assert exc.value.code == 2
+    assert "--json" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"baseline": 5}, r"baseline=5: expected a dump folder"),
+        ({"allow_uncompared": 5}, r"allow_uncompared=5: expected a regex or a list of them"),
+        ({"allow_uncompared": ["ok", 3]}, r"allow_uncompared 3: not a regular expression"),
+        ({"unshard": "false"}, r"unshard='false': expected true or false"),
+        ({"tokens": "yes"}, r"tokens='yes': expected true or false"),
+        ({"baseline_factor": True}, r"baseline_factor: expected a number, got True"),
+    ],
+)
+def test_a_spec_from_json_with_a_wrong_type_names_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        CompareSpec.from_json(json.dumps(fields))
+
+
+def test_a_spec_from_json_keeps_its_good_values():
+    spec = CompareSpec.from_json(json.dumps({"unshard": True, "allow_uncompared": ["a", "b"]}))
+    assert spec.unshard is True and spec.allow_uncompared == ("a", "b")
+
+
+@pytest.mark.parametrize("text", ["", "null\n", "{}\n", "# only comments\n"])
+def test_an_empty_mapping_file_is_an_error_naming_it(port, text, capsys):
+    path = port["root"] / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(MappingError, match=r"empty\.yaml: no rules"):
+        DumpSet.open(port["ref"]).diff(port["good"], mapping=path)
+    assert main(["first-divergence", str(port["ref"]), str(port["good"]), "--mapping", str(path)]) == 2
+    assert "empty.yaml: no rules" in capsys.readouterr().err
