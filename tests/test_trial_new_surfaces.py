@@ -94,3 +94,39 @@ def test_an_empty_mapping_file_is_an_error_naming_it(port, text, capsys):
         DumpSet.open(port["ref"]).diff(port["good"], mapping=path)
     assert main(["first-divergence", str(port["ref"]), str(port["good"]), "--mapping", str(path)]) == 2
     assert "empty.yaml: no rules" in capsys.readouterr().err
+
+
+def _reseal(sidecar, edit):
+    """Edit a sidecar and bind it anew, as a forger (or a tool rewriting it) would."""
+    from tdinspect.store.sidecars import seal
+
+    doc = json.loads(sidecar.read_text())
+    doc.pop("binding")
+    edit(doc)
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    sidecar.write_bytes(seal(data, sidecar.with_suffix(".pt")))
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ({"dim": 5, "rows": ["0" * 16]}, r"1 fingerprints along dim 5 of shape \[4, 8\]"),
+        ({"dim": 0, "rows": ["0" * 16] * 3}, r"3 fingerprints along dim 0 of shape \[4, 8\]"),
+    ],
+)
+def test_row_fingerprints_that_do_not_fit_the_shape_name_the_sidecar(tmp_path, rows, match):
+    import torch
+
+    import tdinspect
+    from tdinspect.store.format import DumpFormatError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "d", checksum=True, checksum_dim=0) as dump:
+        model(torch.randn(4, 4))
+        dump.step()
+    sidecar = next((tmp_path / "d").glob("*/pass00000.json"))
+    _reseal(sidecar, lambda doc: doc["entries"]["checksum_rows"].__setitem__(0, rows))
+    with pytest.raises(
+        DumpFormatError, match=rf"pass00000\.json: sidecar column 'checksum_rows', entry 'model\.0': {match}"
+    ):
+        DumpSet.open(tmp_path / "d")

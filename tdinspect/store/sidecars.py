@@ -252,4 +252,22 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
                 )
     if len(set(keys)) != n:
         raise DumpFormatError(f"{path}: sidecar lists a key twice")
+    _rows_fit_shapes(path, keys, entries)
     return doc
+
+
+def _rows_fit_shapes(path: Path, keys: list, entries: dict) -> None:
+    """Each entry's ``checksum_rows``: one fingerprint per index of its dim (a dim its shape
+    has). Else a forged or mangled list paired rows by a count the tensor does not have, or
+    was dropped without a word (a shape mismatch reported instead)."""
+    rows, shapes = entries.get("checksum_rows"), entries.get("shape")
+    if not rows or not shapes:
+        return
+    for key, r, shape in zip(keys, rows, shapes):
+        if r is None or shape is None:
+            continue
+        if r["dim"] >= len(shape) or len(r["rows"]) != shape[r["dim"]]:
+            raise DumpFormatError(
+                f"{path}: sidecar column 'checksum_rows', entry {key!r}: {len(r['rows'])} "
+                f"fingerprints along dim {r['dim']} of shape {shape}"
+            )
