@@ -187,11 +187,15 @@ def _spec(args):
 
 def _diff(args):
     from tdinspect.dumpset import DumpSet
+    from tdinspect.errors import DumpFormatError
 
     spec = _spec(args)
     a = DumpSet.open(args.a, on_error=args.on_error)
     if spec.baseline is not None:  # opened here, so that its errors follow --on-error
-        spec = spec.replace(baseline=DumpSet.open(spec.baseline, on_error=args.on_error))
+        try:
+            spec = spec.replace(baseline=DumpSet.open(spec.baseline, on_error=args.on_error))
+        except DumpFormatError as exc:  # which of the three dumps: say so
+            raise _Fail(f"--baseline {exc}") from None
     return a.diff(DumpSet.open(args.b, on_error=args.on_error), spec=spec)
 
 

@@ -130,3 +130,20 @@ def test_row_fingerprints_that_do_not_fit_the_shape_name_the_sidecar(tmp_path, r
         DumpFormatError, match=rf"pass00000\.json: sidecar column 'checksum_rows', entry 'model\.0': {match}"
     ):
         DumpSet.open(tmp_path / "d")
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty folder", "a file"])
+def test_a_bad_baseline_is_named_as_the_baseline(port, kind, capsys):
+    from tdinspect.store.format import DumpFormatError
+
+    path = port["root"] / f"baseline {kind}"
+    if kind == "empty folder":
+        path.mkdir()
+    elif kind == "a file":
+        path.write_text("not a dump")
+    with pytest.raises(DumpFormatError, match=r"^baseline .*baseline " + kind):
+        DumpSet.open(port["ref"]).diff(port["ref"], baseline=path)
+    with pytest.raises(DumpFormatError, match=r"^baseline "):
+        DumpSet.open(port["ref"]).diff(port["ref"], spec=CompareSpec(baseline=str(path)))
+    assert main(["first-divergence", str(port["ref"]), str(port["ref"]), "--baseline", str(path)]) == 2
+    assert "error: --baseline " in capsys.readouterr().err
