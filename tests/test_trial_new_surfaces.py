@@ -147,3 +147,15 @@ def test_a_bad_baseline_is_named_as_the_baseline(port, kind, capsys):
         DumpSet.open(port["ref"]).diff(port["ref"], spec=CompareSpec(baseline=str(path)))
     assert main(["first-divergence", str(port["ref"]), str(port["ref"]), "--baseline", str(path)]) == 2
     assert "error: --baseline " in capsys.readouterr().err
+
+
+def test_the_health_table_gives_one_sided_entries_no_threshold(port):
+    """Beside float32's 1.49e-08, the port's four one-sided entries showed a threshold of
+    0.001 (auto's fallback without a partner's dtype): a number that judged nothing."""
+    import math
+
+    d = DumpSet.open(port["ref"]).diff(port["good"], mapping=port["rules"], structural="report")
+    h = d.health(progress=False)
+    sided = h[h["one_sided"]]
+    assert len(sided) == 4 and all(math.isnan(t) for t in sided["threshold"])
+    assert list(h[~h["one_sided"]]["threshold"]) == [2.0**-24 / 4] * 21  # float32 auto, u/4
