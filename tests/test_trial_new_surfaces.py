@@ -159,3 +159,38 @@ def test_the_health_table_gives_one_sided_entries_no_threshold(port):
     sided = h[h["one_sided"]]
     assert len(sided) == 4 and all(math.isnan(t) for t in sided["threshold"])
     assert list(h[~h["one_sided"]]["threshold"]) == [2.0**-24 / 4] * 21  # float32 auto, u/4
+
+
+@pytest.fixture(scope="module")
+def token_runs(tmp_path_factory):
+    """Two identical padded runs of the tiny Llama with their token layouts: ``rotary_emb``'s
+    outputs ``[1, S, d]`` are not token-major, so they are set aside."""
+    import torch
+
+    import tdinspect
+    from tdinspect.examples.port import make_hf_llama, port_tokens
+
+    root = tmp_path_factory.mktemp("trial_tokens")
+    model = make_hf_llama(0)
+    ids = port_tokens(0, length=6, batch=2)
+    mask = torch.ones_like(ids)
+    for name in ("a", "b"):
+        with torch.no_grad(), tdinspect.capture(model, root / name) as dump:
+            model(ids, attention_mask=mask)
+            dump.step(tokens=tdinspect.tokens(attention_mask=mask))
+    return root / "a", root / "b"
+
+
+def test_token_summary_and_cli_keep_the_specs_structural_mode(token_runs, capsys):
+    """``TokenDiff.summary`` defaulted to ``structural="diverge"`` over the spec's: Python said
+    "incomplete", ``first-divergence --tokens --structural report`` said "first divergence:
+    rotary_emb[0] (set aside, not compared)" and exited 1."""
+    a, b = token_runs
+    d = DumpSet.open(a).diff(b, tokens=True, structural="report")
+    assert d.verdict().outcome == "incomplete"
+    assert d.summary()["outcome"] == "incomplete"
+    argv = ["first-divergence", str(a), str(b), "--tokens", "--structural", "report"]
+    assert main(argv) == 3
+    assert "incomplete" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["outcome"] == "incomplete"

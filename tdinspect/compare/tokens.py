@@ -152,7 +152,7 @@ class TokenDiff(Diff):
             base["reason"] = f"{base['reason']}; from position {position} of request {request}"
         return TokenDivergence(**base, request=request, position=position)
 
-    def summary(self, threshold=None, metric=None, structural="diverge", *, allow_uncompared=None) -> dict:
+    def summary(self, threshold=None, metric=None, structural=None, *, allow_uncompared=None) -> dict:
         """As :meth:`Diff.summary`, with ``tokens`` (the plan, one line per request) and the first
         divergence's ``request`` and ``position``."""
         out = super().summary(threshold, metric, structural, allow_uncompared=allow_uncompared)
