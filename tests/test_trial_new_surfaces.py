@@ -194,3 +194,13 @@ def test_token_summary_and_cli_keep_the_specs_structural_mode(token_runs, capsys
     assert "incomplete" in capsys.readouterr().out
     assert main([*argv, "--json"]) == 3
     assert json.loads(capsys.readouterr().out)["outcome"] == "incomplete"
+
+
+def test_tokens_with_a_baseline_is_refused_not_judged_incomplete(token_runs, capsys):
+    """With ``tokens=True`` every entry read "no baseline entry" (the baseline pairs pass by
+    pass, the token aligner by request): "incomplete, 0 entries compared", on runs that match."""
+    a, b = token_runs
+    with pytest.raises(ValueError, match="tokens=True with a baseline: not supported"):
+        DumpSet.open(a).diff(b, tokens=True, baseline=a)
+    assert main(["first-divergence", str(a), str(b), "--tokens", "--baseline", str(a)]) == 2
+    assert "tokens=True with a baseline" in capsys.readouterr().err

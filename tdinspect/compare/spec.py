@@ -127,6 +127,11 @@ class CompareSpec:
             raise ValueError(
                 "tokens=True lines passes up by request and position: no concat or align='sequence'"
             )
+        if self.tokens and self.baseline is not None:  # every entry read "no baseline entry"
+            raise ValueError(
+                "tokens=True with a baseline: not supported (the baseline pairs with A pass by pass, "
+                "tokens=True by request); compare token by token without baseline="
+            )
         set_("baseline_factor", check_factor(self.baseline_factor))
 
     def __eq__(self, other) -> bool:
