@@ -204,3 +204,23 @@ def test_tokens_with_a_baseline_is_refused_not_judged_incomplete(token_runs, cap
         DumpSet.open(a).diff(b, tokens=True, baseline=a)
     assert main(["first-divergence", str(a), str(b), "--tokens", "--baseline", str(a)]) == 2
     assert "tokens=True with a baseline" in capsys.readouterr().err
+
+
+def test_a_token_layout_that_leads_no_entry_is_refused_before_any_allocation(token_runs, tmp_path):
+    """A resealed sidecar whose layout claims 10**12 token rows (shape and segments agreeing)
+    opened, and ``diff(tokens=True)`` allocated per-token arrays until ``MemoryError`` (15 s
+    under a 6 GB limit; without one, the kernel killed the process)."""
+    import shutil
+
+    from tdinspect.store.format import DumpFormatError
+
+    dump = tmp_path / "huge"
+    shutil.copytree(token_runs[1], dump)
+    sidecar = next(dump.glob("*/pass00000.json"))
+    huge = {"shape": [10**12], "segments": [[0, 0, 10**12]]}
+    _reseal(sidecar, lambda doc: doc.__setitem__("tokens", huge))
+    with pytest.raises(
+        DumpFormatError,
+        match=r"pass00000\.json: sidecar field 'tokens': its shape \[1000000000000\] leads no entry",
+    ):
+        DumpSet.open(token_runs[0]).diff(DumpSet.open(dump), tokens=True)
