@@ -224,3 +224,22 @@ def test_a_token_layout_that_leads_no_entry_is_refused_before_any_allocation(tok
         match=r"pass00000\.json: sidecar field 'tokens': its shape \[1000000000000\] leads no entry",
     ):
         DumpSet.open(token_runs[0]).diff(DumpSet.open(dump), tokens=True)
+
+
+@pytest.mark.parametrize("where", ["", None, 3])
+def test_saving_a_memory_capture_to_no_path_is_refused(where, tmp_path, monkeypatch):
+    """``cap.save("")`` (an unset variable) meant the working folder; ``save(None)`` raised
+    a bare ``TypeError``."""
+    import torch
+
+    import tdinspect
+    from tdinspect.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with torch.no_grad(), tdinspect.capture(model, memory=True) as cap:
+        model(torch.ones(1, 2))
+        cap.step()
+    with pytest.raises(ConfigError, match=r"save\(.*\): expected a folder path; nothing written"):
+        cap.save(where, if_exists="add")
+    assert list(tmp_path.iterdir()) == []
