@@ -187,11 +187,15 @@ def _spec(args):
 
 def _diff(args):
     from tdinspect.dumpset import DumpSet
+    from tdinspect.errors import DumpFormatError
 
     spec = _spec(args)
     a = DumpSet.open(args.a, on_error=args.on_error)
     if spec.baseline is not None:  # opened here, so that its errors follow --on-error
-        spec = spec.replace(baseline=DumpSet.open(spec.baseline, on_error=args.on_error))
+        try:
+            spec = spec.replace(baseline=DumpSet.open(spec.baseline, on_error=args.on_error))
+        except DumpFormatError as exc:  # which of the three dumps: say so
+            raise _Fail(f"--baseline {exc}") from None
     return a.diff(DumpSet.open(args.b, on_error=args.on_error), spec=spec)
 
 
@@ -400,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p, two=False):
+    def common(p, two=False, json=True):
         if two:
             p.add_argument("a", help="reference dump (folder, rank folder or pass file)")
             p.add_argument("b", help="compared dump")
@@ -414,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "-1 the newest (default), -2 the one before, 0 the oldest, or a "
                 "run id or rank folder name",
             )
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if json:  # report writes HTML only: a --json it ignored gave a page to a JSON reader
+            p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument(
             "--on-error",
             choices=["raise", "warn"],
@@ -467,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    common(p, two=True)
+    common(p, two=True, json=False)
     p.add_argument("-o", "--output", metavar="FILE", default=None, help="the HTML file (default: stdout)")
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser(

@@ -554,9 +554,7 @@ class DumpSet:
             return TokenDiff(self, other, **kwargs)
         from tdinspect.compare.diff import Diff
 
-        if kwargs.get("baseline") is not None:
-            kwargs["baseline"] = DumpSet.coerce(kwargs["baseline"], client=self.client)
-        return Diff(self, other, **kwargs)
+        return Diff(self, other, **kwargs)  # a baseline path is opened there, with A's client
 
     def first_nonfinite(self):
         """The first output holding NaN or Inf, in (pass, execution order), or ``None``.

@@ -262,10 +262,15 @@ class DiffSummary:
         elif self.verdict.outcome == "incomplete":
             lines.append(f"  {self.verdict.text} ({self.metric})")
         else:
-            lines.append(f"  no divergence ({self.metric}): every entry compared")
+            lines.append(f"  no divergence ({self.metric}): {self._matched()}")
         if self.nearest:
             lines.append(f"  nearest: {self.nearest['text']}")
         return visible("\n".join(lines), keep="\n")  # paths and names from the dump
+
+    def _matched(self) -> str:
+        """``all 21 entries compared, none past its threshold (4 left out by allow_uncompared)``:
+        the verdict's own words, never "every entry" when some were allowed out."""
+        return self.verdict.text.removeprefix("matches: ")
 
     def threshold_text(self) -> str:
         """``auto (rel_diff u/4, ...: float32 1.5e-08)`` (the values of the dtypes compared so
@@ -300,7 +305,7 @@ class DiffSummary:
             else:
                 parts.append(
                     f"<p><span class='ok'>no divergence</span> ({html_text(self.metric)} "
-                    f"at threshold {self._thr_text()}): every entry compared</p>"
+                    f"at threshold {self._thr_text()}): {html_text(self._matched())}</p>"
                 )
             if self.nearest:
                 parts.append(f"<div class='note'>nearest: {html_text(self.nearest['text'])}</div>")

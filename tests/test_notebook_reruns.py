@@ -160,3 +160,28 @@ def test_a_warning_inside_a_magic_names_the_users_cell(shell, tmp_path):
     warned = [line for line in lines if "never ran a hooked forward: model.1" in line]
     assert len(warned) == 1 and warned[0].startswith("<ipython-input-"), lines
     assert not any("magics.py" in line or "site-packages" in line for line in lines), lines
+
+
+def test_a_capture_cell_never_prunes_runs_a_script_made(shell, tmp_path):
+    """A reference captured by a script, then a cell pointed at its folder: the cell's first run
+    removed the script's oldest run ("3 runs kept, 1 older removed"). Only runs capture cells
+    made (run.json ``made_by``) are pruned now; the script's stay and count among the runs."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    ref = tmp_path / "ref"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            with tdinspect.capture(model, ref) as dump:
+                model(torch.ones(1, 2))
+                dump.step()
+    script_runs = _rank_folders(ref)
+    shell.user_ns.update(m=model, torch=torch)
+    for _ in range(5):
+        lines = _run(shell, f"%%tdi_capture {ref} --model m --keep-runs 2\nm(torch.ones(1, 2))")
+    assert set(script_runs) <= set(_rank_folders(ref))
+    assert len(_rank_folders(ref)) == 3 + 2  # the script's, and the cells' newest 2
+    assert "(5 runs kept, 1 older removed)" in lines[0]
+    made = [json.loads((ref / n / "run.json").read_text()).get("made_by") for n in _rank_folders(ref)]
+    assert sorted(made, key=str) == ["%%tdi_capture"] * 2 + [None] * 3

@@ -156,6 +156,10 @@ class Mapping:
             raise MappingError(
                 f"{path}: expected a mapping of a_regex: b_template rules, found {type(doc).__name__}"
             )
+        if not doc:  # a mapping given must pair something: else the diff pairs by name, unasked
+            raise MappingError(
+                f"{path}: no rules (an empty mapping file); expected a_regex: b_template lines"
+            )
         try:
             return cls(doc)
         except MappingError as exc:

@@ -41,6 +41,8 @@ def check_factor(factor) -> float:
     """``baseline_factor`` as a float: a finite number of at least 1 (the baseline's own noise
     passes its budget)."""
     try:
+        if isinstance(factor, bool):  # float(True) is 1.0
+            raise TypeError
         out = float(factor)
     except (TypeError, ValueError):
         raise ValueError(f"baseline_factor: expected a number, got {factor!r}") from None

@@ -197,7 +197,10 @@ class Diff:
         self.spec = spec
         baseline = spec.baseline
         if isinstance(baseline, (str, os.PathLike)):  # a spec from flags or JSON names a folder
-            baseline = type(a).coerce(baseline, client=a.client)
+            try:
+                baseline = type(a).coerce(baseline, client=a.client)
+            except DumpFormatError as exc:  # "x: not a dump" named no argument: A's? B's?
+                raise DumpFormatError(f"baseline {exc}") from None
         if spec.unshard:
             a, b = a.unshard(), b.unshard()
             baseline = baseline.unshard() if baseline is not None else None

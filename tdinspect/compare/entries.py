@@ -104,11 +104,12 @@ def health(
     grown = growth(df, m.name, all_entries=True)[["rank", "pass", "order", "key", "growth"]]
     out = df[["rank", "pass", "order", "op", "call", "key"]].copy()
     out["value"] = values
-    out["threshold"] = thr
+    sided = one_sided(reasons)
+    out["threshold"] = np.where(sided, np.nan, thr)  # no pair, no dtypes: auto's fallback meant nothing
     out["share"] = share
     out = out.merge(grown, on=["rank", "pass", "order", "key"], how="left", sort=False)
     out["nonfinite"] = [isinstance(r, str) and r.startswith(NONFINITE) for r in reasons]
-    out["one_sided"] = one_sided(reasons)
+    out["one_sided"] = sided
     out["structural"] = structural
     out["reason"] = reasons
     out["diverges"] = hit

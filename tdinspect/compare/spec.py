@@ -99,7 +99,14 @@ class CompareSpec:
             raise ValueError("mapping= pairs entries by rule: use it with align='name'")
         set_("threshold", "auto" if self.threshold is None else self.threshold)
         allow = self.allow_uncompared
-        allow = () if allow is None else (allow,) if isinstance(allow, (str, re.Pattern)) else tuple(allow)
+        if allow is None:
+            allow = ()
+        elif isinstance(allow, (str, re.Pattern)):
+            allow = (allow,)
+        elif isinstance(allow, (list, tuple, set, frozenset)):
+            allow = tuple(allow)
+        else:  # a hand-edited spec: tuple(5) raised "'int' object is not iterable"
+            raise ValueError(f"allow_uncompared={allow!r}: expected a regex or a list of them")
         for p in allow:
             try:
                 re.compile(p)
@@ -108,11 +115,22 @@ class CompareSpec:
         set_("allow_uncompared", tuple(p.pattern if isinstance(p, re.Pattern) else p for p in allow))
         if isinstance(self.concat, list):
             set_("concat", tuple(self.concat))
-        set_("unshard", bool(self.unshard))
-        set_("tokens", bool(self.tokens))
+        for flag in ("unshard", "tokens"):  # bool("false") is True
+            value = getattr(self, flag)
+            if value not in (None, True, False):
+                raise ValueError(f"{flag}={value!r}: expected true or false")
+            set_(flag, bool(value))
+        baseline = self.baseline
+        if not (baseline is None or isinstance(baseline, (str, os.PathLike)) or hasattr(baseline, "path")):
+            raise ValueError(f"baseline={baseline!r}: expected a dump folder (a path) or a DumpSet")
         if self.tokens and (self.concat is not None or self.align != "name"):
             raise ValueError(
                 "tokens=True lines passes up by request and position: no concat or align='sequence'"
+            )
+        if self.tokens and self.baseline is not None:  # every entry read "no baseline entry"
+            raise ValueError(
+                "tokens=True with a baseline: not supported (the baseline pairs with A pass by pass, "
+                "tokens=True by request); compare token by token without baseline="
             )
         set_("baseline_factor", check_factor(self.baseline_factor))
 

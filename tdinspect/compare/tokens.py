@@ -170,7 +170,7 @@ class TokenDiff(Diff):
                     return "; in " + ", ".join(bad) + by_token
         return by_token
 
-    def summary(self, threshold=None, metric=None, structural="diverge", *, allow_uncompared=None) -> dict:
+    def summary(self, threshold=None, metric=None, structural=None, *, allow_uncompared=None) -> dict:
         """As :meth:`Diff.summary`, with ``tokens`` (the plan, one line per request) and the first
         divergence's ``request`` and ``position``."""
         out = super().summary(threshold, metric, structural, allow_uncompared=allow_uncompared)

@@ -94,6 +94,9 @@ class MemoryStore:
             raise ConfigError(f"if_exists={if_exists!r}: expected 'refuse', 'add' or 'overwrite'")
         if not self.passes:
             raise ConfigError("nothing to save: the capture kept no pass (was step() called?)")
+        if not isinstance(dump_dir, (str, os.PathLike)) or not os.fspath(dump_dir):
+            # Path("") is the working folder: an unset variable would have written there
+            raise ConfigError(f"save({dump_dir!r}): expected a folder path; nothing written")
         root = Path(dump_dir)
         if os.path.lexists(root) and (root.is_symlink() or not root.is_dir()):
             raise ConfigError(f"save({str(root)!r}): not a folder (a file or a link); nothing written")

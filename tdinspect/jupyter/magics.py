@@ -20,7 +20,8 @@ Re-running cells stays quiet and bounded: each cell prints one short line at
 most (which run it wrote or opened), never a warning quoting tdinspect's own
 source, and a capture cell keeps the newest ``keep_runs`` runs of its folder
 (3; ``%config TdinspectMagics.keep_runs = 5``, or ``$TDINSPECT_KEEP_RUNS``;
-``--keep-runs N`` for one cell), removing older finished runs tdinspect made.
+``--keep-runs N`` for one cell), removing older finished runs capture cells made
+(a script's runs in that folder are kept).
 
 A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
 raises ``UsageError`` with one line saying what was looked up, so "Run All"
@@ -313,12 +314,20 @@ def _run_folders(folder: str | None) -> set[str]:
         return set()
 
 
-def _prune(folder: str, keep: int, before: set[str]) -> str:
-    """Keep the newest ``keep`` runs of ``folder``; what to add to the cell's one line (how
-    many runs it holds, how many this cell removed: ``--overwrite`` or beyond ``keep``)."""
-    from tdinspect.store.runs import list_runs, prune_runs
+CELL = "%%tdi_capture"  # what a capture cell's runs say made them (run.json "made_by")
 
-    prune_runs(folder, keep)
+
+def _prune(folder: str, keep: int, before: set[str]) -> str:
+    """Keep the newest ``keep`` runs of ``folder`` that capture cells made; what to add to the
+    cell's one line (how many runs it holds, how many this cell removed: ``--overwrite`` or
+    beyond ``keep``). Runs a script made there are never removed by a cell."""
+    from tdinspect.store.runs import list_runs, mark_run, prune_runs, read_manifest
+
+    for name in _run_folders(folder) - before:  # this cell's run (of this process)
+        path = Path(folder) / name
+        if not path.is_symlink() and (read_manifest(path) or {}).get("pid") == os.getpid():
+            mark_run(path, CELL)
+    prune_runs(folder, keep, made_by=CELL)
     removed = len(before - _run_folders(folder))
     runs = len(list_runs(folder))
     if runs <= 1 and not removed:

@@ -449,14 +449,28 @@ def clear_runs(*folders: str | os.PathLike) -> None:
         remove_run_folder(p)
 
 
-def prune_runs(dump_dir: str | os.PathLike, keep: int) -> list[str]:
+def mark_run(folder: str | os.PathLike, made_by: str) -> None:
+    """Record in the manifest of the run folder ``folder`` what made the run (``made_by``,
+    e.g. ``"%%tdi_capture"``), so that :func:`prune_runs` can remove only such runs."""
+    folder = Path(folder)
+    doc = read_manifest(folder)
+    if doc is None or folder.is_symlink():
+        return
+    doc["made_by"] = made_by
+    data = json.dumps(doc, indent=1).encode()
+    atomic_write(folder / RUN_FILENAME, lambda f: f.write(data))
+
+
+def prune_runs(dump_dir: str | os.PathLike, keep: int, made_by: str | None = None) -> list[str]:
     """Remove the oldest runs of ``dump_dir`` beyond the newest ``keep``; returns the names of the
     rank folders removed.
 
     Only finished runs that tdinspect made are removed: every folder of the run holds a manifest
     and only files tdinspect writes, none is a link, none belongs to a capture still open in
-    this process or to a live process of this host (:func:`_running_elsewhere`). A run that
-    cannot be removed is kept and still counts among the runs.
+    this process or to a live process of this host (:func:`_running_elsewhere`). With
+    ``made_by``, only runs whose manifests say so (:func:`mark_run`): a capture cell pointed at
+    a folder of runs a script made keeps them. A run that cannot be removed is kept and still
+    counts among the runs.
 
     Examples
     --------
@@ -482,7 +496,7 @@ def prune_runs(dump_dir: str | os.PathLike, keep: int) -> list[str]:
         if open_here or any(
             p.parent != root
             or p.is_symlink()
-            or read_manifest(p) is None
+            or not _made_by(p, made_by)
             or _running_elsewhere(p)
             or not all(_ours(n) for n in os.listdir(p))
             for p in folders
@@ -493,6 +507,12 @@ def prune_runs(dump_dir: str | os.PathLike, keep: int) -> list[str]:
             if not os.path.lexists(p):
                 removed.append(p.name)
     return removed
+
+
+def _made_by(folder: Path, made_by: str | None) -> bool:
+    """Whether ``folder`` holds a run manifest (saying ``made_by``, when given)."""
+    doc = read_manifest(folder)
+    return doc is not None and (made_by is None or doc.get("made_by") == made_by)
 
 
 def _running_elsewhere(folder: Path) -> bool:

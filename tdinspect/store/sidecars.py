@@ -252,4 +252,38 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
                 )
     if len(set(keys)) != n:
         raise DumpFormatError(f"{path}: sidecar lists a key twice")
+    _rows_fit_shapes(path, keys, entries)
+    _tokens_lead_an_entry(path, doc.get("tokens"), entries.get("shape"))
     return doc
+
+
+def _tokens_lead_an_entry(path: Path, tokens: Any, shapes: list | None) -> None:
+    """The ``tokens`` layout's shape must lead some entry's shape, as ``step(tokens=...)``
+    checks when it writes it: a layout of 10**12 rows with no tensor of that many made the
+    token aligner allocate per-token arrays until memory ran out. A malformed layout is left
+    to :meth:`~tdinspect.store.tokenlayout.TokenLayout.from_json`."""
+    lead = tokens.get("shape") if isinstance(tokens, dict) else None
+    if not isinstance(lead, list) or not shapes:
+        return
+    known = [s for s in shapes if s is not None]
+    if known and not any(s[: len(lead)] == lead for s in known):
+        raise DumpFormatError(
+            f"{path}: sidecar field 'tokens': its shape {str(lead)[:80]} leads no entry's shape"
+        )
+
+
+def _rows_fit_shapes(path: Path, keys: list, entries: dict) -> None:
+    """Each entry's ``checksum_rows``: one fingerprint per index of its dim (a dim its shape
+    has). Else a forged or mangled list paired rows by a count the tensor does not have, or
+    was dropped without a word (a shape mismatch reported instead)."""
+    rows, shapes = entries.get("checksum_rows"), entries.get("shape")
+    if not rows or not shapes:
+        return
+    for key, r, shape in zip(keys, rows, shapes):
+        if r is None or shape is None:
+            continue
+        if r["dim"] >= len(shape) or len(r["rows"]) != shape[r["dim"]]:
+            raise DumpFormatError(
+                f"{path}: sidecar column 'checksum_rows', entry {key!r}: {len(r['rows'])} "
+                f"fingerprints along dim {r['dim']} of shape {shape}"
+            )
