@@ -110,6 +110,19 @@ def test_an_entry_of_a_new_shape_is_drawn_on_the_kept_frames(runs, full_draws):
     assert (shown != _pixels(ex.view.png())).any(axis=2).mean() < 0.001  # as a full draw
 
 
+def test_dumpset_explorer_draws_a_new_shape_on_the_kept_frame(runs, full_draws):
+    ds = DumpSet.open(runs["ref"])
+    ex = tdinspect.explore(ds)
+    shapes = {op: tuple(ds.tensor(op).shape) for op in ds.ops}
+    other = next(op for op in ds.ops if shapes[op] != shapes[ex.op.value])
+    before = sum(f is ex.fig for f in full_draws)
+    ex.op.value = other  # another shape: its ticks, labels and title drawn on the kept frame
+    assert sum(f is ex.fig for f in full_draws) == before
+    assert ex._tensor_view.heat.get_title() == f"values {list(shapes[other])}"
+    shown = _pixels(ex.view.widget.value)
+    assert (shown != _pixels(ex.view.png())).any(axis=2).mean() < 0.001  # as a full draw
+
+
 def test_a_threshold_move_recomputes_only_the_health_columns_it_changes(llama32, monkeypatch):
     from tdinspect.compare import entries
     from tdinspect.compare.tree import ModuleTree

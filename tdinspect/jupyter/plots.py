@@ -636,6 +636,9 @@ class TensorView:
         return [
             self.image,
             *self.heat.spines.values(),
+            self.heat.xaxis,  # its ticks and labels follow the tensor's shape
+            self.heat.yaxis,
+            self.heat.title,
             self.colorbar.ax,
             self.bars,
             self.hist.xaxis,
@@ -665,7 +668,7 @@ class TensorView:
         self.bars.set_data(counts, edges)
         SideBySide._fit(self.hist, edges, counts.max(initial=0))
         self.title.set_text(_plain(title))
-        self.static_key = (x.shape, strided, shape)
+        self.static_key = ()  # nothing else changes: every tensor is drawn on the kept frame
 
 
 def tensor(t, *, title: str = "", fig=None):
