@@ -5,7 +5,7 @@ browser would, by assigning widget values (each observer runs as it does in the 
 prints the seconds each took, median of ``--rounds`` fresh processes:
 
 * the dashboard (:func:`tdinspect.dashboard`): its build, threshold moves, the ``auto`` tick,
-  metric switches, an entry picked the first time and again, another pass, a row of its table;
+  metric switches (with the module tree and health table's share: "overview"), an entry picked the first time and again, another pass, a row of its table;
 * the DumpSet explorer (``explore(ds)``): its build, op picks, a pass move, and typing an op's
   name into the search box (the kernel's busy time from the first key to the last redraw; in
   a kernel the search redraws once, after typing pauses);
@@ -63,6 +63,20 @@ def _typing(dx, word: str) -> float:
     return asyncio.run(run())
 
 
+def _timed_overview(ex) -> list[float]:
+    """Seconds each refresh of the explorer's module tree and health table takes (appended)."""
+    spent: list[float] = []
+    real = ex.overview.refresh
+
+    def timed() -> None:
+        t0 = time.perf_counter()
+        real()
+        spent.append(time.perf_counter() - t0)
+
+    ex.on_update[ex.on_update.index(real)] = timed
+    return spent
+
+
 def measure(a: str, b: str) -> dict[str, float]:
     """Seconds of each interaction on the pair ``a`` (reference), ``b``; worst of several."""
     import tdinspect
@@ -72,9 +86,13 @@ def measure(a: str, b: str) -> dict[str, float]:
     board = tdinspect.dashboard(a, b)
     r["dashboard build"] = time.perf_counter() - t0
     ex = board.explorer
+    overview = _timed_overview(ex)
     r["threshold move"] = max(_timed(ex.threshold, v) for v in (1e-7, 1e-2, 1e-5, 2e-5, 3e-5))
+    r["threshold: overview"] = max(overview)
+    overview.clear()
     r["auto tick"] = _timed(ex.auto, True)
     r["metric switch"] = max(_timed(ex.metric, name) for name in ("cosine", "rel_diff"))
+    r["metric: overview"] = max(overview)
     keys = [v for _, v in ex.entry.options]
     picked = [keys[i * len(keys) // 5] for i in range(1, 5)]
     r["entry pick (first time)"] = max(_timed(ex.entry, k) for k in picked)

@@ -535,8 +535,11 @@ def test_dashboard_marks_its_table_once_per_change(runs, monkeypatch):
     from tdinspect.compare import entries
 
     calls = []
-    real = entries.health
-    monkeypatch.setattr(entries, "health", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    for name in ("health", "rethreshold"):  # in full, or only its threshold columns
+        real = getattr(entries, name)
+        monkeypatch.setattr(
+            entries, name, lambda *args, real=real, **kw: calls.append(1) or real(*args, **kw)
+        )
     board = tdinspect.dashboard(runs["ref"], runs["wrong"])
     ex = board.explorer
 

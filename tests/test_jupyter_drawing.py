@@ -11,6 +11,7 @@ import io
 
 import matplotlib
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -92,6 +93,89 @@ def test_an_entry_of_the_same_shape_keeps_the_heatmaps_frames(runs, full_draws):
     assert ex.view_fig._suptitle.get_text().startswith(keys[2])
     shown = _pixels(ex.view.widget.value)
     assert (shown != _pixels(ex.view.png())).any(axis=2).mean() < 0.001
+
+
+def test_an_entry_of_a_new_shape_is_drawn_on_the_kept_frames(runs, full_draws):
+    ex = tdinspect.explore(DumpSet.open(runs["ref"]).diff(runs["wrong"]))
+    keys = [v for _, v in ex.entry.options if ".mlp.up" in v or ".mlp.down" in v]
+    assert ex.diff.a.tensor(keys[1]).shape != ex.diff.a.tensor(keys[0]).shape
+    view_draws = lambda: sum(f is ex.view_fig for f in full_draws)  # noqa: E731
+    ex.entry.value = keys[0]
+    before = view_draws()
+    ex.entry.value = keys[1]  # another shape: its ticks and labels drawn on the kept frames
+    assert view_draws() == before
+    image = ex._sbs.images[0].get_array()
+    assert image.shape == tuple(ex.diff.a.tensor(keys[1]).reshape(-1, image.shape[1]).shape)
+    shown = _pixels(ex.view.widget.value)
+    assert (shown != _pixels(ex.view.png())).any(axis=2).mean() < 0.001  # as a full draw
+
+
+def test_dumpset_explorer_draws_a_new_shape_on_the_kept_frame(runs, full_draws):
+    ds = DumpSet.open(runs["ref"])
+    ex = tdinspect.explore(ds)
+    shapes = {op: tuple(ds.tensor(op).shape) for op in ds.ops}
+    other = next(op for op in ds.ops if shapes[op] != shapes[ex.op.value])
+    before = sum(f is ex.fig for f in full_draws)
+    ex.op.value = other  # another shape: its ticks, labels and title drawn on the kept frame
+    assert sum(f is ex.fig for f in full_draws) == before
+    assert ex._tensor_view.heat.get_title() == f"values {list(shapes[other])}"
+    shown = _pixels(ex.view.widget.value)
+    assert (shown != _pixels(ex.view.png())).any(axis=2).mean() < 0.001  # as a full draw
+
+
+def test_a_threshold_move_recomputes_only_the_health_columns_it_changes(llama32, monkeypatch):
+    from tdinspect.compare import entries
+    from tdinspect.compare.tree import ModuleTree
+    from tdinspect.numerics.metrics import metric
+
+    ex = tdinspect.explore(DumpSet.open(llama32[0]).diff(llama32[1]))
+    grown = []
+    real = entries.growth
+    monkeypatch.setattr(entries, "growth", lambda *a, **k: grown.append(a) or real(*a, **k))
+    ex.threshold.value = 1e-2
+    assert grown == []  # the error's growth does not depend on the threshold
+    m, d = metric("rel_diff"), ex.diff
+    full = entries.health(
+        ex.table, m, d.thresholds(1e-2, m.name), d.allow_uncompared, d.diverging(ex.table, m.name, 1e-2)
+    )
+    pd.testing.assert_frame_equal(ex.overview.health, full)
+    tree, fresh = ex.overview.tree.tree, ModuleTree(full, m.name)
+    assert [(n.path, n.worst, n.diverging) for n in tree.root.walk()] == [
+        (n.path, n.worst, n.diverging) for n in fresh.root.walk()
+    ]
+    grown.clear()
+    ex.metric.value = "cosine"  # another metric: computed in full
+    assert [name for _, name in grown] == ["cosine"]
+
+
+def test_tree_rows_are_kept_by_position_not_made_per_node(llama32, monkeypatch):
+    import ipywidgets as W
+
+    from tdinspect.compare.tree import ModuleTree
+
+    ex = tdinspect.explore(DumpSet.open(llama32[0]).diff(llama32[1]))
+    panel, health = ex.overview.tree, ex.overview.health
+    panel.set_tree(ModuleTree(health, "rel_diff"))
+    panel.mark("model.model.layers.20.mlp.down_proj")  # layer 20 opened
+    made = []
+
+    class Counted(W.Button):
+        def __init__(self, *a, **k):
+            made.append(self)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(W, "Button", Counted)
+    panel.set_tree(ModuleTree(health, "rel_diff"))
+    panel.mark("model.model.layers.25.mlp.down_proj")  # as many lines: layer 25's instead
+    assert made == []
+    lines = panel.tree.lines()
+    buttons = [row.children[1] for row in panel.rows.children]
+    assert [b.tooltip for b in buttons] == [n.path for n, _ in lines]
+    assert [b.tooltip for b in buttons if b.button_style == "info"] == ["model.model.layers.25.mlp.down_proj"]
+    mlp = next(b for b in buttons if b.tooltip == "model.model.layers.25.mlp")
+    assert not ex.shown_at[0].startswith("model.model.layers.25.")
+    mlp.click()  # a kept row clicks the node it shows now: its worst entry, side by side
+    assert ex.shown_at[0].startswith("model.model.layers.25.mlp")
 
 
 def test_dumpset_explorer_draws_each_pick_once_and_its_search_once_typing_pauses(runs):

@@ -80,9 +80,56 @@ def health(
     --------
     >>> diff.health().sort_values("share", ascending=False).head(3)   # doctest: +SKIP
     """
-    if diverges is not None:
-        table = table.assign(_diverges=np.asarray(diverges, bool))
-    df = table.sort_values(["pass", "order", "rank"], kind="stable").reset_index(drop=True)
+    df, diverges = _in_order(table, diverges)
+    reasons = df["reason"].to_numpy(object)
+    grown = growth(df, m.name, all_entries=True)[["rank", "pass", "order", "key", "growth"]]
+    out = df[["rank", "pass", "order", "op", "call", "key"]].copy()
+    out["value"] = np.nan
+    out["threshold"] = np.nan
+    out["share"] = np.nan
+    out = out.merge(grown, on=["rank", "pass", "order", "key"], how="left", sort=False)
+    out["nonfinite"] = [isinstance(r, str) and r.startswith(NONFINITE) for r in reasons]
+    out["one_sided"] = one_sided(reasons)
+    out["structural"] = df["structural"].to_numpy(bool)
+    out["reason"] = reasons
+    out["diverges"] = False
+    _judge(out, df, m, thr_fn, allowed, diverges)
+    return out[HEALTH_COLUMNS]
+
+
+def rethreshold(
+    rows: pd.DataFrame,
+    table: pd.DataFrame,
+    m,
+    thr_fn: Thresholds,
+    allowed: list | None = None,
+    diverges: np.ndarray | None = None,
+) -> pd.DataFrame:
+    """:func:`health` at another threshold, from ``rows``, its result at another threshold of
+    the same metric ``m`` on the same ``table``: only ``value``, ``threshold``, ``share``
+    and ``diverges`` are computed again (the error's growth and the flags do not depend on
+    the threshold).
+
+    Examples
+    --------
+    >>> rows = health(table, m, diff.thresholds(1e-3, m.name))                   # doctest: +SKIP
+    >>> rethreshold(rows, table, m, diff.thresholds(1e-5, m.name))["diverges"]   # doctest: +SKIP
+    """
+    df, diverges = _in_order(table, diverges)
+    out = rows.copy()
+    _judge(out, df, m, thr_fn, allowed, diverges)
+    return out
+
+
+def _in_order(table: pd.DataFrame, diverges) -> tuple[pd.DataFrame, np.ndarray | None]:
+    """``table``'s rows in execution order (pass, order, rank), and ``diverges`` in that order."""
+    at = np.lexsort((table["rank"].to_numpy(), table["order"].to_numpy(), table["pass"].to_numpy()))
+    df = table.iloc[at].reset_index(drop=True)
+    return df, None if diverges is None else np.asarray(diverges, bool)[at]
+
+
+def _judge(out: pd.DataFrame, df: pd.DataFrame, m, thr_fn: Thresholds, allowed, diverges) -> None:
+    """Set ``out``'s value, threshold, share and diverges columns (rows of ``df``, in its order)."""
     values = df[m.name].to_numpy(float) if len(df) else np.zeros(0)
     thr = thr_fn.of_rows(df)
     structural = df["structural"].to_numpy(bool)
@@ -94,23 +141,14 @@ def health(
         excused = allowed_rows(allowed, df["op"].to_numpy(object), df["key_b"].to_numpy(object)) & aside
         hit &= ~excused
     if diverges is not None:
-        hit = df["_diverges"].to_numpy(bool)
+        hit = diverges
     error = as_error(m.name, pd.Series(values)).to_numpy(float)
     limit = as_error(m.name, pd.Series(thr)).to_numpy(float)
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(limit > 0, error / limit, np.where(error > 0, np.inf, 0.0))
     share = np.where(structural | (np.isnan(values) & (reasons == "")), np.inf, share)
-    share = np.where(excused, np.nan, share)  # one-sided by design: not compared, not the worst
-    grown = growth(df, m.name, all_entries=True)[["rank", "pass", "order", "key", "growth"]]
-    out = df[["rank", "pass", "order", "op", "call", "key"]].copy()
     out["value"] = values
-    sided = one_sided(reasons)
-    out["threshold"] = np.where(sided, np.nan, thr)  # no pair, no dtypes: auto's fallback meant nothing
-    out["share"] = share
-    out = out.merge(grown, on=["rank", "pass", "order", "key"], how="left", sort=False)
-    out["nonfinite"] = [isinstance(r, str) and r.startswith(NONFINITE) for r in reasons]
-    out["one_sided"] = sided
-    out["structural"] = structural
-    out["reason"] = reasons
+    # a one-sided row has no pair and no dtypes: auto's fallback threshold would mean nothing
+    out["threshold"] = np.where(one_sided(reasons), np.nan, thr)
+    out["share"] = np.where(excused, np.nan, share)  # one-sided by design: not compared, not the worst
     out["diverges"] = hit
-    return out[HEALTH_COLUMNS]

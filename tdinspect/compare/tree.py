@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
+import numpy as np
 import pandas as pd
 
 from tdinspect.naming import parse_key
@@ -77,15 +79,21 @@ def key_path(op: str) -> list[str]:
     """The tree path of an entry name: the module's dotted parts, then its op, then each label
     (``model.ln/aten.add.Tensor[out0]`` -> ``["model", "ln", "/aten.add.Tensor", "[out0]"]``):
     an op's inputs and outputs meet under the op."""
+    return list(_key_path(op))
+
+
+@lru_cache(maxsize=65536)  # a tree is built again for each threshold: its names are parsed once
+def _key_path(op: str) -> tuple[str, ...]:
+    """:func:`key_path`, kept per name."""
     try:
         parts = parse_key(op)
     except ValueError:
-        return [op]
+        return (op,)
     path = parts.module.split(".") if parts.module else []
     if parts.op:
         path.append("/" + parts.op)
     path += [f"[{label}]" for label in parts.labels]
-    return path or [op]
+    return tuple(path or [op])
 
 
 def _worse(a: float, b: float) -> bool:
@@ -112,19 +120,23 @@ class ModuleTree:
         self.root = Node("", "", -1)
         self._nodes: dict[str, Node] = {"": self.root}
         self.first = None
-        # one pass over the distinct names (a 40-pass diff holds each name 40 times)
+        # one pass over the distinct names (a 40-pass diff holds each name 40 times), counted
+        # with numpy: a groupby of named aggregations costs more than the tree it feeds
         df = health.reset_index(drop=True)
-        df["score"] = df["share"].fillna(-1.0)
-        per_op = df.groupby("op", sort=False).agg(
-            entries=("key", "size"),
-            diverging=("diverges", "sum"),
-            one_sided=("one_sided", "sum"),
-            nonfinite=("nonfinite", "sum"),
-            best=("score", "idxmax"),  # the first row of the largest share
-        )
+        codes, ops = pd.factorize(df["op"], sort=False)
+        n = len(ops)
+        count = np.bincount(codes, minlength=n)
+        sums = [
+            np.bincount(codes, weights=df[c].to_numpy(float), minlength=n).astype(int)
+            for c in ("diverges", "one_sided", "nonfinite")
+        ]
+        score = df["share"].fillna(-1.0).to_numpy(float)
+        # each op's first row of the largest share: sorted by op, share falling, row
+        by = np.lexsort((np.arange(len(df)), -score, codes))
+        bests = by[np.r_[0, np.flatnonzero(np.diff(codes[by])) + 1]] if len(df) else by
         keys, passes, ranks = df["key"].tolist(), df["pass"].tolist(), df["rank"].tolist()
         shares = df["share"].tolist()
-        for op, n, bad, one, nonfinite, best in per_op.itertuples(name=None):
+        for op, n, bad, one, nonfinite, best in zip(ops, count, *sums, bests):
             share, at = shares[best], (keys[best], int(passes[best]), int(ranks[best]))
             chain = self._chain(op)
             for node in chain:

@@ -52,22 +52,25 @@ class Overview:
 
     def refresh(self) -> None:
         """Recompute the health rows when the explorer's metric or threshold changed."""
-        from tdinspect.compare.entries import health
+        from tdinspect.compare.entries import health, rethreshold
         from tdinspect.compare.tree import ModuleTree
         from tdinspect.numerics.metrics import metric
 
         ex = self.explorer
         m, thr = metric(ex.metric.value), ex.threshold_value
         if self._at != (m.name, thr):
-            self._at = (m.name, thr)
             # the diff's own rule (its spec's structural mode, a baseline's budget), as the verdict
-            self.health = health(
+            args = (
                 ex.table,
                 m,
                 ex.diff.thresholds(thr, m.name),
                 ex.diff.allow_uncompared,
-                diverges=ex.diff.diverging(ex.table, m.name, thr),
+                ex.diff.diverging(ex.table, m.name, thr),
             )
+            same_metric = self._at is not None and self._at[0] == m.name
+            # a threshold move changes only the threshold, share and diverges columns
+            self.health = rethreshold(self.health, *args) if same_metric else health(*args)
+            self._at = (m.name, thr)
             self.table.set_health(self.health, m.name)
             self.tree.set_tree(ModuleTree(self.health, m.name, ex.diff.thresholds(thr, m.name).given()))
         self.follow()

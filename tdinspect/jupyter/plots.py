@@ -452,8 +452,10 @@ class SideBySide:
     steps, texts) instead of building six axes and colour bars again keeps
     a new entry cheap. What a new entry changes is :meth:`dynamic` (images,
     colour bars, histograms, texts); the heatmaps' frames, ticks and labels
-    are the same while :attr:`static_key` (the view's shape) is, so a view
-    can keep their pixels.
+    are the same while :attr:`static_key` is, so a view can keep their
+    pixels. The heatmaps' ticks and labels (which follow the tensor's shape)
+    are dynamic too: an entry of a shape not drawn before draws a dozen tick
+    labels on the kept frames, not the whole figure.
     """
 
     def __init__(self, fig):
@@ -511,6 +513,7 @@ class SideBySide:
         return [
             *self.images,
             *(spine for ax in self.axes[0] for spine in ax.spines.values()),  # drawn over the image edge
+            *(axis for ax in self.axes[0] for axis in (ax.xaxis, ax.yaxis)),  # ticks follow the shape
             *(cb.ax for cb in self.colorbars),
             self.axes[0, 2].title,
             self.hist_a,
@@ -576,7 +579,7 @@ class SideBySide:
             )
         )
         self.title.set_text(_plain(title))
-        self.static_key = (xa.shape, strided, bool(nonzero.size))
+        self.static_key = (bool(nonzero.size),)
 
     @staticmethod
     def _fit(ax, edges, top) -> None:
@@ -633,6 +636,9 @@ class TensorView:
         return [
             self.image,
             *self.heat.spines.values(),
+            self.heat.xaxis,  # its ticks and labels follow the tensor's shape
+            self.heat.yaxis,
+            self.heat.title,
             self.colorbar.ax,
             self.bars,
             self.hist.xaxis,
@@ -662,7 +668,7 @@ class TensorView:
         self.bars.set_data(counts, edges)
         SideBySide._fit(self.hist, edges, counts.max(initial=0))
         self.title.set_text(_plain(title))
-        self.static_key = (x.shape, strided, shape)
+        self.static_key = ()  # nothing else changes: every tensor is drawn on the kept frame
 
 
 def tensor(t, *, title: str = "", fig=None):

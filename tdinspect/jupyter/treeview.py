@@ -59,7 +59,8 @@ class TreePanel:
         self._opened: set[str] = set()  # paths a person opened (kept across trees)
         self._closed: set[str] = set()  # paths a person closed
         self._marked: str | None = None  # the node of the entry on show
-        self._rows: dict[str, tuple[W.HBox, W.HTML, W.Button]] = {}
+        self._rows: list[tuple[W.HBox, W.HTML, W.Button]] = []  # by position, reused
+        self._paths: list[str] = []  # the node each row shows
 
     def set_tree(self, tree) -> None:
         """Show ``tree`` (a new metric or threshold), keeping what a person opened and closed."""
@@ -85,31 +86,29 @@ class TreePanel:
         self.render()
 
     def render(self) -> None:
-        children = []
-        for node, expanded in self.tree.lines():
-            row = self._rows.get(node.path)
-            if row is None:
-                swatch = W.HTML(layout=W.Layout(margin="0 4px 0 0"))
-                button = W.Button(
-                    layout=W.Layout(width="auto", height="26px", padding="0 8px", margin="1px 0")
-                )
-                button.on_click(lambda _, path=node.path: self.click(path))
-                row = self._rows[node.path] = (
-                    # flex 0 0 auto: a long tree scrolls, its rows never squeeze into one another
-                    W.HBox(
-                        [swatch, button],
-                        layout=W.Layout(margin=f"0 0 0 {node.depth * 16}px", flex="0 0 auto"),
-                    ),
-                    swatch,
-                    button,
-                )
-            box, swatch, button = row
+        """Show the tree's open lines. Rows are kept by position and given the node of their
+        line: a pick that opens another layer changes a few texts instead of making (and the
+        page drawing) widgets for every node newly shown."""
+        lines = self.tree.lines()
+        while len(self._rows) < len(lines):
+            self._rows.append(self._row(len(self._rows)))
+        self._paths = [node.path for node, _ in lines]
+        for (node, expanded), (box, swatch, button) in zip(lines, self._rows):
+            box.layout.margin = f"0 0 0 {node.depth * 16}px"
             swatch.value = _swatch(node.worst)
             button.description = node_text(node, expanded)
             button.tooltip = visible(node.path)
             button.button_style = "info" if node.path == self._marked else ""
-            children.append(box)
-        self.rows.children = children
+        if len(self.rows.children) != len(lines):
+            self.rows.children = [box for box, _, _ in self._rows[: len(lines)]]
+
+    def _row(self, i: int) -> tuple[W.HBox, W.HTML, W.Button]:
+        """The widgets of the ``i``-th line: a swatch and a button that clicks its node."""
+        swatch = W.HTML(layout=W.Layout(margin="0 4px 0 0"))
+        button = W.Button(layout=W.Layout(width="auto", height="26px", padding="0 8px", margin="1px 0"))
+        button.on_click(lambda _: self.click(self._paths[i]))
+        # flex 0 0 auto: a long tree scrolls, its rows never squeeze into one another
+        return W.HBox([swatch, button], layout=W.Layout(flex="0 0 auto")), swatch, button
 
     def click(self, path: str) -> None:
         """What a click on node ``path`` does: open or close it, and show its worst entry."""
