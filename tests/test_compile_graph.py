@@ -7,6 +7,7 @@ compiles its model once, and the compiled runs are shared by module-scoped fixtu
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -14,9 +15,12 @@ import torch
 
 import tdinspect
 from tdinspect import DumpSet
+from tdinspect.dumper.checks import HealthCheck
+from tdinspect.dumper.recorder import Recorder
 from tdinspect.errors import DivergenceError, NonFiniteError
 from tdinspect.examples.models import make_compile_sensitive, make_model, make_tokens
 from tdinspect.examples.port import make_hf_llama, port_tokens
+from tdinspect.numerics.stats import STAT_NAMES, capture_stats, graph_stats
 
 SMALL = dict(n_layers=2, d_model=16, n_heads=2)  # fewer ops: a faster inductor compile
 
@@ -89,6 +93,66 @@ def test_the_recorded_values_are_what_the_compiled_graph_computed(llama):
     assert torch.equal(compiled.tensor("model.lm_head", pass_=1), llama["outs"][1])
 
 
+def test_statistics_computed_in_the_graph_are_eager_capture_statistics(llama):
+    """Full capture: the graph computes each entry's statistics (inductor fuses them), the
+    record op copies the tensor; the sidecar's statistics are capture_stats of that very
+    tensor, within float reassociation (inductor splits and reorders the sums)."""
+    compiled = llama["compiled"]
+    for doc in _sidecars(compiled):
+        entries = doc["entries"]
+        assert len(entries["key"]) == len(compiled.ops)
+        for key, row in zip(entries["key"], entries["stats"]):
+            stored = compiled.tensor(key, pass_=doc["pass"])
+            expected = capture_stats(stored)
+            torch.testing.assert_close(torch.tensor(row, dtype=torch.float64), expected, msg=key)
+
+
+def test_graph_stats_is_the_capture_definition_for_every_kind_of_value():
+    """One inductor compile over tensors of each kind: NaN and Inf (statistics over the
+    finite elements, counted apart), all non-finite, bfloat16, integers, bool, float64
+    whose squares would overflow or underflow (scaled), a transposed view, one element."""
+    torch.manual_seed(0)
+    x = torch.randn(37, 53)
+    holes = x.clone()
+    holes[3, :7] = float("nan")
+    holes[5, 2] = float("inf")
+    holes[9, 9] = -float("inf")
+    tensors = [
+        x,
+        holes,
+        torch.full((4, 4), float("nan")),
+        torch.randn(64, 33).bfloat16(),
+        torch.randint(-1000, 1000, (17, 19)),
+        torch.rand(301) > 0.5,
+        torch.randn(50, dtype=torch.float64) * 1e300,
+        torch.randn(50, dtype=torch.float64) * 1e-300,
+        x.t(),
+        torch.tensor([2.5]),
+    ]
+
+    def rows(*ts):
+        return [graph_stats(t * 1 if t.dtype != torch.bool else t) for t in ts]
+
+    got = torch.compile(rows, fullgraph=True)(*tensors)
+    torch._dynamo.reset()
+    for t, row in zip(tensors, got):
+        expected = capture_stats(t)
+        torch.testing.assert_close(row, expected, equal_nan=True, msg=f"{t.dtype} {tuple(t.shape)}")
+    nan, inf = STAT_NAMES.index("nan"), STAT_NAMES.index("inf")
+    assert got[1][[nan, inf]].tolist() == [7.0, 2.0]
+
+
+def test_a_non_finite_row_is_reported_from_its_counts():
+    """on_nonfinite inside a compiled graph reads the statistics row it was handed."""
+    check = HealthCheck("raise")
+    check.check_row("model.fine", capture_stats(torch.ones(3)), pass_=0, order=0)
+    bad = capture_stats(torch.tensor([1.0, float("nan"), float("inf"), float("inf")]))
+    with pytest.raises(NonFiniteError, match=r"model\.bad") as err:
+        check.check_row("model.bad", bad, pass_=0, order=1)
+    found = err.value.nonfinite
+    assert (found.nan, found.inf, found.numel) == (1, 2, 4)
+
+
 def test_capture_in_a_fullgraph_model_adds_no_graph_break_nor_recompile(llama):
     assert llama["counts"] == {"graphs": 1, "graph_breaks": 0, "recompiles": 0}
     assert not [s for s in llama["said"] if "graph break" in s or "eagerly" in s], llama["said"]
@@ -146,21 +210,53 @@ def test_live_comparison_stops_a_compiled_forward_at_the_module_that_moved(sensi
     assert err.value.divergence.op == "model.layers.1.mlp.act"
 
 
-def test_on_nonfinite_and_stats_only_inside_the_graph(tmp_path):
+def test_on_nonfinite_and_stats_only_inside_the_graph(tmp_path, monkeypatch):
+    """Statistics only: the graph computes each entry's statistics and the record op is
+    handed those rows, never the tensors; NaN/Inf counts, and on_nonfinite, come from them."""
     model = make_model(n_layers=3, d_model=16, n_heads=2)
     with torch.no_grad():
         model.layers[2].mlp.up.bias[3] = float("inf")
+    tokens = make_tokens()
+    _capture(model, tmp_path / "eager", lambda m: m(tokens), stats_only=True)
+    handed = []
+    for method in ("record", "record_measured"):
+        original = getattr(Recorder, method)
+
+        def spy(self, key, tensor, *args, _original=original, _method=method, **kwargs):
+            handed.append((_method, tensor))
+            return _original(self, key, tensor, *args, **kwargs)
+
+        monkeypatch.setattr(Recorder, method, spy)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    tokens = make_tokens()
     _, dump, said = _capture(
         compiled, tmp_path / "d", lambda m: m(tokens), stats_only=True, on_nonfinite="warn"
     )
     torch._dynamo.reset()
+    monkeypatch.undo()
+    assert handed and all(method == "record_measured" and t is None for method, t in handed)
     assert any("model.layers.2.mlp.up" in s for s in said), said
-    ds = DumpSet.open(tmp_path / "d")
+    ds, eager = DumpSet.open(tmp_path / "d"), DumpSet.open(tmp_path / "eager")
     assert ds.stats_only and "model.expert::call1" in ds.get_pass(0).keys
     assert _sidecars(ds)[0]["compile"]["mode"] == "graph"
+    (got,), (want,) = _sidecars(ds), _sidecars(eager)
+    assert got["entries"]["key"] == want["entries"]["key"]
+    assert got["entries"]["shape"] == want["entries"]["shape"]
+    assert got["entries"]["dtype"] == want["entries"]["dtype"]
+    # compiled kernels round otherwise than eager ones: float32 noise, the counts exact, up to
+    # the entry the Inf enters at; after it eager and fused kernels make NaN or Inf apart
+    got_rows, want_rows = (
+        torch.tensor(
+            [[math.nan if v is None else v for v in row] for row in doc["entries"]["stats"]],
+            dtype=torch.float64,
+        )
+        for doc in (got, want)
+    )
+    up = got["entries"]["key"].index("model.layers.2.mlp.up")
+    torch.testing.assert_close(got_rows[: up + 1], want_rows[: up + 1], rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert got_rows[up, STAT_NAMES.index("inf")] == 2 * 16  # one column of [2, 16, 64]
+    nonfinite = slice(STAT_NAMES.index("nan"), STAT_NAMES.index("inf") + 1)
+    assert torch.equal(got_rows[:, nonfinite].sum(1) > 0, want_rows[:, nonfinite].sum(1) > 0)
     with pytest.raises(NonFiniteError, match=r"model\.layers\.2\.mlp\.up"), torch.no_grad():
         with tdinspect.capture(torch.compile(model), on_nonfinite="raise"):
             torch.compile(model)(tokens)

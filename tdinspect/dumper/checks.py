@@ -92,6 +92,12 @@ def counts(t: torch.Tensor) -> tuple[int, int, int]:
     return int(torch.isnan(v).sum()), int(torch.isinf(v).sum()), t.numel()
 
 
+def _row_counts(row: torch.Tensor) -> tuple[int, int, int]:
+    """``(nan, inf, numel)`` from a statistics row (see :data:`~tdinspect.numerics.stats.STAT_NAMES`)."""
+    nan, inf, n = (int(x) for x in row[6:9].tolist())
+    return nan, inf, n
+
+
 def any_nonfinite(tensors) -> bool:
     """Whether any of ``tensors`` holds NaN/Inf (a read of each, now)."""
     return not all(_finite_now(t) for t in tensors)
@@ -150,7 +156,22 @@ class HealthCheck:
         flags = [_minmax(v)]  # stays on the device: read at step()
         if inputs is not None:
             flags.append(inputs_before if inputs_before is not None else self.device_flag(inputs))
-        self._pending.append((key, pass_, order, weakref.ref(tensor), flags))
+        ref = weakref.ref(tensor)
+        self._pending.append((key, pass_, order, lambda: counts(ref()) if ref() is not None else None, flags))
+
+    def check_row(self, key: str, row: torch.Tensor | None, *, pass_: int, order: int) -> None:
+        """Check one output from its statistics row alone (its NaN and Inf counts), as
+        capture inside a compiled graph hands it over; on an accelerator the counts are
+        read at :meth:`end_pass`, as the flags of :meth:`check`."""
+        if row is None or (self.action == "warn" and pass_ in self._warned):
+            return
+        nonfinite = row[6:8]
+        if row.device.type == "cpu":
+            if nonfinite.any():
+                self._report(self._describe(key, pass_, order, _row_counts(row), None))
+            return
+        flag = torch.where(nonfinite == 0, 0.0, math.nan)  # finite when the counts are zero
+        self._pending.append((key, pass_, order, lambda: _row_counts(row), [flag]))
 
     @staticmethod
     def device_flag(tensors) -> torch.Tensor | None:
@@ -168,9 +189,8 @@ class HealthCheck:
         out_ok = torch.isfinite(torch.stack([p[4][0] for p in pending])).all(dim=1).tolist()
         if all(out_ok):
             return
-        key, pass_, order, ref, flags = pending[out_ok.index(False)]
-        alive = ref()
-        n = counts(alive) if alive is not None else (None, None, None)
+        key, pass_, order, counts_of, flags = pending[out_ok.index(False)]
+        n = counts_of() or (None, None, None)
         inherited = None
         if len(flags) > 1:
             inherited = False if flags[1] is None else not bool(torch.isfinite(flags[1]).all())

@@ -10,6 +10,12 @@ and its implementation hands the tensors to the same code the eager hooks use
 (the recorder, live comparison, ``on_nonfinite``). The compiled code computes the
 same values with and without it: the op reads its inputs and returns nothing.
 
+Outputs are measured in the graph where nothing but a copy is wanted of the tensor (no
+live comparison, no checksums): the hook computes each tensor's statistics with
+:func:`~tdinspect.numerics.stats.graph_stats`, inductor fuses those reductions with the
+kernels that produce the tensors, and ``tdinspect::record_stats`` is handed one row of
+statistics per entry (with its shape and dtype), plus the tensors when they are stored.
+
 Usage (what :class:`tdinspect.dumper.modules.ModuleCapture` does)::
 
     site = new_site(lambda labels, tensors: ...)  # called at graph run time
@@ -32,17 +38,34 @@ import itertools
 import sys
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from tdinspect.dumper.stance import SharedHold
+from tdinspect.numerics.shapes import broadcast_dims
+from tdinspect.numerics.stats import graph_stats
 
 SEP = "\x1f"  # between labels in the op's string argument (never in a module name)
 _NAMESPACE = "tdinspect"
-_sites: dict[int, Callable[[list[str], list[torch.Tensor]], None]] = {}
+_sites: dict[int, Callable] = {}
 _numbers = itertools.count(1)
 _lock = threading.Lock()
 _op = None
+_stats_op = None
+# Recorded outputs' statistics computed inside the graph (fused by inductor); False: by
+# the record op at run time, from the tensors (bench/compile.py measures both side by side).
+# Read when a capture installs its hooks.
+STATS_IN_GRAPH = True
+
+
+class Measured(NamedTuple):
+    """An entry whose statistics the compiled graph computed: what the recorder is
+    handed instead of (or beside) the tensor."""
+
+    shape: list[int]
+    dtype: str  # as ``str(tensor.dtype)``: the sidecar's spelling
+    row: torch.Tensor  # float64, ordered like tdinspect.numerics.stats.STAT_NAMES
 
 
 def record_op():
@@ -57,7 +80,7 @@ def record_op():
             def record(site: int, labels: str, tensors: list[torch.Tensor]) -> None:
                 sink = _sites.get(site)
                 if sink is not None:  # a closed capture's site: compiled code may outlive it
-                    sink(labels.split(SEP) if labels else [""], list(tensors))
+                    sink(_split(labels), list(tensors), None)
 
             @record.register_fake
             def _(site, labels, tensors):
@@ -68,8 +91,56 @@ def record_op():
     return _op
 
 
-def new_site(sink: Callable[[list[str], list[torch.Tensor]], None]) -> int:
-    """A number for the op to call ``sink(labels, tensors)`` with, until :func:`drop_site`."""
+def record_stats_op():
+    """``torch.ops.tdinspect.record_stats``: the record op for entries whose statistics the
+    graph computed (``(int site, str labels, str dtypes, SymInt[] ranks, SymInt[] sizes,
+    Tensor stats, Tensor[] tensors) -> ()``; ``stats`` is one row per entry, ``tensors``
+    empty for statistics only), registered at the first call, as an ordered effect."""
+    global _stats_op
+    with _lock:
+        if _stats_op is None:
+            from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+            @torch.library.custom_op(f"{_NAMESPACE}::record_stats", mutates_args=())
+            def record_stats(
+                site: int,
+                labels: str,
+                dtypes: str,
+                ranks: list[int],
+                sizes: list[int],
+                stats: torch.Tensor,
+                tensors: list[torch.Tensor],
+            ) -> None:
+                sink = _sites.get(site)
+                if sink is None:  # a closed capture's site
+                    return
+                shapes, at = [], 0
+                for rank in ranks:
+                    shapes.append(list(sizes[at : at + rank]))
+                    at += rank
+                # a copy: inductor reuses the buffer of a graph's tensor once the op returns
+                rows = stats.clone().unbind(0)
+                measured = [Measured(*m) for m in zip(shapes, dtypes.split(SEP), rows)]
+                sink(_split(labels), list(tensors) or [None] * len(measured), measured)
+
+            @record_stats.register_fake
+            def _(site, labels, dtypes, ranks, sizes, stats, tensors):
+                return None
+
+            _register_effectful_op(record_stats, _EffectType.ORDERED)
+            _stats_op = torch.ops.tdinspect.record_stats.default
+    return _stats_op
+
+
+def _split(labels: str) -> list[str]:
+    return labels.split(SEP) if labels else [""]
+
+
+def new_site(sink: Callable) -> int:
+    """A number for the record ops to call ``sink(labels, tensors, measured)`` with, until
+    :func:`drop_site`. ``measured`` is ``None`` (the tensors are handed over), or a
+    :class:`Measured` per entry (the graph computed their statistics; ``tensors`` then
+    holds the tensors to store, or ``None`` each with statistics only)."""
     with _lock:
         n = next(_numbers)
         _sites[n] = sink
@@ -81,18 +152,44 @@ def drop_site(site: int) -> None:
     _sites.pop(site, None)
 
 
-def traced_hook(site: int, op, flatten: Callable, eager: Callable) -> Callable:
+def traced_hook(site: int, op, flatten: Callable, eager: Callable, stats: str | None = None) -> Callable:
     """A forward hook: under dynamo's trace, one ``op`` call with the tensors
-    ``flatten(output)`` gives (``[(label, tensor), ...]``); otherwise ``eager``."""
+    ``flatten(output)`` gives (``[(label, tensor), ...]``); otherwise ``eager``.
+
+    ``stats``: ``"only"`` or ``"with_tensors"`` compute the statistics of the tensors
+    in the graph (:func:`~tdinspect.numerics.stats.graph_stats`, fused by inductor) and call
+    :func:`record_stats_op` with them, and with the tensors for ``"with_tensors"``;
+    ``None`` hands the tensors to ``op``, as does an output holding a tensor that the
+    recorder stores in its own form (see :func:`in_graph`)."""
+    stats_op = record_stats_op() if stats is not None else None  # registered before any trace
 
     def hook(module, args, output):
         if torch.compiler.is_compiling():
             items = flatten(output)
-            op(site, SEP.join(k for k, _ in items), [t for _, t in items])
+            labels = SEP.join(k for k, _ in items)
+            tensors = [t for _, t in items]
+            if stats is not None and tensors and all(map(in_graph, tensors)):
+                keep = tensors if stats == "with_tensors" else []
+                _measured(stats_op, site, labels, tensors, keep)
+            else:
+                op(site, labels, tensors)
             return None
         return eager(module, args, output)
 
     return hook
+
+
+def in_graph(t: torch.Tensor) -> bool:
+    """Whether the graph computes ``t``'s statistics: a dense tensor that is not a broadcast
+    view (those the recorder measures and stores in their own form, as eagerly)."""
+    return t.layout == torch.strided and not t.is_quantized and not broadcast_dims(t)
+
+
+def _measured(op, site: int, labels: str, tensors: list[torch.Tensor], keep: list[torch.Tensor]) -> None:
+    rows = torch.stack([graph_stats(t) for t in tensors])
+    sizes = [d for t in tensors for d in t.shape]
+    dtypes = SEP.join(str(t.dtype) for t in tensors)
+    op(site, labels, dtypes, [t.dim() for t in tensors], sizes, rows, keep)
 
 
 def traced_pre_hook(site: int, op, flatten: Callable, eager: Callable) -> Callable:

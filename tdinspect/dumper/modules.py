@@ -461,7 +461,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
             )
             return params + (list(flatten_inputs(args, kwargs)) if "inputs" in record else [])
 
-        def sink(labels, tensors):
+        def sink(labels, tensors, measured):
             if tensors and self._under_graph_capture(tensors[0]):
                 return
             self._pass_modes.add("graph")
@@ -515,26 +515,57 @@ class ModuleCapture(StopsOnCheck, InMemory):
         if self.compile_mode != "graph":
             return _eager(hook)
 
-        def sink(labels, tensors):
-            if tensors and self._under_graph_capture(tensors[0]):
+        def sink(labels, tensors, measured):
+            first = tensors[0] if measured is None else measured[0].row
+            if first is not None and self._under_graph_capture(first):
                 return
             self._pass_modes.add("graph")
-            self._end_call(name, module_type, zip(labels, tensors), {})
+            self._end_call(name, module_type, zip(labels, tensors), {}, measured)
 
         return graphs.traced_hook(
-            self._site(sink), graphs.record_op(), lambda out: list(flatten_output(out)), _eager(hook)
+            self._site(sink),
+            graphs.record_op(),
+            lambda out: list(flatten_output(out)),
+            _eager(hook),
+            stats=self._stats_in_graph(),
         )
 
-    def _end_call(self, name: str, module_type: str, items, dropped: dict[str, str]) -> None:
-        """A call of ``name`` returned ``items`` (``(label, tensor)``): record and check them."""
+    def _stats_in_graph(self) -> str | None:
+        """What the compiled graph computes for the outputs it records (see
+        :func:`~tdinspect.dumper.compiled.traced_hook`): their statistics, for a capture
+        whose entries need nothing else from the tensor than a copy (none with live
+        comparison or checksums, which read the tensor at run time)."""
+        rec = self.recorder
+        if (
+            not graphs.STATS_IN_GRAPH
+            or "outputs" not in self.record
+            or rec.writer is None
+            or self.live is not None
+            or rec.checksum
+            or rec.checksum_dim is not None
+        ):
+            return None
+        return "only" if rec.stats_only else "with_tensors"
+
+    def _end_call(self, name: str, module_type: str, items, dropped: dict[str, str], measured=None) -> None:
+        """A call of ``name`` returned ``items`` (``(label, tensor)``): record and check them.
+        ``measured``: their statistics, computed by a compiled graph (``tensor`` is ``None``
+        with statistics only)."""
         rec, health = self.recorder, self.health
         self._fired.add(name)  # it ran, even if recording it fails below
         call = self._call_number(name)
         suffix = "" if call == 0 else f"{CALL_SEP}{call}"
         outputs = "outputs" in self.record
-        for sub, tensor in items:
+        for i, (sub, tensor) in enumerate(items):
             key = name + sub + suffix
             order = len(rec)
+            if measured is not None:  # the graph computed the statistics: the check reads them
+                row = rec.record_measured(
+                    key, tensor, measured[i], module_type=module_type, **self._out_extra
+                )
+                if health is not None:
+                    self._checked(health.check_row, key, row, pass_=rec.pass_index, order=order)
+                continue
             # recorded first: its statistics' NaN/Inf counts spare the check a read
             row = rec.record(key, tensor, module_type=module_type, **self._out_extra) if outputs else None
             if health is not None:

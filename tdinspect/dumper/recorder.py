@@ -372,13 +372,20 @@ class Recorder:
         of it): its statistics are reused. ``extra`` becomes sidecar columns
         (missing values are ``null``).
         """
+        return self._locked(
+            extra, lambda: self._record(key, tensor, module_type, store, same_stats_as, extra)
+        )
+
+    def _locked(self, extra: dict, add):
+        """``add()`` under the lock, the recording thread's number in ``extra`` (a forked
+        child records nothing)."""
         if self._forked_from is not None:
             return self._forked_note()
         with self._lock:
             thread = self._thread_number()
             if thread:
                 extra["thread"] = thread
-            return self._record(key, tensor, module_type, store, same_stats_as, extra)
+            return add()
 
     def _record(self, key, tensor, module_type, store, same_stats_as, extra) -> torch.Tensor | None:
         p = self._pass
@@ -421,15 +428,42 @@ class Recorder:
             return shared
         if measured and not plain:
             return self._record_kind(key, tensor, module_type, store, extra, digest)
-        copy = None
-        if measured and store and not self.stats_only:
-            if self.memory is not None:
-                self._check_memory(key, tensor.numel() * tensor.element_size())
-            copy, in_flight = host_copy(tensor, self.pool)
-            self._in_flight |= in_flight
-            p.nbytes += copy.numel() * copy.element_size()
+        copy = self._host_copy(key, tensor) if measured and store and not self.stats_only else None
         self._append(key, tensor, copy, stat, module_type, extra, digest)
         return stat
+
+    def _host_copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.memory is not None:
+            self._check_memory(key, tensor.numel() * tensor.element_size())
+        copy, in_flight = host_copy(tensor, self.pool)
+        self._in_flight |= in_flight
+        self._pass.nbytes += copy.numel() * copy.element_size()
+        return copy
+
+    def record_measured(
+        self, key: str, tensor: torch.Tensor | None, measured, *, module_type: str, **extra: Any
+    ) -> torch.Tensor | None:
+        """Add one entry whose statistics were computed already: by a compiled graph
+        (:class:`tdinspect.dumper.compiled.Measured`: ``shape``, ``dtype`` and ``row``).
+
+        ``tensor`` is copied as :meth:`record` copies it, or ``None`` with statistics only.
+        Only for a capture without live comparison, checksums or row checksums (those
+        read the tensor: :meth:`record`). Returns the statistics row.
+        """
+        if tensor is not None and not is_plain(tensor):
+            return self.record(key, tensor, module_type=module_type, **extra)
+        return self._locked(extra, lambda: self._record_measured(key, tensor, measured, module_type, extra))
+
+    def _record_measured(self, key, tensor, measured, module_type, extra) -> torch.Tensor | None:
+        if self.dims is not None:
+            extra["dims"] = self.dims.lookup(split_call(key)[0])
+        keep = tensor is not None and self.writer is not None and not self.stats_only
+        copy = self._host_copy(key, tensor) if keep else None
+        row = measured.row if self.writer is not None else None
+        self._append(
+            key, tensor, copy, row, module_type, extra, shape=list(measured.shape), dtype=measured.dtype
+        )
+        return row
 
     def _record_kind(self, key, tensor, module_type, store, extra, digest) -> torch.Tensor | None:
         """A sparse, quantized, nested, expanded, subclass, meta or fake tensor (see

@@ -197,13 +197,18 @@ def _row_sync_free(v: torch.Tensor, n: int) -> torch.Tensor:
     inf = torch.tensor(math.inf, dtype=v.dtype, device=v.device)
     lo = torch.where(finite, v, inf).min().double()
     hi = torch.where(finite, v, -inf).max().double()
-    absmax = torch.maximum(lo.abs(), hi.abs())
-    # an exact power of two near 1/absmax (frexp) when squares would overflow or underflow
-    exponent = torch.frexp(
-        torch.where(torch.isfinite(absmax) & (absmax > 0), absmax, torch.ones((), dtype=f64, device=v.device))
-    )[1]
-    exponent = torch.where(exponent.abs() > _SAFE_EXP, exponent, torch.zeros_like(exponent))
-    scale = torch.ldexp(torch.ones((), dtype=f64, device=v.device), -exponent)
+    if v.dtype == f64:  # only float64 squares can overflow or underflow: scaled first
+        absmax = torch.maximum(lo.abs(), hi.abs())
+        # an exact power of two near 1/absmax (frexp) when squares would overflow or underflow
+        exponent = torch.frexp(
+            torch.where(
+                torch.isfinite(absmax) & (absmax > 0), absmax, torch.ones((), dtype=f64, device=v.device)
+            )
+        )[1]
+        exponent = torch.where(exponent.abs() > _SAFE_EXP, exponent, torch.zeros_like(exponent))
+        scale = torch.ldexp(torch.ones((), dtype=f64, device=v.device), -exponent)
+    else:
+        scale = 1.0
     zero = torch.zeros((), dtype=f64, device=v.device)
     x = torch.where(finite, v.to(f64) * scale, zero)
     cnt = n_finite.double()
@@ -278,6 +283,73 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bo
     if fast is not None:
         return torch.tensor(fast, dtype=torch.float64)
     return _masked_row_cpu(v, n)
+
+
+def graph_stats(t: torch.Tensor) -> torch.Tensor:
+    """:func:`tensor_stats` as torch operations that ``torch.compile`` traces: the same
+    definitions, branch-free on the values, so inductor fuses the reductions with the
+    kernel that produces ``t`` (capture inside a compiled graph hands the record op this
+    row instead of the tensor).
+
+    One read of ``t``: the counts, min, max and float64 shifted sums (see
+    ``_row_one_pass``) in one fused loop; float64 tensors, whose
+    squares may need scaling, and on the CPU any dtype but float32, take the two passes of
+    the accelerator path. ``t`` is
+    reduced as laid out: a broadcast view element by element, which gives the
+    statistics of its expanded values as :func:`tensor_stats` does. Equal to
+    :func:`capture_stats` within float reassociation (inductor splits and reorders the
+    sums); min, max, absmax and the counts are exact.
+
+    Examples
+    --------
+    >>> graph_stats(torch.tensor([1.0, -3.0, float("inf")]))[[4, 7, 8]].tolist()
+    [3.0, 1.0, 3.0]
+    """
+    t = t.detach()
+    n = t.numel()
+    if n == 0:
+        return torch.tensor(_NAN_ROW + [0.0, 0.0, 0.0], dtype=torch.float64, device=t.device)
+    if t.dtype == torch.bool:  # the 0/1 values (a dtype view does not trace)
+        t = t.to(torch.uint8)
+    v = _as_real(t)
+    # on CPU inductor, float64 reductions of 16-bit and integer widenings failed to
+    # compile (VectorizedN): those take two passes too
+    if v.dtype == torch.float64 or (v.device.type == "cpu" and v.dtype != torch.float32):
+        return _row_sync_free(v, n)
+    return _row_one_pass(v, n)
+
+
+def _row_one_pass(v: torch.Tensor, n: int) -> torch.Tensor:
+    """The statistics row of a float32 (or, on an accelerator, narrower) tensor from
+    reductions that read it once, fused by inductor into the loop that produces it.
+
+    Shifted sums: ``d = x - K`` with ``K`` the first element (0 when it is not finite),
+    ``M2 = Σd² - (Σd)²/c`` over the ``c`` finite elements. Without the shift ``Σx²`` and
+    ``n·mean²`` would cancel when ``|mean| >> std``; with it the relative error of ``M2``
+    is about ``ε·log n·(1 + ((mean - K)/std)²)``: a few float64 ulps for ``K`` within a
+    few standard deviations of the mean. Plain sums need no division per element, as
+    Welford's update (inductor's ``var_mean``) does.
+    """
+    f64 = torch.float64
+    finite = torch.isfinite(v)  # masks, counts, min and max in v's dtype: exact, half the lanes
+    cnt = finite.sum().to(f64)
+    n_nan = (v != v).sum().to(f64)  # isnan would not vectorise
+    lo = torch.where(finite, v, math.inf).amin().to(f64)
+    hi = torch.where(finite, v, -math.inf).amax().to(f64)
+    first = v[(0,) * v.dim()]
+    shift = torch.where(torch.isfinite(first), first, 0.0).to(f64)
+    d = torch.where(finite, v.to(f64) - shift, 0.0)  # exact widening: every narrower dtype fits
+    s1, s2 = d.sum(), (d * d).sum()
+    mean = shift + s1 / cnt
+    m2 = (s2 - s1 * s1 / cnt).clamp_min(0.0)
+    empty = cnt == 0
+    lo, hi, mean = (torch.where(empty, math.nan, s) for s in (lo, hi, mean))
+    std = torch.where(empty, math.nan, (m2 / cnt).sqrt())
+    l2 = torch.where(empty, math.nan, (m2 + cnt * mean * mean).sqrt())
+    size = torch.full((), float(n), dtype=f64, device=v.device)
+    return torch.stack(
+        [lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), l2, n_nan, n - cnt - n_nan, size]
+    )
 
 
 def capture_stats(t: torch.Tensor) -> torch.Tensor:
