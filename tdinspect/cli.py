@@ -433,15 +433,6 @@ def build_parser() -> argparse.ArgumentParser:
             help="on an error, print the traceback too",
         )
 
-    def structural(p):
-        p.add_argument(
-            "--structural",
-            choices=["diverge", "report"],
-            default="diverge",
-            help="report: set one-sided/unmatched/reshaped entries aside, list them and name the first "
-            "numerical divergence (none: exit 3 unless --allow-uncompared names them all)",
-        )
-
     common(sub.add_parser("ls", help="what a dump holds"))
     p = sub.add_parser("stats", help="per-entry statistics")
     common(p)

@@ -93,7 +93,6 @@ class HealthTable:
         self.widget = W.VBox([W.HBox([self.filter, self.sort]), self.count, head, self.rows])
         self.on_pick = None
         self._health = None
-        self._metric = ""
         self._labels: list[str] = []
         self._values: list[tuple] = []
         self._selected: tuple | None = None
@@ -104,7 +103,7 @@ class HealthTable:
 
     def set_health(self, health, metric_name: str) -> None:
         """Show ``health`` (a :meth:`tdinspect.Diff.health` frame) at ``metric_name``."""
-        self._health, self._metric = health, metric_name
+        self._health = health
         cols = ["key", "pass", "rank", "value", "share", "growth", "nonfinite", "one_sided", "structural"]
         cols.append("diverges")
         records = [dict(zip(cols, row)) for row in zip(*(health[c].tolist() for c in cols))]
