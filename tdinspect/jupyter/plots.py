@@ -314,7 +314,6 @@ def divergence(
     from tdinspect.numerics.metrics import metric as get_metric
 
     m = get_metric(metric or diff.default_metric)
-    threshold = own_threshold(diff, threshold, m.name)
     df = sorted_table(diff)
     if pass_ is not None:
         df = df[df["pass"] == pass_]
@@ -331,13 +330,6 @@ def divergence(
         m, drawn_threshold(diff, threshold, m.name, df), verdict.divergence, verdict=verdict
     )
     return fig
-
-
-def own_threshold(diff, threshold, metric_name: str):
-    """``threshold``, or, when ``None``, the diff's own (its spec's) for the diff's metric."""
-    if threshold is None and metric_name == diff.default_metric:
-        return diff.spec.threshold
-    return threshold
 
 
 def drawn_threshold(diff, threshold, metric_name: str, table):
@@ -693,7 +685,6 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
-    threshold = own_threshold(diff, threshold, m.name)
     by = diff.by_rank_pass(threshold, m.name)
     thrs = np.unique(np.atleast_1d(drawn_threshold(diff, threshold, m.name, diff.table(progress=False))))
     ranks = sorted({r for r, _ in by.index})
@@ -772,7 +763,6 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
 
     plt = _plt()
     m = get_metric(metric or diff.default_metric)
-    threshold = own_threshold(diff, threshold, m.name)
     if keys is None:
         table = diff.table(progress=False)
         table = table[~table["structural"]].sort_values(["pass", "order", "rank"])
