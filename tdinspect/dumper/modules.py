@@ -444,6 +444,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         def pre_hook(module, args, kwargs):
             if self._under_graph_capture(args[0] if args else None):
                 return None
+            graphs.flush()  # entries a compiled graph left for later come first
             self._pass_modes.add("eager")
             params = _own_tensors(module) if "params" in record else ()
             inputs = flatten_inputs(args, kwargs) if "inputs" in record else ()
@@ -475,8 +476,8 @@ class ModuleCapture(StopsOnCheck, InMemory):
 
         return graphs.traced_pre_hook(self._site(sink), graphs.record_op(), traced, _eager(pre_hook))
 
-    def _site(self, sink) -> int:
-        site = graphs.new_site(sink)
+    def _site(self, sink, deferred: bool = False) -> int:
+        site = graphs.new_site(sink, deferred=deferred)
         self._sites.append(site)
         return site
 
@@ -507,6 +508,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         def hook(module, args, output):
             if self._under_graph_capture(output):
                 return None
+            graphs.flush()
             self._pass_modes.add("eager")
             dropped: dict[str, str] = {}
             self._end_call(name, module_type, flatten_output(output, dropped=dropped), dropped)
@@ -522,12 +524,14 @@ class ModuleCapture(StopsOnCheck, InMemory):
             self._pass_modes.add("graph")
             self._end_call(name, module_type, zip(labels, tensors), {}, measured)
 
+        stats = self._stats_in_graph()
         return graphs.traced_hook(
-            self._site(sink),
+            # statistics only, nothing to check at once: recorded after the graph's kernels
+            self._site(sink, deferred=stats == "only" and self.health is None),
             graphs.record_op(),
             lambda out: list(flatten_output(out)),
             _eager(hook),
-            stats=self._stats_in_graph(),
+            stats=stats,
         )
 
     def _stats_in_graph(self) -> str | None:
@@ -596,6 +600,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         def grad_hook(param):
             if param.grad is None or self._under_graph_capture(param.grad):
                 return
+            graphs.flush()
             rec.record(make_key(key, rec.next_call(key)), param.grad, module_type=module_type, kind="grad")
 
         return grad_hook
@@ -668,6 +673,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         """
         if not self.enabled or self.recorder is None:
             return None
+        graphs.flush()
         for callback in self._on_step:
             callback()
         self.recorder.warn_if_empty(
@@ -690,6 +696,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         Containers without a forward of their own (``ModuleList``,
         ``ModuleDict``) are never called, so never missing.
         """
+        graphs.flush()
         return [n for n in self.names if n not in self._fired and n not in self._containers]
 
     def _why_unfired(self, name: str) -> str:
@@ -706,6 +713,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         """Write a pending non-empty pass, remove every hook, wait for the writer."""
         if not self.enabled or self.recorder is None:
             return
+        graphs.flush()
         self._forget()
         for h in self._handles:
             h.remove()

@@ -286,23 +286,29 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bo
 
 
 def graph_stats(t: torch.Tensor) -> torch.Tensor:
-    """:func:`tensor_stats` as torch operations that ``torch.compile`` traces: the same
-    definitions, branch-free on the values, so inductor fuses the reductions with the
-    kernel that produces ``t`` (capture inside a compiled graph hands the record op this
-    row instead of the tensor).
+    """:func:`tensor_stats` as torch operations that ``torch.compile`` traces, branch-free
+    on the values, so inductor fuses the reductions with the kernel that produces ``t``
+    (capture inside a compiled graph hands the record op this row instead of the tensor).
 
-    One read of ``t``: the counts, min, max and float64 shifted sums (see
-    ``_row_one_pass``) in one fused loop; float64 tensors, whose
-    squares may need scaling, and on the CPU any dtype but float32, take the two passes of
-    the accelerator path. ``t`` is
-    reduced as laid out: a broadcast view element by element, which gives the
-    statistics of its expanded values as :func:`tensor_stats` does. Equal to
-    :func:`capture_stats` within float reassociation (inductor splits and reorders the
-    sums); min, max, absmax and the counts are exact.
+    On an accelerator, where reductions are bound by memory, not arithmetic: the
+    definitions of :func:`tensor_stats` in one read (the counts, min, max and float64
+    shifted sums of ``_row_one_pass``; float64 tensors, whose squares may need scaling,
+    take two passes). Equal to :func:`capture_stats` within float reassociation.
+
+    On the CPU, where they are bound by arithmetic (the masked float64 loop cost about
+    1 ns an element, as much as a small model's matmuls): a floating tensor of up to 32
+    bits takes four float32 reductions (min, max and the shifted sums, inductor's cascade
+    summation: relative error about ``1e-7·log n``) and assumes its values finite. A
+    tensor holding NaN or Inf, or whose squares overflow float32, gives a row whose min,
+    max, mean, std or l2 is not finite: :func:`complete_graph_row` measures those from the
+    tensor. Other dtypes take the masked float64 passes (exact counts, no assumption).
 
     Examples
     --------
-    >>> graph_stats(torch.tensor([1.0, -3.0, float("inf")]))[[4, 7, 8]].tolist()
+    >>> graph_stats(torch.tensor([1.0, -3.0, 2.0]))[[0, 1, 4, 8]].tolist()
+    [-3.0, 2.0, 3.0, 3.0]
+    >>> x = torch.tensor([1.0, -3.0, float("inf")])
+    >>> complete_graph_row(graph_stats(x), x)[[4, 7, 8]].tolist()
     [3.0, 1.0, 3.0]
     """
     t = t.detach()
@@ -312,11 +318,62 @@ def graph_stats(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.bool:  # the 0/1 values (a dtype view does not trace)
         t = t.to(torch.uint8)
     v = _as_real(t)
-    # on CPU inductor, float64 reductions of 16-bit and integer widenings failed to
-    # compile (VectorizedN): those take two passes too
-    if v.dtype == torch.float64 or (v.device.type == "cpu" and v.dtype != torch.float32):
+    if v.device.type == "cpu":
+        if v.is_floating_point() and v.element_size() <= 4:
+            return _row_assuming_finite(v, n)
         return _row_sync_free(v, n)
-    return _row_one_pass(v, n)
+    # float64 squares may need scaling: two passes
+    return _row_sync_free(v, n) if v.dtype == torch.float64 else _row_one_pass(v, n)
+
+
+def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
+    """The statistics row of a CPU floating tensor of up to 32 bits from four float32
+    reductions, its values assumed finite (see :func:`graph_stats`).
+
+    Shifted sums ``d = x - K``, ``K`` the first element, as ``_row_one_pass``; NaN
+    propagates through min and max (inductor's reductions, as torch's), Inf makes them
+    infinite, a non-finite ``K`` the mean: each leaves a non-finite value statistic.
+    """
+    f64 = torch.float64
+    x = v.float()
+    first = x[(0,) * x.dim()]
+    d = x - first
+    s1, s2 = d.sum().to(f64), (d * d).sum().to(f64)
+    lo, hi = x.amin().to(f64), x.amax().to(f64)
+    mean = first.to(f64) + s1 / n
+    m2 = (s2 - s1 * s1 / n).clamp_min(0.0)
+    zero = torch.zeros((), dtype=f64, device=v.device)
+    return torch.stack(
+        [
+            lo,
+            hi,
+            mean,
+            (m2 / n).sqrt(),
+            torch.maximum(lo.abs(), hi.abs()),
+            (m2 + n * mean * mean).sqrt(),
+            zero,
+            zero,
+            torch.full((), float(n), dtype=f64, device=v.device),
+        ]
+    )
+
+
+def complete_graph_row(row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``row`` (:func:`graph_stats` of ``t``, computed in a compiled graph), or, when it is
+    on the CPU with a non-finite min, max, mean, std, absmax or l2, :func:`capture_stats`
+    of ``t``: the statistics over its finite elements, NaN and Inf counted apart.
+
+    An accelerator's row is exact as it is (and reading it would wait for the device).
+
+    Examples
+    --------
+    >>> x = torch.tensor([float("nan"), 2.0])
+    >>> complete_graph_row(graph_stats(x), x)[[0, 6]].tolist()
+    [2.0, 1.0]
+    """
+    if row.device.type != "cpu" or bool(torch.isfinite(row[:6]).all()):
+        return row
+    return capture_stats(t)
 
 
 def _row_one_pass(v: torch.Tensor, n: int) -> torch.Tensor:
