@@ -83,7 +83,8 @@ def fuzz_sparse_coo(nnz, size, index):
     with tempfile.TemporaryDirectory() as folder:
         torch.save({"model.a": forged}, os.path.join(folder, "pass00000.pt"))
         _read_all(folder)
-        want = _expected_sparse(indices, values, size) if torch.Size(size).numel() < 2**22 else None
+        # the dense reference wherever the reader's 64 MB budget lets it read the entry
+        want = _expected_sparse(indices, values, size) if torch.Size(size).numel() * 4 <= 64 << 20 else None
         try:
             got = DumpSet.open(folder).tensor("model.a")
         except DumpFormatError:

@@ -72,6 +72,17 @@ def test_a_sparse_index_past_its_size_is_refused_by_every_reader(tmp_path, row):
         )
 
 
+def test_an_empty_sparse_tensor_whose_dense_strides_overflow_is_refused(tmp_path):
+    """A sparse tensor of size 0 x 2^40 x 2^40 holds no element and passes the checks, yet
+    torch cannot make it dense (its strides overflow int64): a RuntimeError left every reader
+    (found by fuzz_readers); now a DumpFormatError naming the file, and CLI exit 2."""
+    folder = _forged_sparse(tmp_path / "dump", [[], [], []], (0, 2**40, 2**40))
+    with pytest.raises(DumpFormatError, match=r"pass00000\.pt.*cannot be made dense"):
+        DumpSet.open(folder).tensor("model.a")
+    out = subprocess.run([sys.executable, "-m", "tdinspect", "stats", str(folder)], env=_env(), **RUN)
+    assert out.returncode == 2 and "pass00000.pt" in out.stderr, out.stderr[-500:]
+
+
 def test_a_sparse_tensor_claiming_gigabytes_dense_is_refused_without_allocating(tmp_path):
     """A 2 KB file holding a 32768 x 32768 sparse tensor: ls made it dense (4.3 GB peak);
     now refused from its size alone, in a process that stays small."""

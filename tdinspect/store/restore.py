@@ -159,10 +159,18 @@ def restore(t: torch.Tensor, where: object = "a stored tensor") -> torch.Tensor:
     the sidecar.
     """
     check(t, where)
-    if t.is_nested:
-        return flat_values(t)
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_quantized:
-        t = t.dequantize()
+    try:
+        if t.is_nested:
+            return flat_values(t)
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        if t.is_quantized:
+            t = t.dequantize()
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        # what the checks let through and torch still refuses (a sparse size of 0 x 2^40 x 2^40
+        # holds no element, yet its dense strides overflow)
+        raise DumpFormatError(
+            f"{where}: a {t.layout} tensor of size {list(t.shape)} that cannot be made dense "
+            f"({str(exc).splitlines()[0][:200]})"
+        ) from None
     return t
