@@ -4,6 +4,7 @@ same model served packed with continuous batching (tdinspect.examples.engine).""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -338,3 +339,107 @@ def test_large_parts_compared_in_place_and_small_ones_copied_give_the_assembled_
         else:
             div = d.first_divergence()
             assert (div.key, div.request, div.position) == ("m.out", request, position)
+
+
+def _served_entries(seed: int, lengths: list[int], decode: int, wrong: bool) -> list[dict]:
+    """Per request, entries of every stored dtype and of each special road, ``[1, L, 256]``:
+    identical, NaN on both sides, Inf on one, float64 beyond the range of its squares, far
+    norms (Σxy summed directly), -0.0 against 0.0, an integer entry."""
+    from tdinspect.numerics.metrics import STORED
+
+    out = []
+    for r, n in enumerate(lengths):
+        g, h = torch.Generator().manual_seed(r), torch.Generator().manual_seed(seed + r)
+        shape = (1, n + decode, 256)
+
+        def big(gen, scale=1.0, shape=shape):
+            return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
+        e = {}
+        for dt in STORED:
+            e[f"m.{str(dt)[6:]}"] = (big(g) + (1e-2 * big(h) if wrong else 0)).to(dt)
+        e["m.same"] = big(g).float()
+        both = big(g).float() + (1e-3 * big(h).float() if wrong else 0)
+        both[0, 2, 7] = math.nan
+        e["m.nan_both"] = both
+        one = big(g).float()
+        if wrong:
+            one[0, -1, 3] = math.inf
+        e["m.inf_one"] = one
+        e["m.huge"] = big(g, scale=1e200) * (2 if wrong else 1)
+        e["m.far"] = big(g).float() * (1e-4 if wrong else 1)
+        e["m.negzero"] = torch.zeros(shape) * (-1 if wrong else 1)
+        e["m.int"] = torch.arange(math.prod(shape)).reshape(shape) + (1 if wrong else 0)
+        out.append(e)
+    return out
+
+
+def test_token_pairs_read_from_the_files_have_the_pair_by_pair_rows(tmp_path, monkeypatch):
+    """A reference run one request at a time against an engine run packed (a prefill of 300
+    rows of 1 KB, compared where it lies; one of 40, and decode rows one a pass, copied
+    together): the rows the span road fills (numpy views, no torch call) are those of
+    compare_pair bit for bit, for every stored dtype and every special road; a pair the
+    road cannot settle, or whose pass files are not mapped, goes to compare_pair."""
+    from tdinspect.compare import spanpairs
+    from tdinspect.numerics.metrics import STORED
+
+    from .test_smallbatch import _assert_bitwise_equal
+
+    lengths, decode = (300, 40), 3
+    ref, served = _served_entries(1, lengths, decode, False), _served_entries(2, lengths, decode, True)
+    _record(
+        tmp_path / "ref",
+        0,
+        [
+            (e, tdinspect.tokens(request_ids=[r], seq_lens=[n + decode], shape=(1, n + decode)))
+            for r, (e, n) in enumerate(zip(ref, lengths))
+        ],
+    )
+    steps = [[(0, 0, 300), (1, 0, 40)]] + [[(0, 300 + d, 1), (1, 40 + d, 1)] for d in range(decode)]
+    passes = []
+    for step in steps:
+        entries = {k: torch.cat([served[r][k][:, p : p + c] for r, p, c in step], 1) for k in served[0]}
+        layout = tdinspect.tokens(
+            request_ids=[r for r, _, _ in step],
+            positions=torch.cat([torch.arange(p, p + c) for _, p, c in step]),
+            seq_lens=[c for _, _, c in step],
+            shape=(1, sum(c for _, _, c in step)),
+        )
+        passes.append((entries, layout))
+    _record(tmp_path / "served", 0, passes)
+
+    def table():
+        return (
+            tdinspect.DumpSet.open(tmp_path / "ref")
+            .diff(tmp_path / "served", tokens=True)
+            .table(progress=False)
+        )
+
+    seen = []
+    real = spanpairs.stored_pieces_metrics
+    monkeypatch.setattr(
+        spanpairs,
+        "stored_pieces_metrics",
+        lambda pieces, dtype: seen.append((len(pieces), dtype)) or real(pieces, dtype),
+    )
+    spans = table()
+    with monkeypatch.context() as m:
+        m.setattr("tdinspect.compare.passes.span_dtypes", lambda pi: None)
+        single = table()
+    with monkeypatch.context() as m:
+        m.setenv("TDINSPECT_MMAP", "0")  # pass files read into memory: no mapped spans
+        unmapped_seen = len(seen)
+        unmapped = table()
+    _assert_bitwise_equal(spans, single)
+    _assert_bitwise_equal(unmapped, single)
+    assert len(seen) == unmapped_seen  # nothing mapped: compare_pair's road alone
+    # every stored dtype, same, NaN on both, Inf on one, huge, far, negzero, in each request;
+    # request 0 in two pieces (its prefill where it lies, its decode rows copied), request 1 in one
+    assert len(seen) == 2 * (len(STORED) + 6) and {dt for _, dt in seen} == set(STORED)
+    assert sorted({n for n, _ in seen}) == [1, 2]
+    rows = spans.set_index(["pass", "key"])
+    assert rows.loc[(0, "m.inf_one"), "reason"] == "NaN/Inf on one side (1 elements)"
+    assert not rows.loc[(0, "m.nan_both"), "structural"] and rows.loc[(0, "m.nan_both"), "max_abs"] > 0
+    assert rows.loc[(1, "m.same"), "equal"] == 1.0 and rows.loc[(1, "m.negzero"), "equal"] == 0.0
+    assert rows.loc[(0, "m.huge"), "rel_diff"] == pytest.approx(0.2, rel=1e-14)  # rescaled
+    assert rows.loc[(1, "m.int"), "max_abs"] == 1.0

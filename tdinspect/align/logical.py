@@ -168,17 +168,29 @@ def matching_slices(
         return None
     if [s for s, _ in pa] == [s for s, _ in pb]:  # cut alike (the same calls or ranks): as they are
         return [(ta, tb) for (_, ta), (_, tb) in zip(pa, pb)]
+    out = []
+    for start, n, (sa, ta), (sb, tb) in common_cuts(pa, pb, length):
+        out.append((ta.narrow(dim, start - sa, n), tb.narrow(dim, start - sb, n)))
+    return out
+
+
+def common_cuts(pa: list[tuple[int, Any]], pb: list[tuple[int, Any]], length: int):
+    """``(start, length, a's piece, b's piece)`` for each stretch between consecutive
+    boundaries of either side's pieces (``[(start, piece)]``, end to end from 0 to ``length``).
+
+    Examples
+    --------
+    >>> [(s, n, a[1], b[1]) for s, n, a, b in common_cuts([(0, "a0"), (2, "a1")], [(0, "b0")], 5)]
+    [(0, 2, 'a0', 'b0'), (2, 3, 'a1', 'b0')]
+    """
     cuts = sorted({s for s, _ in pa} | {s for s, _ in pb} | {length})
-    out, i, j = [], 0, 0
+    i = j = 0
     for start, stop in zip(cuts, cuts[1:]):
         while i + 1 < len(pa) and pa[i + 1][0] <= start:
             i += 1
         while j + 1 < len(pb) and pb[j + 1][0] <= start:
             j += 1
-        (sa, ta), (sb, tb) = pa[i], pb[j]
-        n = stop - start
-        out.append((ta.narrow(dim, start - sa, n), tb.narrow(dim, start - sb, n)))
-    return out
+        yield start, stop - start, pa[i], pb[j]
 
 
 def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]:

@@ -26,9 +26,11 @@ request 0: positions 0..4 (5): A pass 0 rows 0..4 | B pass 0 rows 0..2, pass 1 r
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tdinspect.align.logical import LogicalPass, error, read
@@ -242,6 +244,7 @@ class OpenedPasses(dict):
         self.limit = limit if limit is not None else (512 if mapping_files() else 4)
         self.views: dict[Any, dict[str, tuple]] = {}  # src -> {key: (dtype, bytes)}
         self.files: dict[Any, tuple | None] = {}  # src -> located()
+        self.locating: dict[Any, threading.Lock] = {}
 
     def __setitem__(self, key, value) -> None:
         if len(self) < self.limit:
@@ -265,12 +268,29 @@ class OpenedPasses(dict):
                 self.views.setdefault(src, {})[key] = hit
         return hit
 
+    def mapped(self, src, key: str, source) -> tuple[torch.dtype, Any] | None:
+        """Entry ``key`` of source ``src`` as :meth:`raw` gives it, where it is read straight
+        from its mapped pass file (``source``: its :class:`PassIndex`); else ``None``, never a
+        load."""
+        per = self.views.get(src)
+        hit = None if per is None else per.get(key)
+        if hit is None and not isinstance(source, LogicalPass):
+            hit = self._from_file(src, key, source)
+            if hit is not None and (src in self or src in self.files):
+                self.views.setdefault(src, {})[key] = hit
+        return hit
+
     def _from_file(self, src, key: str, source) -> tuple[torch.dtype, Any] | None:
         found = self.files.get(src, self)
         if found is self:
-            found = located(source)
-            if len(self.files) < self.limit:
-                self.files[src] = found
+            # one thread locates a pass's records; the others, which need the same decode
+            # passes at the same time, wait for it rather than do it again
+            with self.locating.setdefault(src, threading.Lock()):
+                found = self.files.get(src, self)
+                if found is self:
+                    found = located(source)
+                    if len(self.files) < self.limit:
+                        self.files[src] = found
         where = None if found is None else found[1].get(key)
         if where is None:
             return None
@@ -335,23 +355,32 @@ class RequestPass(LogicalPass):
         return out
 
     def byte_spans(self, key: str) -> tuple[list[int], torch.dtype, list[tuple]] | None:
-        """A concatenation as ``(shape, dtype, [(src, key, first byte, end byte, source bytes)])``
-        from the sidecars (worked out once an entry), or ``None`` for anything else."""
+        """The entry's token rows as ``(shape, dtype, [(src, key, first byte, end byte, source
+        bytes)])`` from the sidecars (worked out once an entry): the rows of a run read from
+        one source entry, or a concatenation of such runs; ``None`` for anything else."""
         hit = self.spans.get(key)
         if hit is None:
             node = self.plans.get(key)
             i = self.position.get(key)
             dtype = None if i is None else getattr(torch, str(self.dtype[i]).removeprefix("torch."), None)
-            if node is None or node["op"] != "cat" or not isinstance(dtype, torch.dtype):
+            if (
+                node is None
+                or node["op"] not in ("cat", "narrow", "flat", "read")
+                or not isinstance(dtype, torch.dtype)
+            ):
                 return None
             spans = []
-            for part in node["parts"]:
+            for part in node["parts"] if node["op"] == "cat" else [node]:
                 start = length = None
                 if part["op"] == "narrow":
+                    if part["dim"] != 0:
+                        return None
                     start, length, part = part["start"], part["length"], part["part"]
                 end = 0
                 if part["op"] == "flat":
                     end, part = part["end"], part["part"]
+                if part["op"] != "read":
+                    return None
                 shape = self.source_shape(part["src"], part["key"])
                 row = math.prod(shape[end + 1 :]) * dtype.itemsize
                 b0 = (start or 0) * row
@@ -359,6 +388,35 @@ class RequestPass(LogicalPass):
                 spans.append((part["src"], part["key"], b0, b1, math.prod(shape) * dtype.itemsize))
             hit = self.spans[key] = (list(self.shape[i]), dtype, spans)
         return hit
+
+    def byte_pieces(self, key: str) -> tuple[torch.dtype, list[tuple[int, Any]]] | None:
+        """The entry's bytes as ``(dtype, [(first byte, uint8 array)])`` in row order: its spans
+        of at least :data:`PIECE_BYTES` as views of their mapped pass files, each run of smaller
+        spans copied into one array (a single one: a view). ``None`` where a source is not a
+        mapped pass file, or not as its sidecar says (:meth:`pieces` reads those)."""
+        found = self.byte_spans(key)
+        if found is None or self.shared is None:
+            return None
+        _, dtype, spans = found
+        mapped, sources = self.shared.mapped, self.sources
+        out, small, small_at, at = [], [], 0, 0
+        for src, k, b0, b1, nbytes in spans:  # a decode run's thousands of rows: kept lean
+            hit = mapped(src, k, sources[src])
+            if hit is None or hit[0] != dtype or hit[1].size != nbytes:
+                return None
+            if b1 - b0 >= PIECE_BYTES:
+                if small:
+                    out.append((small_at, small[0] if len(small) == 1 else np.concatenate(small)))
+                    small = []
+                out.append((at, hit[1][b0:b1]))
+            else:
+                if not small:
+                    small_at = at
+                small.append(hit[1][b0:b1])
+            at += b1 - b0
+        if small:
+            out.append((small_at, small[0] if len(small) == 1 else np.concatenate(small)))
+        return dtype, out
 
     def pieces(self, key: str, loaded=None):
         """A concatenation as :func:`~tdinspect.align.logical.pieces` gives it: its parts of at
@@ -454,9 +512,13 @@ def _request_passes(plan: TokenPlan, passes: dict[tuple[int, int], PassIndex], s
         labels = [f"{side.upper()} {r}" for r in runs]
         count = sum(r.length for r in runs)
         tables = [rows[r.pass_] for r in runs]
-        plans, first, shapes, located = {}, {}, {}, {}
-        for key in dict.fromkeys(k for p in order for k in sources[p].keys):
-            first[key] = next((p, sources[p].position[key]) for p in order if key in sources[p].position)
+        first: dict[str, tuple[int, int]] = {}  # the entries in order, where each is first held
+        for p in order:
+            for i, key in enumerate(sources[p].keys):
+                if key not in first:
+                    first[key] = (p, i)
+        plans, shapes, located = {}, {}, {}
+        for key in first:
             found = [t.get(key) for t in tables]
             plans[key], shapes[key] = _gather(key, runs, found, request, labels, count)
             if plans[key]["op"] == "cat":
@@ -525,7 +587,8 @@ def _gather(key: str, runs: list[Run], found: list, request: int, labels: list[s
     """The plan of one entry of one request, its rows of each run put end to end, and its
     shape (``None`` where it cannot be gathered); ``found``: :func:`_token_rows` of the entry
     in each run's pass (``None`` where that pass lacks it)."""
-    for run, f in zip(runs, found):
+    parts, shape = [], found[0][2] if isinstance(found[0], tuple) else None
+    for run, f in zip(runs, found):  # a decode run's thousands of rows: one loop, kept lean
         if f is None:
             return error(
                 f"not in pass {run.pass_}, which holds request {request}'s positions "
@@ -533,16 +596,15 @@ def _gather(key: str, runs: list[Run], found: list, request: int, labels: list[s
             ), None
         if isinstance(f, str):
             return error(f), None
-    shape = found[0][2]
-    if any(f[2] != shape for f in found):
-        seen = ", ".join(f"{run}: {f[2]}" for run, f in zip(runs, found))
-        return error(f"token rows of different shapes ({seen})"), None
-    parts = [
-        node
-        if not run.row and run.length == rows
-        else {"op": "narrow", "dim": 0, "start": run.row, "length": run.length, "part": node}
-        for run, (node, rows, _, _) in zip(runs, found)
-    ]
+        node, rows, row_shape, _ = f
+        if row_shape != shape:
+            seen = ", ".join(f"{r}: {g[2] if isinstance(g, tuple) else g}" for r, g in zip(runs, found))
+            return error(f"token rows of different shapes ({seen})"), None
+        parts.append(
+            node
+            if not run.row and run.length == rows
+            else {"op": "narrow", "dim": 0, "start": run.row, "length": run.length, "part": node}
+        )
     node = (
         parts[0]
         if len(parts) == 1

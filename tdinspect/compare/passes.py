@@ -24,6 +24,7 @@ from tdinspect.compare.passframes import typed_columns
 from tdinspect.compare.plainpairs import compare_plain, plain_dtypes
 from tdinspect.compare.rule import COLUMNS, compare_pair, new_row, side_of
 from tdinspect.compare.smallpairs import compare_batch, pass_spans, small_plain
+from tdinspect.compare.spanpairs import compare_spans, span_dtypes
 from tdinspect.compare.thresholds import upstream_of
 from tdinspect.naming import split_call
 from tdinspect.store.passindex import PassIndex
@@ -118,8 +119,9 @@ def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, li
     same numbers); and the pairs left for ``compare_pair``: ``(row, i_a, i_b, transform)``.
     ``files`` gets each side's tensors where the records were read; ``loaders`` load them."""
     pa, pb = job.a, job.b
-    rows, batch, plain, single = [], [], [], []
+    rows, batch, plain, spanned, single = [], [], [], [], []
     plain_a, plain_b = (plain_dtypes(p) if job.mode == "tensor" and p is not None else None for p in (pa, pb))
+    span_a, span_b = (span_dtypes(p) if job.mode == "tensor" else None for p in (pa, pb))
     small_a, small_b = (
         None if plain is None else small_plain(p, plain) for p, plain in ((pa, plain_a), (pb, plain_b))
     )
@@ -162,8 +164,18 @@ def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, li
             and transform is None
         ):
             plain.append((row, ia, ib))
+        elif (
+            span_a is not None
+            and span_b is not None
+            and span_a[ia] is not None
+            and span_a[ia] == span_b[ib]
+            and pa.shape[ia] == pb.shape[ib]
+            and transform is None
+        ):
+            spanned.append((row, ia, ib))
         else:
             single.append((row, ia, ib, transform))
+    single += [(row, ia, ib, None) for row, ia, ib in compare_spans(spanned, pa, pb)]
     if not (batch or plain):
         return rows, single
     spans = [pass_spans(pa), pass_spans(pb)]

@@ -63,15 +63,23 @@ def compare_plain(pairs: list[tuple[dict, int, int]], pa, pb, sources) -> list:
         found = None
         if ya is not None and xb is not None and ya.shape == xb.shape:
             found = stored_metrics(xb, ya, dtype)[0]
-        if found is None:  # not as the sidecar says, or a special road: compare_pair's
-            left.append((row, ia, ib))
-            continue
-        del found["nonfinite_mismatch"]  # 0: settled pairs are finite or bitwise equal
-        row.update(found)
-        why = arg_difference(pa.call_args[ia], pb.call_args[ib])  # "" unless both recorded
-        if why:  # the metrics stay in the row, as compare_pair leaves them
-            row.update(structural=True, reason=why)
+        if not fill_settled(row, found, pa.call_args[ia], pb.call_args[ib]):
+            left.append((row, ia, ib))  # not as the sidecar says, or a special road: compare_pair's
     return left
+
+
+def fill_settled(row: dict, found: dict | None, call_a, call_b) -> bool:
+    """Fill ``row`` with a settled pair's metrics (``found``) as ``compare_pair`` leaves them,
+    a difference of the recorded calls (``call_a``, ``call_b``) said as its reason; ``False``
+    when ``found`` is ``None`` (the pair takes ``compare_pair``'s road)."""
+    if found is None:
+        return False
+    del found["nonfinite_mismatch"]  # 0: settled pairs are finite or bitwise equal
+    row.update(found)
+    why = arg_difference(call_a, call_b)  # "" unless both recorded
+    if why:  # the metrics stay in the row, as compare_pair leaves them
+        row.update(structural=True, reason=why)
+    return True
 
 
 def stored_reader(pi, source):
