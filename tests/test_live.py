@@ -477,3 +477,43 @@ def test_warning_shows_names_from_the_reference_as_escapes(tmp_path):
                 cap.step()
     for text in (" ".join(str(w.message) for w in caught), str(raised.value)):
         assert "model.esc\\x1b" in text and "\x1b" not in text
+
+
+def test_a_rerun_live_cell_keeps_its_newest_evidence_and_nothing_else(runs, tmp_path):
+    """``%%tdi_capture DIR --compare-to REF --on-divergence record`` run 5 times added
+    ``live``, ``live_run2``..``live_run5`` and as many evidence dumps, without bound; now the
+    cell keeps its newest ``--keep-runs`` (2 here) and removes the older ones it made, and
+    only those: a folder a script wrote there, and a file put in a cell's folder, stay."""
+    pytest.importorskip("nbclient")
+    from .test_jupyter import _run, _text
+
+    ref, ev = runs["ref"], tmp_path / "ev"
+    (ev / "evidence" / "run" / "rank0_pid1").mkdir(parents=True)  # a script's evidence
+    (ev / "evidence" / "run" / "rank0_pid1" / "pass00000.pt").write_bytes(b"kept")
+    cell = (
+        f"%%tdi_capture {ev} --model w --compare-to {ref} --on-divergence record --keep-runs 2\n"
+        "with torch.no_grad(): w(make_tokens(seed=0))"
+    )
+    cells = [
+        "%load_ext tdinspect",
+        "import torch\nfrom tdinspect.examples.models import make_model, make_tokens\nw = make_model()\n"
+        "with torch.no_grad(): w.get_parameter('layers.2.mlp.down.weight').mul_(1.2)",
+        cell,
+        cell,
+        f"open({str(ev / 'live_run2' / 'notes.txt')!r}, 'w').write('mine')",
+        cell,
+        cell,
+        cell,
+    ]
+    nb = _run(cells)
+    assert "removed" not in _text(nb.cells[3]) and "removed 3 folder(s)" in _text(nb.cells[5])
+    # the two newest cells' rows (names are reused once free), and the folder the user's file kept
+    rows = {p.name: sorted(c.name for c in p.iterdir()) for p in ev.iterdir() if p.name != "evidence"}
+    assert rows.pop("live_run2") == ["notes.txt"] and list(rows.values()) == [["pass00000.csv"]] * 2
+    run = sorted(p.name for p in (ev / "evidence" / "run").iterdir())
+    assert (
+        run[0] == "rank0_pid1"
+        and len(run) == 3
+        and (ev / "evidence" / "run" / "rank0_pid1" / "pass00000.pt").exists()
+    )
+    assert len(list((ev / "evidence" / "ref").iterdir())) == 2

@@ -228,6 +228,7 @@ class LiveCompare:
         self.rank, self.level, self.before, self.chunk = rank, level, before, chunk
         self.first = None  # the first Divergence
         self.evidence: Path | None = None
+        self.made: list[Path] = []  # the folders this comparison made (rows, evidence)
         self._rows_folder: Path | None = None  # where record mode's CSVs go, made at the first
         self.rows: list[dict[str, Any]] = []  # every row so far ("record"); else this pass's
         self._pass: int | None = None
@@ -487,6 +488,7 @@ class LiveCompare:
     def _write_rows(self, pass_: int) -> None:
         if self._rows_folder is None:  # this comparison's own (a re-run cell: live_run2)
             self._rows_folder = new_folder(self.evidence_dir, "live")
+            self.made.append(self._rows_folder)
         folder = self._rows_folder
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
@@ -502,8 +504,9 @@ class LiveCompare:
         run_tensors = [t for _, t, _, _ in ring]
         # folders of this comparison's own: evidence an earlier run wrote is never replaced
         # (a re-run cell has the same pid: its evidence replaced the first's, or mixed with it)
+        self.made.append(new_folder(root / "run", rank_dirname(self.rank, os.getpid())))
         self._write_pass(
-            new_folder(root / "run", rank_dirname(self.rank, os.getpid())),
+            self.made[-1],
             div.pass_,
             run_keys,
             run_tensors,
@@ -520,8 +523,9 @@ class LiveCompare:
                 None if stats_only or pi.uninitialized[i] else pi.tensor(pi.keys[i], self._ref_files())
                 for i in a_idx
             ]
+            self.made.append(new_folder(root / "ref", rank_dirname(self.rank, 0)))
             self._write_pass(
-                new_folder(root / "ref", rank_dirname(self.rank, 0)),
+                self.made[-1],
                 div.pass_,
                 [pi.keys[i] for i in a_idx],
                 tensors,

@@ -21,7 +21,8 @@ most (which run it wrote or opened), never a warning quoting tdinspect's own
 source, and a capture cell keeps the newest ``keep_runs`` runs of its folder
 (3; ``%config TdinspectMagics.keep_runs = 5``, or ``$TDINSPECT_KEEP_RUNS``;
 ``--keep-runs N`` for one cell), removing older finished runs capture cells made
-(a script's runs in that folder are kept).
+(a script's runs in that folder are kept); a ``--compare-to`` cell keeps the rows and
+evidence of its newest ``keep_runs`` re-runs in this kernel the same way.
 
 A mistake (an unknown variable, a missing folder, a damaged dump, a bad flag)
 raises ``UsageError`` with one line saying what was looked up, so "Run All"
@@ -289,6 +290,10 @@ class TdinspectMagics(Magics):
             path = cap.step(failed=failed)
         if live:  # the verdict, in the words the CLI prints
             print(visible(f"tdinspect: against {args.compare_to}: {cap.live.verdict().text}"))
+            if args.dir is not None:
+                note = _prune_live(args.dir, keep, cap.live.made)
+                if note:
+                    print(visible(note))
         else:
             note = _prune(args.dir, keep, before)
             if failed is None:
@@ -333,6 +338,28 @@ def _prune(folder: str, keep: int, before: set[str]) -> str:
     if runs <= 1 and not removed:
         return ""
     return f" ({runs} run{'s' if runs > 1 else ''} kept" + (f", {removed} older removed)" if removed else ")")
+
+
+# per dump directory, the folders each live capture cell of this process made there, oldest first
+_LIVE_MADE: dict[str, list[list[Path]]] = {}
+
+
+def _prune_live(folder: str, keep: int, made: list[Path]) -> str:
+    """Keep the folders of the newest ``keep`` live capture cells of this process into
+    ``folder`` (their rows and evidence: ``live_run2``, ``evidence/run/rank0_pid7_run2``...);
+    what to print when older ones went. Folders a script, another process or an earlier
+    kernel made are never removed."""
+    from tdinspect.store.runs import remove_made_folders
+
+    runs = _LIVE_MADE.setdefault(os.path.realpath(folder), [])
+    if made:
+        runs.append(list(made))
+    removed = 0
+    while len(runs) > keep:
+        removed += len(remove_made_folders(runs.pop(0)))
+    if not removed:
+        return ""
+    return f"tdinspect: removed {removed} folder(s) older live cells made in {folder} (keeping {keep} runs)"
 
 
 _TENSOR_CALL = re.compile(r"([A-Za-z_]\w*)\.tensor\(\s*(?:op\s*=\s*)?(['\"])([^'\"]*)$")

@@ -379,10 +379,27 @@ def _is_old_run(folder: Path) -> bool:
         return False
 
 
-def remove_run_folder(folder: Path) -> list[str]:
-    """Remove what tdinspect wrote in the run folder ``folder``, then the folder when that
-    leaves it empty; returns the names of what else it holds (kept, and the folder with them).
-    A link is removed as a link, never what it points to."""
+# the per-pass rows a live comparison records (compare_to with on_divergence="record")
+_LIVE_ROWS_RE = re.compile(r"^\.?pass\d{5,}\.csv(?:\.[0-9a-f]+\.tmp)?\Z")
+
+
+def remove_made_folders(folders: list[Path]) -> list[Path]:
+    """Remove folders a live comparison of this process made (``Live.made``: its rows' folder,
+    its evidence's two dumps): the files tdinspect writes there, then each folder left empty;
+    returns those removed. A folder that is now a link, or holds anything else, is kept."""
+    removed = []
+    for folder in folders:
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        if not remove_run_folder(folder, lambda n: _ours(n) or bool(_LIVE_ROWS_RE.match(n))):
+            removed.append(folder)
+    return removed
+
+
+def remove_run_folder(folder: Path, ours=_ours) -> list[str]:
+    """Remove what tdinspect wrote in the run folder ``folder`` (the names ``ours`` accepts),
+    then the folder when that leaves it empty; returns the names of what else it holds (kept,
+    and the folder with them). A link is removed as a link, never what it points to."""
     if folder.is_symlink():
         folder.unlink()
         return []
@@ -392,7 +409,7 @@ def remove_run_folder(folder: Path) -> list[str]:
         return []
     foreign = []
     for e in entries:
-        if e.is_file(follow_symlinks=False) and _ours(e.name):
+        if e.is_file(follow_symlinks=False) and ours(e.name):
             try:
                 os.unlink(e.path)
             except FileNotFoundError:
@@ -406,7 +423,7 @@ def remove_run_folder(folder: Path) -> list[str]:
             folder.rmdir()
         except OSError as exc:
             if exc.errno == errno.ENOTEMPTY:  # written to meanwhile
-                foreign = sorted(n for n in os.listdir(folder) if not _ours(n)) or os.listdir(folder)
+                foreign = sorted(n for n in os.listdir(folder) if not ours(n)) or os.listdir(folder)
     return sorted(foreign)
 
 
