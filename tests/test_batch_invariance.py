@@ -10,6 +10,7 @@ float result differs in the last bits); the batch-invariant model computes each 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -169,3 +170,16 @@ def test_op_level_capture_stores_rows_too(tmp_path):
     assert rows and all(r["dim"] == 0 for r in rows)
     last = dict(zip(entries["key"], entries["checksum_rows"]))[entries["key"][-1]]
     assert len(last["rows"]) == 3
+
+
+def test_a_checksum_dim_no_entry_has_is_said_not_silent(tmp_path):
+    """checksum_dim=5 on outputs of 2 dims wrote no per-row fingerprint and said nothing (the
+    comparison then fell back to shapes); now one warning names the argument and the dims."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(
+        RuntimeWarning, match=r"checksum_dim=5: no entry of pass 0 has that dim \(they have 2 dims"
+    ):
+        _capture(_model(False), tmp_path / "d", x, checksum_dim=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dim the outputs have: nothing to say
+        _capture(_model(False), tmp_path / "ok", x, checksum_dim=0)

@@ -606,6 +606,14 @@ class Recorder:
             return None
         if failed:
             p.header = {**p.header, "failed": failed}
+        if self.checksum_dim is not None and p.keys and not p.row_checksums:
+            ranks = [len(s) for s in p.columns["shape"] if isinstance(s, list)]
+            self._say_once(
+                "checksum_dim",
+                f"tdinspect: checksum_dim={self.checksum_dim}: no entry of pass {self.pass_index} has that "
+                f"dim (they have {max(ranks, default=0)} dims at most), so no per-row fingerprints were "
+                "written; give the batch dim of the outputs, e.g. checksum_dim=0",
+            )
         p.host_stats = self._gathered([s if s is None else s.to(torch.float64) for s in p.stats])
         p.host_checksums = self._gathered(p.checksums)
         p.host_row_checksums = self._gathered([r for _, r in p.row_checksums.values()], torch.cat)
