@@ -79,6 +79,12 @@ def test_layout_from_engine_tensors():
         (dict(attention_mask=[[1, 1]], seq_lens=[2]), "padded batch"),
         (dict(positions=[0, 1]), "give cu_seqlens or seq_lens"),
         (dict(seq_lens=torch.tensor([1.0])), "floating-point"),
+        # a forged length: refused before a list of 10^12 positions is made (MemoryError before)
+        (dict(cu_seqlens=[0, 10**12]), "cu_seqlens give 1000000000000 tokens, but a pass holds"),
+        (
+            dict(seq_lens=[10**12], shape=(1, 4)),
+            "seq_lens give 1000000000000 tokens, but shape [1, 4] holds 4 rows",
+        ),
     ],
 )
 def test_layout_errors_name_the_argument(kwargs, words):

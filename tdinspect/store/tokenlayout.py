@@ -184,7 +184,7 @@ def tokens(
             raise TokenLayoutError("attention_mask describes a padded batch: give no cu_seqlens or seq_lens")
         req, pos, shape = _padded(request_ids, positions, attention_mask, shape)
     else:
-        req, pos = _packed(request_ids, positions, cu_seqlens, seq_lens)
+        req, pos = _packed(request_ids, positions, cu_seqlens, seq_lens, shape)
         shape = (len(pos),) if shape is None else shape
     shape = tuple(_ints(shape, "shape"))
     _check_flat(list(shape), "shape")
@@ -206,7 +206,10 @@ def tokens(
     return layout
 
 
-def _packed(request_ids, positions, cu_seqlens, seq_lens) -> tuple[list, list]:
+MAX_ROWS = 1 << 26  # token rows one pass may hold: far beyond any engine's batch
+
+
+def _packed(request_ids, positions, cu_seqlens, seq_lens, shape) -> tuple[list, list]:
     if cu_seqlens is not None and seq_lens is not None:
         raise TokenLayoutError("give cu_seqlens or seq_lens, not both")
     lens = None
@@ -235,6 +238,16 @@ def _packed(request_ids, positions, cu_seqlens, seq_lens) -> tuple[list, list]:
         _check_flat(pos, "positions")
         return req, pos
     total = sum(lens)
+    rows = math.prod(_ints(shape, "shape")) if shape is not None else MAX_ROWS
+    if total > rows:  # before a list of that many positions is made
+        said = (
+            "shape " + str(list(shape)) + f" holds {rows} rows"
+            if shape is not None
+            else f"a pass holds {MAX_ROWS} at most"
+        )
+        raise TokenLayoutError(
+            f"{'cu_seqlens' if cu_seqlens is not None else 'seq_lens'} give {total} tokens, but {said}"
+        )
     req = list(range(len(lens))) if req is None else req
     if len(req) != len(lens):
         raise TokenLayoutError(
