@@ -14,7 +14,10 @@ Outputs are measured in the graph where nothing but a copy is wanted of the tens
 live comparison, no checksums): the hook computes each tensor's statistics with
 :func:`~tdinspect.numerics.stats.graph_stats`, inductor fuses those reductions with the
 kernels that produce the tensors, and ``tdinspect::record_stats`` is handed one row of
-statistics per entry (with its shape and dtype), plus the tensors when they are stored.
+statistics per entry (with its shape and dtype) and the tensors: stored when the capture keeps
+them, measured again when a CPU row says they hold NaN or Inf, else let go. With statistics
+only and nothing to check at once, the op leaves the entries to :func:`flush`, which records
+them after the graph's kernels.
 
 Usage (what :class:`tdinspect.dumper.modules.ModuleCapture` does)::
 
