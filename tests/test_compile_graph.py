@@ -189,6 +189,26 @@ def test_graph_stats_of_a_tensor_whose_first_element_is_an_outlier():
         assert abs(float(row[std] / want[std]) - 1) < 1e-5
 
 
+def test_graph_stats_of_a_16_bit_output_are_of_its_stored_values():
+    """Inductor's CPU kernel computes a float16/bfloat16 output in float32 and rounds it to
+    store; widened back to float32 in the same kernel, it is the unrounded value (a CSE of
+    the round trip). The row must be the stored tensor's: an fp16 exp that overflows to Inf
+    (the counts were 0 and max 73359), a bfloat16 GELU's max (15.33, stored 15.3125)."""
+    x = torch.linspace(-4, 11.2, 1001)
+
+    def outputs(x16, xb):
+        y, z = torch.exp(x16), torch.nn.functional.gelu(xb) * 1.37
+        return y, z, graph_stats(y), graph_stats(z)
+
+    y, z, ry, rz = torch.compile(outputs, fullgraph=True)(x.half(), x.bfloat16())
+    torch._dynamo.reset()
+    assert int(torch.isinf(y).sum()) == 8
+    for t, row in ((y, ry), (z, rz)):
+        torch.testing.assert_close(complete_graph_row(row, t), capture_stats(t), rtol=1e-6, atol=0)
+        exact = [STAT_NAMES.index(s) for s in ("min", "max", "absmax", "nan", "inf", "numel")]
+        assert complete_graph_row(row, t)[exact].tolist() == capture_stats(t)[exact].tolist()
+
+
 def test_a_non_finite_row_is_reported_from_its_counts():
     """on_nonfinite inside a compiled graph reads the statistics row it was handed."""
     check = HealthCheck("raise")

@@ -296,10 +296,10 @@ def graph_stats(t: torch.Tensor) -> torch.Tensor:
     take two passes). Equal to :func:`capture_stats` within float reassociation.
 
     On the CPU, where they are bound by arithmetic (the masked float64 loop cost about
-    1 ns an element, as much as a small model's matmuls): a floating tensor of up to 32
-    bits takes five float32 reductions (min, max, the sum, then the sums about its mean,
-    inductor's cascade summation: relative error about ``1e-7·log n``) and assumes its
-    values finite. A
+    1 ns an element, as much as a small model's matmuls): a float32 tensor takes five
+    float32 reductions (min, max, the sum, then the sums about its mean, inductor's
+    cascade summation: relative error about ``1e-7·log n``), a narrower float the same in
+    float64, and both assume the values finite. A
     tensor holding NaN or Inf, or whose squares overflow float32, gives a row whose min,
     max, mean, std or l2 is not finite: :func:`complete_graph_row` measures those from the
     tensor. Other dtypes take the masked float64 passes (exact counts, no assumption).
@@ -328,10 +328,11 @@ def graph_stats(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
-    """The statistics row of a CPU floating tensor of up to 32 bits from four float32
-    reductions, its values assumed finite (see :func:`graph_stats`).
+    """The statistics row of a CPU floating tensor of up to 32 bits from five reductions
+    (float32; float64 for narrower floats), its values assumed finite (see :func:`graph_stats`).
 
-    Sums centred on ``K = Σx / n`` (a float32 mean), ``d = x - K``: ``M2 = Σd² - (Σd)²/n``
+    Sums centred on ``K = Σx / n`` (a float32 mean; float64 for 16-bit and narrower
+    floats, whose rounded values must be read as stored), ``d = x - K``: ``M2 = Σd² - (Σd)²/n``
     then loses no bits to cancellation, whatever the values. A shift by one element (as
     ``_row_one_pass`` takes in float64) would make float32's error ``(K - mean)²/std²``
     times larger: std 5% off for a first element of 1000 among a million N(0, 1) values,
@@ -339,7 +340,10 @@ def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
     makes them infinite, a sum that overflows ``K``: each leaves a non-finite value statistic.
     """
     f64 = torch.float64
-    x = v.float()
+    # narrower floats widen straight to float64: inductor's CPU kernels take a float32
+    # widening of a value they just rounded to 16 bits for the unrounded float32 value, so
+    # min, max and the counts were of values never stored (an fp16 overflow to Inf unseen)
+    x = v.double() if v.element_size() < 4 else v.float()
     first = x.sum() / n
     d = x - first
     s1, s2 = d.sum().to(f64), (d * d).sum().to(f64)
