@@ -209,6 +209,23 @@ def test_graph_stats_of_a_16_bit_output_are_of_its_stored_values():
         assert complete_graph_row(row, t)[exact].tolist() == capture_stats(t)[exact].tolist()
 
 
+def test_graph_stats_of_float32_values_whose_squares_fall_below_its_range():
+    """float32 values of 1e-30: their squares underflow in the graph's float32 sums (std was
+    0, l2 2.9% of its value); the row says it cannot tell, and is completed from the tensor.
+    All zeros need no completion."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000) * s for s in (1e-9, 1e-15, 1e-30)] + [torch.zeros(50)]
+    got = torch.compile(lambda *ts: [graph_stats(t * 1) for t in ts], fullgraph=True)(*tensors)
+    torch._dynamo.reset()
+    for t, row in zip(tensors, got):
+        _assert_float32_sums(
+            complete_graph_row(row, t), capture_stats(t), f"scale {float(t.abs().max()):.1e}"
+        )
+    assert (
+        complete_graph_row(got[0], tensors[0]) is got[0] and complete_graph_row(got[3], tensors[3]) is got[3]
+    )
+
+
 def test_a_non_finite_row_is_reported_from_its_counts():
     """on_nonfinite inside a compiled graph reads the statistics row it was handed."""
     check = HealthCheck("raise")

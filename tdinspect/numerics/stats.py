@@ -338,6 +338,9 @@ def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
     times larger: std 5% off for a first element of 1000 among a million N(0, 1) values,
     0 for 1e5. NaN propagates through min and max (inductor's reductions, as torch's), Inf
     makes them infinite, a sum that overflows ``K``: each leaves a non-finite value statistic.
+    So does a float32 tensor whose values are all under ``2^-40`` (but not all 0): their
+    squares fall below float32's range (std 0 for values of 1e-30), and the record op
+    measures it from the tensor.
     """
     f64 = torch.float64
     # narrower floats widen straight to float64: inductor's CPU kernels take a float32
@@ -350,6 +353,9 @@ def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
     lo, hi = x.amin().to(f64), x.amax().to(f64)
     mean = first.to(f64) + s1 / n
     m2 = (s2 - s1 * s1 / n).clamp_min(0.0)
+    if x.dtype == torch.float32:  # squares of values under 2^-40 lose bits below float32's range
+        peak = torch.maximum(lo.abs(), hi.abs())
+        m2 = torch.where((peak > 0) & (peak < 2.0**-40), math.nan, m2)  # completed from the tensor
     zero = torch.zeros((), dtype=f64, device=v.device)
     return torch.stack(
         [
