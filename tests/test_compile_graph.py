@@ -165,6 +165,67 @@ def test_graph_stats_is_the_capture_definition_for_every_kind_of_value():
     assert complete_graph_row(got[len(finite)], holes)[[nan, inf]].tolist() == [7.0, 2.0]
 
 
+def test_graph_stats_of_a_tensor_whose_first_element_is_an_outlier():
+    """A large first element (an attention sink, a massive activation at token 0) must not
+    cost the float32 sums their bits: std and l2 were 5% off for 1000 among a million
+    N(0, 1) values, and 0 for 1e5 (sums shifted by the first element cancelled)."""
+    torch.manual_seed(0)
+    tensors = []
+    for first, dtype in ((1e3, torch.float32), (1e5, torch.float32), (500.0, torch.bfloat16)):
+        t = torch.randn(1_000_000).to(dtype)
+        t[0] = first
+        tensors.append(t)
+
+    def rows(*ts):
+        return [graph_stats(t * 1) for t in ts]
+
+    got = torch.compile(rows, fullgraph=True)(*tensors)
+    torch._dynamo.reset()
+    std = STAT_NAMES.index("std")
+    for t, row in zip(tensors, got):
+        want = capture_stats(t)
+        assert complete_graph_row(row, t) is row
+        _assert_float32_sums(row, want, f"{t.dtype} first {float(t[0])}")
+        assert abs(float(row[std] / want[std]) - 1) < 1e-5
+
+
+def test_graph_stats_of_a_16_bit_output_are_of_its_stored_values():
+    """Inductor's CPU kernel computes a float16/bfloat16 output in float32 and rounds it to
+    store; widened back to float32 in the same kernel, it is the unrounded value (a CSE of
+    the round trip). The row must be the stored tensor's: an fp16 exp that overflows to Inf
+    (the counts were 0 and max 73359), a bfloat16 GELU's max (15.33, stored 15.3125)."""
+    x = torch.linspace(-4, 11.2, 1001)
+
+    def outputs(x16, xb):
+        y, z = torch.exp(x16), torch.nn.functional.gelu(xb) * 1.37
+        return y, z, graph_stats(y), graph_stats(z)
+
+    y, z, ry, rz = torch.compile(outputs, fullgraph=True)(x.half(), x.bfloat16())
+    torch._dynamo.reset()
+    assert int(torch.isinf(y).sum()) == 8
+    for t, row in ((y, ry), (z, rz)):
+        torch.testing.assert_close(complete_graph_row(row, t), capture_stats(t), rtol=1e-6, atol=0)
+        exact = [STAT_NAMES.index(s) for s in ("min", "max", "absmax", "nan", "inf", "numel")]
+        assert complete_graph_row(row, t)[exact].tolist() == capture_stats(t)[exact].tolist()
+
+
+def test_graph_stats_of_float32_values_whose_squares_fall_below_its_range():
+    """float32 values of 1e-30: their squares underflow in the graph's float32 sums (std was
+    0, l2 2.9% of its value); the row says it cannot tell, and is completed from the tensor.
+    All zeros need no completion."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000) * s for s in (1e-9, 1e-15, 1e-30)] + [torch.zeros(50)]
+    got = torch.compile(lambda *ts: [graph_stats(t * 1) for t in ts], fullgraph=True)(*tensors)
+    torch._dynamo.reset()
+    for t, row in zip(tensors, got):
+        _assert_float32_sums(
+            complete_graph_row(row, t), capture_stats(t), f"scale {float(t.abs().max()):.1e}"
+        )
+    assert (
+        complete_graph_row(got[0], tensors[0]) is got[0] and complete_graph_row(got[3], tensors[3]) is got[3]
+    )
+
+
 def test_a_non_finite_row_is_reported_from_its_counts():
     """on_nonfinite inside a compiled graph reads the statistics row it was handed."""
     check = HealthCheck("raise")

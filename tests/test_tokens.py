@@ -380,6 +380,38 @@ def _served_entries(seed: int, lengths: list[int], decode: int, wrong: bool) -> 
     return out
 
 
+def _record_served_pair(tmp_path, lengths: tuple[int, int], decode: int, keys=None) -> None:
+    """``tmp_path/ref``: two requests of :func:`_served_entries` one at a time (``[1, L, 256]``);
+    ``tmp_path/served``: the wrong ones packed, both prefills in one pass, then ``decode``
+    passes of one row each (``keys``: the entries kept, all by default)."""
+    ref, served = _served_entries(1, lengths, decode, False), _served_entries(2, lengths, decode, True)
+    keys = keys or list(served[0])
+    _record(
+        tmp_path / "ref",
+        0,
+        [
+            (
+                {k: e[k] for k in keys},
+                tdinspect.tokens(request_ids=[r], seq_lens=[n + decode], shape=(1, n + decode)),
+            )
+            for r, (e, n) in enumerate(zip(ref, lengths))
+        ],
+    )
+    a, b = lengths
+    steps = [[(0, 0, a), (1, 0, b)]] + [[(0, a + d, 1), (1, b + d, 1)] for d in range(decode)]
+    passes = []
+    for step in steps:
+        entries = {k: torch.cat([served[r][k][:, p : p + c] for r, p, c in step], 1) for k in keys}
+        layout = tdinspect.tokens(
+            request_ids=[r for r, _, _ in step],
+            positions=torch.cat([torch.arange(p, p + c) for _, p, c in step]),
+            seq_lens=[c for _, _, c in step],
+            shape=(1, sum(c for _, _, c in step)),
+        )
+        passes.append((entries, layout))
+    _record(tmp_path / "served", 0, passes)
+
+
 def test_token_pairs_read_from_the_files_have_the_pair_by_pair_rows(tmp_path, monkeypatch):
     """A reference run one request at a time against an engine run packed (a prefill of 300
     rows of 1 KB, compared where it lies; one of 40, and decode rows one a pass, copied
@@ -391,28 +423,7 @@ def test_token_pairs_read_from_the_files_have_the_pair_by_pair_rows(tmp_path, mo
 
     from .test_smallbatch import _assert_bitwise_equal
 
-    lengths, decode = (300, 40), 3
-    ref, served = _served_entries(1, lengths, decode, False), _served_entries(2, lengths, decode, True)
-    _record(
-        tmp_path / "ref",
-        0,
-        [
-            (e, tdinspect.tokens(request_ids=[r], seq_lens=[n + decode], shape=(1, n + decode)))
-            for r, (e, n) in enumerate(zip(ref, lengths))
-        ],
-    )
-    steps = [[(0, 0, 300), (1, 0, 40)]] + [[(0, 300 + d, 1), (1, 40 + d, 1)] for d in range(decode)]
-    passes = []
-    for step in steps:
-        entries = {k: torch.cat([served[r][k][:, p : p + c] for r, p, c in step], 1) for k in served[0]}
-        layout = tdinspect.tokens(
-            request_ids=[r for r, _, _ in step],
-            positions=torch.cat([torch.arange(p, p + c) for _, p, c in step]),
-            seq_lens=[c for _, _, c in step],
-            shape=(1, sum(c for _, _, c in step)),
-        )
-        passes.append((entries, layout))
-    _record(tmp_path / "served", 0, passes)
+    _record_served_pair(tmp_path, (300, 40), 3)
 
     def table():
         return (
@@ -449,3 +460,35 @@ def test_token_pairs_read_from_the_files_have_the_pair_by_pair_rows(tmp_path, mo
     assert rows.loc[(1, "m.same"), "equal"] == 1.0 and rows.loc[(1, "m.negzero"), "equal"] == 0.0
     assert rows.loc[(0, "m.huge"), "rel_diff"] == pytest.approx(0.2, rel=1e-14)  # rescaled
     assert rows.loc[(1, "m.int"), "max_abs"] == 1.0
+
+
+@pytest.mark.parametrize("lie", ["dtype", "shape"])
+def test_a_sealed_sidecar_whose_record_layout_contradicts_it_diffs_as_the_honest_dump(tmp_path, lie):
+    """A sidecar edited and sealed again (its binding recomputed) whose ``raw`` layout gives an
+    entry another dtype or a shorter view than its own columns: the token diff (both roads)
+    raised TypeError from torch.cat (an int32 view among float32 rows) or RuntimeError from
+    narrow. Its entries are now read from the file (torch.load), as for the honest dump."""
+    from tdinspect.store.sidecars import seal
+
+    _record_served_pair(tmp_path, (6, 3), 2, keys=["m.float32", "m.bfloat16"])
+
+    def table():
+        return (
+            tdinspect.DumpSet.open(tmp_path / "ref")
+            .diff(tmp_path / "served", tokens=True)
+            .table(progress=False)
+        )
+
+    honest = table()
+    sidecar = next((tmp_path / "served").glob("*/pass00000.json"))
+    doc = json.loads(sidecar.read_text())
+    doc.pop("binding")
+    raw = doc["entries"]["raw"][0]
+    if lie == "dtype":
+        raw[4] = "torch.int32"
+    else:
+        raw[2] = [1, 3, 256]
+    sidecar.write_bytes(seal(json.dumps(doc).encode(), sidecar.with_suffix(".pt")))
+    from .test_smallbatch import _assert_bitwise_equal
+
+    _assert_bitwise_equal(table(), honest)

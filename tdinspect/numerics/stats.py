@@ -296,9 +296,10 @@ def graph_stats(t: torch.Tensor) -> torch.Tensor:
     take two passes). Equal to :func:`capture_stats` within float reassociation.
 
     On the CPU, where they are bound by arithmetic (the masked float64 loop cost about
-    1 ns an element, as much as a small model's matmuls): a floating tensor of up to 32
-    bits takes four float32 reductions (min, max and the shifted sums, inductor's cascade
-    summation: relative error about ``1e-7·log n``) and assumes its values finite. A
+    1 ns an element, as much as a small model's matmuls): a float32 tensor takes five
+    float32 reductions (min, max, the sum, then the sums about its mean, inductor's
+    cascade summation: relative error about ``1e-7·log n``), a narrower float the same in
+    float64, and both assume the values finite. A
     tensor holding NaN or Inf, or whose squares overflow float32, gives a row whose min,
     max, mean, std or l2 is not finite: :func:`complete_graph_row` measures those from the
     tensor. Other dtypes take the masked float64 passes (exact counts, no assumption).
@@ -327,21 +328,34 @@ def graph_stats(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
-    """The statistics row of a CPU floating tensor of up to 32 bits from four float32
-    reductions, its values assumed finite (see :func:`graph_stats`).
+    """The statistics row of a CPU floating tensor of up to 32 bits from five reductions
+    (float32; float64 for narrower floats), its values assumed finite (see :func:`graph_stats`).
 
-    Shifted sums ``d = x - K``, ``K`` the first element, as ``_row_one_pass``; NaN
-    propagates through min and max (inductor's reductions, as torch's), Inf makes them
-    infinite, a non-finite ``K`` the mean: each leaves a non-finite value statistic.
+    Sums centred on ``K = Σx / n`` (a float32 mean; float64 for 16-bit and narrower
+    floats, whose rounded values must be read as stored), ``d = x - K``: ``M2 = Σd² - (Σd)²/n``
+    then loses no bits to cancellation, whatever the values. A shift by one element (as
+    ``_row_one_pass`` takes in float64) would make float32's error ``(K - mean)²/std²``
+    times larger: std 5% off for a first element of 1000 among a million N(0, 1) values,
+    0 for 1e5. NaN propagates through min and max (inductor's reductions, as torch's), Inf
+    makes them infinite, a sum that overflows ``K``: each leaves a non-finite value statistic.
+    So does a float32 tensor whose values are all under ``2^-40`` (but not all 0): their
+    squares fall below float32's range (std 0 for values of 1e-30), and the record op
+    measures it from the tensor.
     """
     f64 = torch.float64
-    x = v.float()
-    first = x[(0,) * x.dim()]
+    # narrower floats widen straight to float64: inductor's CPU kernels take a float32
+    # widening of a value they just rounded to 16 bits for the unrounded float32 value, so
+    # min, max and the counts were of values never stored (an fp16 overflow to Inf unseen)
+    x = v.double() if v.element_size() < 4 else v.float()
+    first = x.sum() / n
     d = x - first
     s1, s2 = d.sum().to(f64), (d * d).sum().to(f64)
     lo, hi = x.amin().to(f64), x.amax().to(f64)
     mean = first.to(f64) + s1 / n
     m2 = (s2 - s1 * s1 / n).clamp_min(0.0)
+    if x.dtype == torch.float32:  # squares of values under 2^-40 lose bits below float32's range
+        peak = torch.maximum(lo.abs(), hi.abs())
+        m2 = torch.where((peak > 0) & (peak < 2.0**-40), math.nan, m2)  # completed from the tensor
     zero = torch.zeros((), dtype=f64, device=v.device)
     return torch.stack(
         [

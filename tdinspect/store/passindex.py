@@ -148,7 +148,7 @@ class PassIndex:
             failed=str(doc["failed"]) if doc.get("failed") else None,
             storage=e.get("storage"),
             skipped=e.get("skipped"),
-            raw=e.get("raw"),
+            raw=e.get("raw") if _raw_agrees(e) else None,
             module_call=e.get("module_call"),
             checksum_rows=e.get("checksum_rows"),
             tokens=None
@@ -403,6 +403,30 @@ def _hold(pi: PassIndex, opened: tuple | None, tensors: dict[str, torch.Tensor])
             old = _HELD.popleft()()
             if old is not None:
                 old._held = None
+
+
+def _raw_agrees(e: dict) -> bool:
+    """Whether a sidecar's record layout (``raw``) gives each plain stored entry (no
+    ``storage`` or ``kind`` of its own) the shape and dtype its own columns give. One that
+    contradicts itself (edited, then sealed again) is not used: the entries are read with
+    ``torch.load``, whose tensors are the file's, rather than as views the columns disagree
+    with (a token diff's ``torch.cat`` of an int32 view into float32 rows raised TypeError).
+    """
+    raw = e.get("raw")
+    if not isinstance(raw, list):
+        return True
+    n = len(raw)
+    shapes, dtypes, storage, kind = (e.get(c) or [None] * n for c in ("shape", "dtype", "storage", "kind"))
+    stored = e.get("stored") or [True] * n
+    return all(
+        not isinstance(r, list)
+        or len(r) != 5
+        or not st
+        or own is not None
+        or k is not None
+        or (r[2] == shape and r[4] == dtype)
+        for r, shape, dtype, st, own, k in zip(raw, shapes, dtypes, stored, storage, kind)
+    )
 
 
 def _parallel(value, files: PassFiles) -> dict[str, list[int]]:
