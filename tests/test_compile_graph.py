@@ -142,10 +142,17 @@ def test_graph_stats_is_the_capture_definition_for_every_kind_of_value():
         torch.randn(50, dtype=torch.float64) * 1e300,
         torch.randn(50, dtype=torch.float64) * 1e-300,
         x.t(),
-        torch.tensor([2.5]),
-        torch.randn(1000) + 1e4,
+        torch.randn(1000) + 3,
     ]
-    not_finite = [holes, torch.full((4, 4), float("nan")), torch.randn(100) * 1e20]
+    # NaN and Inf, float32 squares that overflow, a mean far past the spread (float32's
+    # cancellation; one element: no spread at all): completed from the tensor
+    not_finite = [
+        holes,
+        torch.full((4, 4), float("nan")),
+        torch.randn(100) * 1e20,
+        torch.randn(1000) + 1e4,
+        torch.tensor([2.5]),
+    ]
     tensors = finite + not_finite
 
     def rows(*ts):

@@ -328,43 +328,47 @@ def graph_stats(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
-    """The statistics row of a CPU floating tensor of up to 32 bits from five reductions
-    (float32; float64 for narrower floats), its values assumed finite (see :func:`graph_stats`).
+    """The statistics row of a CPU floating tensor of up to 32 bits from four reductions that
+    inductor fuses into one read (min, max, ``Σx``, ``Σx²``; float32 sums, float64 for
+    narrower floats), its values assumed finite (see :func:`graph_stats`).
 
-    Sums centred on ``K = Σx / n`` (a float32 mean; float64 for 16-bit and narrower
-    floats, whose rounded values must be read as stored), ``d = x - K``: ``M2 = Σd² - (Σd)²/n``
-    then loses no bits to cancellation, whatever the values. A shift by one element (as
-    ``_row_one_pass`` takes in float64) would make float32's error ``(K - mean)²/std²``
-    times larger: std 5% off for a first element of 1000 among a million N(0, 1) values,
-    0 for 1e5. NaN propagates through min and max (inductor's reductions, as torch's), Inf
-    makes them infinite, a sum that overflows ``K``: each leaves a non-finite value statistic.
-    So does a float32 tensor whose values are all under ``2^-40`` (but not all 0): their
-    squares fall below float32's range (std 0 for values of 1e-30), and the record op
-    measures it from the tensor.
+    ``M2 = Σx² - (Σx)²/n`` loses to cancellation a factor ``1 + mean²/std²`` of float32's
+    error; where that factor passes 128 (values far from 0 with little spread: 1e4 ± 1e-3),
+    std is left NaN and the record op measures the tensor (:func:`complete_graph_row`).
+    Unshifted sums keep an outlier harmless (a shift by the first element cancelled when it
+    was an attention sink at token 0: std 5% off for 1000 among a million N(0, 1) values);
+    centring on the mean first would read the tensor twice (1.35x the compiled model alone
+    for statistics only, against 1.2x). NaN propagates through min and max (inductor's
+    reductions, as torch's), Inf makes them infinite, a sum that overflows the mean: each
+    leaves a non-finite value statistic. So does a float32 tensor whose values are all
+    under ``2^-40`` (but not all 0): their squares fall below float32's range (std 0 for
+    values of 1e-30).
     """
     f64 = torch.float64
     # narrower floats widen straight to float64: inductor's CPU kernels take a float32
     # widening of a value they just rounded to 16 bits for the unrounded float32 value, so
     # min, max and the counts were of values never stored (an fp16 overflow to Inf unseen)
     x = v.double() if v.element_size() < 4 else v.float()
-    first = x.sum() / n
-    d = x - first
-    s1, s2 = d.sum().to(f64), (d * d).sum().to(f64)
+    s1, s2 = x.sum().to(f64), (x * x).sum().to(f64)
     lo, hi = x.amin().to(f64), x.amax().to(f64)
-    mean = first.to(f64) + s1 / n
-    m2 = (s2 - s1 * s1 / n).clamp_min(0.0)
-    if x.dtype == torch.float32:  # squares of values under 2^-40 lose bits below float32's range
+    mean = s1 / n
+    m2 = (s2 - s1 * mean).clamp_min(0.0)
+    std, l2 = (m2 / n).sqrt(), s2.sqrt()
+    if x.dtype == torch.float32:  # (float64 sums of narrower floats lose nothing that matters)
+        # mean² > 127·std²: float32's cancellation; values under 2^-40: squares below its range
         peak = torch.maximum(lo.abs(), hi.abs())
-        m2 = torch.where((peak > 0) & (peak < 2.0**-40), math.nan, m2)  # completed from the tensor
+        tiny = (peak > 0) & (peak < 2.0**-40)
+        std = torch.where((m2 * 128 < s2) | tiny, math.nan, std)  # completed from the tensor
+        l2 = torch.where(tiny, math.nan, l2)
     zero = torch.zeros((), dtype=f64, device=v.device)
     return torch.stack(
         [
             lo,
             hi,
             mean,
-            (m2 / n).sqrt(),
+            std,
             torch.maximum(lo.abs(), hi.abs()),
-            (m2 + n * mean * mean).sqrt(),
+            l2,
             zero,
             zero,
             torch.full((), float(n), dtype=f64, device=v.device),
