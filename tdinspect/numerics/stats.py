@@ -220,19 +220,14 @@ def _row_sync_free(v: torch.Tensor, n: int) -> torch.Tensor:
     empty = n_finite == 0
     nan = torch.tensor(math.nan, dtype=f64, device=v.device)
     lo, hi, mean, std, l2 = (torch.where(empty, nan, x) for x in (lo, hi, mean, std, l2))
-    return torch.stack(
-        [
-            lo,
-            hi,
-            mean,
-            std,
-            torch.maximum(lo.abs(), hi.abs()),
-            l2,
-            n_nan.double(),
-            n_inf,
-            torch.tensor(float(n), dtype=f64, device=v.device),
-        ]
-    )
+    return _stacked_row(lo, hi, mean, std, l2, n_nan.double(), n_inf, n)
+
+
+def _stacked_row(lo, hi, mean, std, l2, n_nan, n_inf, n: int) -> torch.Tensor:
+    """The statistics row of 0-d float64 tensors on the values' device, ordered like
+    :data:`STAT_NAMES` (absmax from min and max, numel ``n``): no host round trip."""
+    size = torch.full((), float(n), dtype=torch.float64, device=lo.device)
+    return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), l2, n_nan, n_inf, size])
 
 
 def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bool = True) -> torch.Tensor:
@@ -360,20 +355,8 @@ def _row_assuming_finite(v: torch.Tensor, n: int) -> torch.Tensor:
         tiny = (peak > 0) & (peak < 2.0**-40)
         std = torch.where((m2 * 128 < s2) | tiny, math.nan, std)  # completed from the tensor
         l2 = torch.where(tiny, math.nan, l2)
-    zero = torch.zeros((), dtype=f64, device=v.device)
-    return torch.stack(
-        [
-            lo,
-            hi,
-            mean,
-            std,
-            torch.maximum(lo.abs(), hi.abs()),
-            l2,
-            zero,
-            zero,
-            torch.full((), float(n), dtype=f64, device=v.device),
-        ]
-    )
+    zero = torch.zeros((), dtype=f64, device=v.device)  # finite values assumed: completed otherwise
+    return _stacked_row(lo, hi, mean, std, l2, zero, zero, n)
 
 
 def complete_graph_row(row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -421,10 +404,7 @@ def _row_one_pass(v: torch.Tensor, n: int) -> torch.Tensor:
     lo, hi, mean = (torch.where(empty, math.nan, s) for s in (lo, hi, mean))
     std = torch.where(empty, math.nan, (m2 / cnt).sqrt())
     l2 = torch.where(empty, math.nan, (m2 + cnt * mean * mean).sqrt())
-    size = torch.full((), float(n), dtype=f64, device=v.device)
-    return torch.stack(
-        [lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), l2, n_nan, n - cnt - n_nan, size]
-    )
+    return _stacked_row(lo, hi, mean, std, l2, n_nan, n - cnt - n_nan, n)
 
 
 def capture_stats(t: torch.Tensor) -> torch.Tensor:
