@@ -488,7 +488,7 @@ def test_stats_rel_auto_sits_above_the_rounding_of_narrow_dtypes(tmp_path):
                 x, w, h = args[0], mod.weight, mod.weight.shape[1] // 2
                 return F.linear(x[..., :h], w[:, :h]) + F.linear(x[..., h:], w[:, h:], mod.bias)
 
-            for name, mod in model.named_modules():
+            for mod in model.modules():
                 if isinstance(mod, torch.nn.Linear):
                     handles.append(mod.register_forward_hook(split_k))
             if scale != 1:
