@@ -53,8 +53,9 @@ def test_capture_never_loads_numba_or_analysis_libraries(tmp_path):
 
 
 def test_capture_statistics_match_the_compiled_loop():
-    """capture_stats (torch's reductions) and tensor_stats (the compiled one-read loop where
-    numba loads) agree to float rounding on a tensor the loop takes."""
+    """capture_stats (torch's float32 reductions) and tensor_stats (the compiled one-read loop
+    where numba loads) agree within capture's bound (1e-6), min and max exactly, on a tensor
+    the loop takes; the torch float64 path to float rounding."""
     import torch
 
     from tdinspect.numerics import onepass
@@ -62,7 +63,9 @@ def test_capture_statistics_match_the_compiled_loop():
     from tdinspect.numerics.stats import capture_stats, stats_and_checksum, tensor_stats
 
     x = torch.randn(3 * onepass.MIN_ELEMENTS + 7, generator=torch.Generator().manual_seed(4)) + 0.5
-    torch.testing.assert_close(capture_stats(x), tensor_stats(x), rtol=1e-14, atol=0)
+    torch.testing.assert_close(capture_stats(x), tensor_stats(x), rtol=1e-6, atol=0)
+    assert capture_stats(x)[[0, 1, 4, 6, 7, 8]].tolist() == tensor_stats(x)[[0, 1, 4, 6, 7, 8]].tolist()
+    torch.testing.assert_close(tensor_stats(x, compiled=False), tensor_stats(x), rtol=1e-14, atol=0)
     row, digest = stats_and_checksum(x)
     assert row.tolist() == capture_stats(x).tolist()
     assert int(digest) == int(tensor_checksum(x))

@@ -394,8 +394,8 @@ def test_statistics_of_an_entry_computed_once_whatever_its_partners(runs, monkey
     import tdinspect.dumper.live as live_mod
 
     measured, copied = [], []
-    real_stats = live_mod.tensor_stats
-    monkeypatch.setattr(live_mod, "tensor_stats", lambda t: measured.append(1) or real_stats(t))
+    real_stats = live_mod.capture_stats  # the live side's statistics, as capture records them
+    monkeypatch.setattr(live_mod, "capture_stats", lambda t: measured.append(1) or real_stats(t))
     real_contiguous = torch.Tensor.contiguous
     monkeypatch.setattr(
         torch.Tensor, "contiguous", lambda t, *a, **k: copied.append(1) or real_contiguous(t, *a, **k)

@@ -18,10 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tdinspect.numerics import onepass
-from tdinspect.numerics.stats import STAT_NAMES, stats_to_dict, tensor_stats
+from tdinspect.numerics.stats import STAT_NAMES, capture_stats, stats_to_dict, tensor_stats
 
 EPS = 2.0**-52
 BOUND = 64 * EPS  # statistics: see reference_stats
+# statistics recorded at capture (float32 sums of CPU floats up to 32 bits): GUIDE section 11
+CAPTURE_BOUND = 1e-6
 
 
 def _values(t: torch.Tensor) -> list:
@@ -84,7 +86,9 @@ def _sqrt(q: Fraction) -> float:
 
 def assert_stats_close(got: dict, ref: dict, what=""):
     """Counts, min, max, absmax exact (complex: within 2 ulps); mean within BOUND·mean(|x|); std within
-    BOUND·(std + mean(|x|)); l2 within BOUND·l2."""
+    BOUND·(std + mean(|x|)); l2 within BOUND·l2 (``got["bound"]`` where the path states its own:
+    capture's, :data:`CAPTURE_BOUND`)."""
+    bound = got.get("bound", BOUND)
     for k in ("numel", "nan", "inf"):
         assert got[k] == ref[k], (what, k, got[k], ref[k])
     if math.isnan(ref["mean"]):
@@ -94,22 +98,24 @@ def assert_stats_close(got: dict, ref: dict, what=""):
         ulps = 2 * EPS * abs(ref[k]) if ref.get("rounded") else 0.0
         assert abs(got[k] - ref[k]) <= ulps, (what, k, got[k], ref[k])
     scale = ref["mean_abs"]
-    assert abs(got["mean"] - ref["mean"]) <= BOUND * scale, (what, "mean", got["mean"], ref["mean"])
-    assert abs(got["std"] - ref["std"]) <= BOUND * (ref["std"] + scale), (what, "std", got, ref)
+    assert abs(got["mean"] - ref["mean"]) <= bound * scale, (what, "mean", got["mean"], ref["mean"])
+    assert abs(got["std"] - ref["std"]) <= bound * (ref["std"] + scale), (what, "std", got, ref)
     if math.isinf(ref["l2"]):
         assert got["l2"] == math.inf, what
     else:
-        assert abs(got["l2"] - ref["l2"]) <= BOUND * ref["l2"], (what, "l2", got["l2"], ref["l2"])
+        assert abs(got["l2"] - ref["l2"]) <= bound * ref["l2"], (what, "l2", got["l2"], ref["l2"])
 
 
 def all_paths(t):
     """The CPU paths (torch's reductions; the compiled one-read loop of tdinspect.numerics.onepass,
-    forced whatever the size) and the sync-free (accelerator) path, as dicts."""
+    forced whatever the size), the sync-free (accelerator) path, and capture's (float32 sums,
+    held to :data:`CAPTURE_BOUND`), as dicts."""
     with mock.patch.object(onepass, "MIN_ELEMENTS", 0):
         compiled = stats_to_dict(tensor_stats(t, sync_free=False))
     with mock.patch.dict(os.environ, {"TDINSPECT_ONEPASS": "0"}):
         plain = stats_to_dict(tensor_stats(t, sync_free=False))
-    return [plain, compiled, stats_to_dict(tensor_stats(t, sync_free=True))]
+    captured = {**stats_to_dict(capture_stats(t)), "bound": CAPTURE_BOUND}
+    return [plain, compiled, stats_to_dict(tensor_stats(t, sync_free=True)), captured]
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -124,9 +130,10 @@ def test_large_float32_tensor_with_large_mean_and_tiny_std():
     std = math.sqrt(math.fsum(np.square(a - mean)) / a.size)
     l2 = math.sqrt(math.fsum(np.square(a)))
     for got in all_paths(x):
-        assert got["mean"] == pytest.approx(mean, rel=1e-15, abs=0)
-        assert got["std"] == pytest.approx(std, rel=1e-13, abs=0)
-        assert got["l2"] == pytest.approx(l2, rel=1e-14, abs=0)
+        precise = "bound" not in got  # capture's float32 sums: to CAPTURE_BOUND (of std, not mean)
+        assert got["mean"] == pytest.approx(mean, rel=1e-15 if precise else CAPTURE_BOUND, abs=0)
+        assert got["std"] == pytest.approx(std, rel=1e-13 if precise else CAPTURE_BOUND, abs=0)
+        assert got["l2"] == pytest.approx(l2, rel=1e-14 if precise else CAPTURE_BOUND, abs=0)
 
 
 def _fsum_stats(a: np.ndarray) -> dict[str, float]:
@@ -168,21 +175,20 @@ def test_compiled_loop_on_several_blocks_with_nonfinite_elements(offset):
 
 def test_a_numba_that_fails_to_load_leaves_torch_serving(monkeypatch):
     """Where numba is present but does not load, the statistics of a tensor the one-read loop
-    would take come from torch's reductions (capture's values) and a warning says so once."""
+    would take come from torch's float64 reductions and a warning says so once."""
     import sys
 
     import tdinspect.numerics
     from tdinspect.numerics import lazy_numba
-    from tdinspect.numerics.stats import capture_stats
 
     x = torch.randn(2 * onepass.MIN_ELEMENTS + 5, generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(lazy_numba, "_loaded", {})  # as in a fresh process
     monkeypatch.delattr(tdinspect.numerics, "onepass_loops", raising=False)
     monkeypatch.setitem(sys.modules, "tdinspect.numerics.onepass_loops", None)  # importing it fails
     with pytest.warns(RuntimeWarning, match="numba failed to load.*statistics use torch's reductions"):
-        assert tensor_stats(x).tolist() == capture_stats(x).tolist()
+        assert tensor_stats(x).tolist() == tensor_stats(x, compiled=False).tolist()
     assert not onepass.enabled(x)
-    assert tensor_stats(x).tolist() == capture_stats(x).tolist()
+    assert tensor_stats(x).tolist() == tensor_stats(x, compiled=False).tolist()
 
 
 @pytest.mark.parametrize(

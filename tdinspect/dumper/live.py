@@ -79,7 +79,7 @@ from tdinspect.dumpset import DumpSet
 from tdinspect.errors import DivergenceError, UncomparedError, UncomparedWarning
 from tdinspect.numerics.metrics import metric as metric_named
 from tdinspect.numerics.metrics import unit_roundoff
-from tdinspect.numerics.stats import STAT_NAMES, tensor_stats
+from tdinspect.numerics.stats import STAT_NAMES, capture_stats
 from tdinspect.store.format import atomic_write, rank_dirname, stats_row
 from tdinspect.store.restore import restore
 from tdinspect.store.runs import new_folder
@@ -293,7 +293,7 @@ class LiveCompare:
         b_side = Side(
             shape,
             bool(uninitialized),
-            functools.cache(lambda: _stats_as_dumped(tensor_stats(data) if stats is None else stats)),
+            functools.cache(lambda: _stats_as_dumped(capture_stats(data) if stats is None else stats)),
             host,
             f"B: {NOT_STORED}{skipped}" if skipped else "",
             call_args=call_args,
@@ -552,7 +552,7 @@ class LiveCompare:
     ) -> None:
         shapes = shapes or [None if t is None else list(t.shape) for t in tensors]
         dtypes = dtypes or [None if t is None else str(t.dtype) for t in tensors]
-        rows = stats if stats is not None else [None if t is None else tensor_stats(t) for t in tensors]
+        rows = stats if stats is not None else [None if t is None else capture_stats(t) for t in tensors]
         present = [torch.as_tensor(r, dtype=torch.float64) for r in rows if r is not None]
         p = PendingPass(
             pass_,

@@ -27,6 +27,10 @@ right to a few float64 ulps of ``mean(|x|)``, ``std`` and ``l2`` for any
 finite input of any size (docs/reliability.md, "Numbers", states the bound
 the property test checks); ``min``, ``max`` and ``absmax`` are exact.
 
+Capture takes a cheaper contract (:func:`capture_stats`): a CPU float tensor of up to 32
+bits is summed in float32 by torch's cascade summation (:func:`_row_float32_cpu`), ``mean``,
+``std`` and ``l2`` right to 1e-6 relative, the rest exact, in half the time.
+
 A big contiguous float32 CPU tensor is read once by a compiled loop instead
 (:mod:`tdinspect.numerics.onepass`: chunked float64 sums added with compensation, within
 the same bounds), unless the caller says ``compiled=False``: capture does
@@ -230,7 +234,9 @@ def _stacked_row(lo, hi, mean, std, l2, n_nan, n_inf, n: int) -> torch.Tensor:
     return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), l2, n_nan, n_inf, size])
 
 
-def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bool = True) -> torch.Tensor:
+def tensor_stats(
+    t: torch.Tensor, *, sync_free: bool | None = None, compiled: bool = True, exact: bool = True
+) -> torch.Tensor:
     """Statistics of ``t`` as a float64 vector ordered like :data:`STAT_NAMES`.
 
     The result stays on ``t``'s device, so a caller on CUDA can gather many of
@@ -249,6 +255,11 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bo
         (:mod:`tdinspect.numerics.onepass`, numba) where it loads. ``False``: torch's
         reductions only, never numba (capture: torch and the standard library only); the
         same values to float rounding.
+    exact : bool
+        ``True``: float64 accumulation, every statistic to a few float64 ulps (the readers).
+        ``False`` (capture, :func:`capture_stats`): a CPU float tensor of up to 32 bits is
+        summed in float32 by torch's cascade summation (:func:`_row_float32_cpu`), right to
+        about ``1e-6`` relative, with the counts, min and max exact.
 
     Examples
     --------
@@ -261,7 +272,7 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bo
         return torch.tensor(_NAN_ROW + [0.0, 0.0, 0.0], dtype=torch.float64, device=t.device)
     t, copies = _unexpand(t)
     if copies > 1:  # every stored element appears `copies` times: same min/max/mean/std
-        row = tensor_stats(t, sync_free=sync_free, compiled=compiled)
+        row = tensor_stats(t, sync_free=sync_free, compiled=compiled, exact=exact)
         return row * torch.tensor(
             [1, 1, 1, 1, 1, math.sqrt(copies), copies, copies, copies], dtype=torch.float64, device=row.device
         )
@@ -272,6 +283,10 @@ def tensor_stats(t: torch.Tensor, *, sync_free: bool | None = None, compiled: bo
         return _row_sync_free(v, n)
     if not v.is_floating_point():  # integers are finite
         return torch.tensor(_finite_row_cpu(v, n), dtype=torch.float64)
+    if not exact and v.element_size() <= 4:
+        row = _row_float32_cpu(v, n)
+        if row is not None:
+            return torch.tensor(row, dtype=torch.float64)
     if compiled and v.dtype == torch.float32 and onepass.enabled(v):
         return _float32_row(v, onepass.float32_sums(v))
     fast = _finite_row_cpu(v, n)
@@ -409,8 +424,51 @@ def _row_one_pass(v: torch.Tensor, n: int) -> torch.Tensor:
 
 def capture_stats(t: torch.Tensor) -> torch.Tensor:
     """:func:`tensor_stats` as capture takes it: torch's reductions only (``compiled=False``),
-    never numba."""
-    return tensor_stats(t, compiled=False)
+    never numba, and float32 sums for CPU floats of up to 32 bits (``exact=False``)."""
+    return tensor_stats(t, compiled=False, exact=False)
+
+
+# float32 values whose squares, summed over any tensor, stay well inside float32's range and
+# above its subnormals: beyond them the float64 path scales and sums (exact, slower)
+_FLOAT32_SAFE = (2.0**-40, 2.0**40)
+# Σx² - n·mean² only while mean² <= 7·std² (Σx² <= 8·M2: float32's error amplified 8x at
+# most), else a second, centred read
+_CANCELLATION = 8.0
+
+
+def _row_float32_cpu(v: torch.Tensor, n: int) -> list[float] | None:
+    """The statistics row of a finite CPU floating tensor of up to 32 bits from float32 sums,
+    or ``None`` for the exact float64 path (NaN/Inf, magnitudes outside
+    :data:`_FLOAT32_SAFE`).
+
+    Capture's trade (GUIDE: statistics recorded at capture are right to about 1e-6): min
+    and max by one ``aminmax`` (exact), ``Σx`` and ``Σx²`` by torch's float32 cascade
+    summation (relative error about ``eps32·log2(n)``: 1.2e-6 at 2^20 elements in the worst
+    case, ~1e-8 measured), ``M2 = Σx² - n·mean²`` while that cancels by at most a factor
+    of :data:`_CANCELLATION`, else ``Σ(x - m)² - (Σ(x - m))²/n`` about the float32 mean
+    ``m`` (the correction term takes back ``m``'s rounding, which for a mean 1e7 times the
+    spread would be most of the variance). Against five float64 reads of a widened copy:
+    about half the time (docs/benchmarks.md). BLAS ``dot`` and ``vector_norm`` were
+    measured and refused: their float32 accumulation drifts to 1e-4 at 2^24 elements.
+    """
+    lo, hi = (float(x) for x in torch.aminmax(v))
+    absmax = max(abs(lo), abs(hi))
+    if not math.isfinite(absmax) or (0 < absmax < _FLOAT32_SAFE[0]) or absmax > _FLOAT32_SAFE[1]:
+        return None  # NaN/Inf (counted by the masked path), or squares near float32's limits
+    x = v if v.dtype == torch.float32 else v.float()  # 16-bit and 8-bit floats: exact in float32
+    total = float(x.sum())
+    squares = float(x.square().sum())
+    mean = total / n
+    if _CANCELLATION * n * mean * mean <= squares:
+        m2 = max(squares - n * mean * mean, 0.0)
+    else:
+        mean = float(torch.tensor(mean, dtype=torch.float32))  # the m subtracted, exactly
+        centred = x - mean
+        shift = float(centred.sum())
+        m2 = max(float(centred.square_().sum()) - shift * shift / n, 0.0)
+        mean += shift / n
+        squares = m2 + n * mean * mean
+    return [lo, hi, mean, math.sqrt(m2 / n), absmax, math.sqrt(squares), 0.0, 0.0, float(n)]
 
 
 def _masked_row_cpu(v: torch.Tensor, n: int) -> torch.Tensor:
