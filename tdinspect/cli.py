@@ -4,8 +4,8 @@ Exit status: 0 when nothing diverges, 1 when something does, 2 on any error
 (one line on stderr naming the file or argument; ``--debug`` adds the
 traceback), so ``tdinspect first-divergence ref/ new/`` can gate a CI pipeline;
 ``first-divergence`` and ``diff`` exit 3 when the comparison is incomplete (nothing
-diverged among the entries compared, but others were set aside or never compared;
-``--allow-uncompared REGEX`` names those that may be);
+diverged among the entries compared, but others were set aside or never compared, or
+nothing was compared; ``--allow-uncompared REGEX`` names those that may be);
 141, silently, when the reader of the output left (``| head``), as for any
 command ended by SIGPIPE. Every command
 maps onto the Python API (DumpSet.open, Diff.first_divergence, ...); ``--json``
@@ -391,12 +391,13 @@ def _port(text: str) -> int:
 
 
 EXIT_STATUS = """exit status:
-  0  matches: every entry of both sides compared, none past its threshold
+  0  matches: every entry of both sides compared (at least one), none past its threshold
   1  diverges: the first divergence is printed
   2  error (one line on stderr)
   3  incomplete: nothing diverged among the entries compared, but entries were
-     set aside (--structural report) or never compared; the output says which and
-     where the comparison stopped (--allow-uncompared REGEX names those that may be)"""
+     set aside (--structural report) or never compared, or none was; the output says
+     which and where the comparison stopped (--allow-uncompared REGEX names those that
+     may be)"""
 
 
 def build_parser() -> argparse.ArgumentParser:

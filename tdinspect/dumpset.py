@@ -343,7 +343,18 @@ class DumpSet:
         pass_: int | Iterable[int] | None = None,
         rank: int | Iterable[int] | None = None,
     ) -> DumpSet:
-        """A smaller DumpSet: some ops (exact names), passes and/or ranks."""
+        """A smaller DumpSet: some ops (exact names, without ``::callN``), passes and/or ranks.
+
+        Raises
+        ------
+        KeyError
+            When a name in ``op`` is not an entry of the passes kept (naming it, with the
+            closest names), or no pass is kept, as xarray's ``sel`` does.
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/run_a").sel(op="model.lm_head", pass_=[0, 1])   # doctest: +SKIP
+        """
 
         def as_set(v):
             return None if v is None else ({v} if isinstance(v, (int, str)) else set(v))
@@ -358,19 +369,43 @@ class DumpSet:
             )
         pattern = self._op_pattern
         if ops is not None:
+            held = set(_names(passes, pattern))
+            missing = [o for o in ops if o not in held]
+            if missing:  # as xarray's sel: a label that is not there is an error, never "nothing"
+                raise KeyError(_no_name(self.path, missing, list(_names(passes, pattern))))
             pattern = re.compile("^(?:" + "|".join(re.escape(o) for o in ops) + r")\Z")
             if self._op_pattern is not None:
                 pattern = _both(self._op_pattern, pattern)
         return self._derived(passes, pattern)
 
     def filter(self, regex: str) -> DumpSet:
-        """A DumpSet keeping entries whose name ``re.search``-matches ``regex``."""
+        """A DumpSet keeping entries whose name ``re.search``-matches ``regex``.
+
+        Raises
+        ------
+        ValueError
+            When ``regex`` is not a regular expression.
+        KeyError
+            When it matches no entry of this DumpSet (a typo compared nothing, and
+            "nothing diverged" must never be read off an empty selection).
+
+        Examples
+        --------
+        >>> DumpSet.open("dumps/run_a").filter("layers[.]0[.]").ops[:1]   # doctest: +SKIP
+        ['model.layers.0.ln1']
+        """
         try:
             pattern = re.compile(regex)
         except re.error as exc:
             raise ValueError(f"invalid regex {regex!r}: {exc}") from None
         if self._op_pattern is not None:
             pattern = _both(self._op_pattern, pattern)
+        if next(_names(self._passes, pattern), None) is None:
+            shown = self.ops
+            held = (
+                f"{', '.join(map(repr, shown[:5]))}{', ...' if len(shown) > 5 else ''}" if shown else "none"
+            )
+            raise KeyError(f"{self.path}: filter {regex!r} matches no entry (entries: {held})")
         return self._derived(self._passes, pattern)
 
     def _derived(self, passes, pattern) -> DumpSet:
@@ -642,6 +677,32 @@ def _no_entry(path, key: str, pass_: int, ops: list[str]) -> str:
     if base in ops:
         hint = f" ({base!r} exists, but not this call in this pass)"
     return f"{path}: no entry {key!r} in pass {pass_}{hint}"
+
+
+def _names(passes, pattern: re.Pattern | None):
+    """The entry names (without ``::callN``) of ``passes`` that ``pattern`` keeps, each once."""
+    seen: set[str] = set()
+    for pi in passes.values():
+        for key in pi.keys:
+            base = split_call(key)[0]
+            if base not in seen and (pattern is None or pattern.search(base)):
+                seen.add(base)
+                yield base
+
+
+def _no_name(path, missing: list[str], ops: list[str]) -> str:
+    """The message for names ``sel(op=...)`` does not find, with the closest ones (difflib)."""
+    import difflib
+
+    said = []
+    for name in missing:
+        base = split_call(name)[0]
+        close = difflib.get_close_matches(base, ops, n=3, cutoff=0.5)
+        if base != name and base in ops:
+            said.append(f"{name!r} (names are without ::callN: {base!r})")
+        else:
+            said.append(f"{name!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+    return f"{path}: sel(op=...) names no entry: {'; '.join(said)}"
 
 
 def _both(a: re.Pattern, b: re.Pattern) -> re.Pattern:

@@ -4,6 +4,7 @@ fork, and the exact table pandas made of the rows before."""
 from __future__ import annotations
 
 import multiprocessing
+import re
 import threading
 import traceback
 import warnings
@@ -194,8 +195,11 @@ def test_an_empty_pass_and_no_rows_at_all(tmp_path):
     table = d.table(progress=False)
     assert table["pass"].tolist() == [0, 2] and table.index.equals(pd.RangeIndex(2))
     _assert_same(d._results[0, 1], _rows_frame([]))
-    none = DumpSet.open(a).filter("nothing matches").diff(b).table(progress=False)
-    _assert_same(none, pd.DataFrame(columns=COLUMNS))
+    with pytest.raises(KeyError, match="'nothing matches' matches no entry"):
+        DumpSet.open(a).filter("nothing matches")
+    full = DumpSet.open(a)  # an empty selection made by hand: a diff of no rows at all
+    empty = DumpSet(full.path, dict(full.pass_map), op_pattern=re.compile("nothing matches"))
+    _assert_same(empty.diff(b).table(progress=False), pd.DataFrame(columns=COLUMNS))
 
 
 def test_early_exit_compares_only_the_first_waves_passes(tmp_path, monkeypatch):

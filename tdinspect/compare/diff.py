@@ -54,12 +54,14 @@ from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform,
 from tdinspect.compare.spec import CompareSpec
 from tdinspect.compare.thresholds import (
     BEFORE,
+    REPLICA,
     Divergence,
     Verdict,
     allowed_patterns,
     allowed_rows,
     divergence_of,
     divergent,
+    explained,
     never_compared,
     reason_of,
     set_aside,
@@ -269,6 +271,7 @@ class Diff:
                     reason,
                     self.mapping,
                     *self._peers(rank, p, pa, pb),
+                    pattern_b=self.b.op_pattern,
                 )
             )
         return jobs
@@ -369,7 +372,7 @@ class Diff:
             if job.pass_ != pass_ or (rank is not None and job.rank != rank):
                 continue
             pa, pb = job.a, job.b
-            for ia, ib, _ in pairs(pa, pb, job.keep, job.align, job.mapping):
+            for ia, ib, _ in pairs(pa, pb, job.keep, job.align, job.mapping, job.keep_b):
                 a_key = pa.keys[ia] if ia is not None else ""
                 transform = job.transform(a_key) if ia is not None else None
                 row = {
@@ -472,7 +475,7 @@ class Diff:
             rows[m.name].to_numpy(float),
             thr_fn.of_rows(rows),
             rows["structural"].to_numpy(bool),
-            rows["reason"].to_numpy(object) != "",
+            explained(rows["reason"].to_numpy(object)),
         )
 
     def _check_metric(self, metric_name):
@@ -520,7 +523,12 @@ class Diff:
     def _allowed(self, rows: pd.DataFrame, allow_uncompared=None) -> np.ndarray:
         """Which rows ``allow_uncompared`` (default: the diff's) names."""
         patterns = self.allow_uncompared if allow_uncompared is None else allowed_patterns(allow_uncompared)
-        return allowed_rows(patterns, rows["op"].to_numpy(object), rows["key_b"].to_numpy(object))
+        return allowed_rows(
+            patterns,
+            rows["op"].to_numpy(object),
+            rows["key_b"].to_numpy(object),
+            rows["key"].to_numpy(object),
+        )
 
     @staticmethod
     def _never_rows(rows: pd.DataFrame) -> np.ndarray:
@@ -634,12 +642,15 @@ class Diff:
         passes_a, passes_b = a.pass_map, b.pass_map
         for key in sorted(set(passes_a) & set(passes_b), key=lambda k: (k[1], k[0])):
             ka = {k for k in passes_a[key].keys if a.keeps(k)}
-            kb = {k for k in passes_b[key].keys if a.keeps(k)}
+            kb = {k for k in passes_b[key].keys if a.keeps(k) and b.keeps(k)}  # both selections
             if self.mapping is not None:  # pairs through the rules: A entries are named by their partners
                 partner = {k: mapped_key(self.mapping, k) for k in ka}
+                partner = {k: m for k, m in partner.items() if b.keeps(m)}
+                ka = set(partner)
                 only_a = {k for k, m in partner.items() if m not in passes_b[key].position}
                 only_b = kb - set(partner.values())
             else:
+                ka = {k for k in ka if b.keeps(k)}
                 only_a, only_b = ka - kb, kb - ka
             for side, extra in (("A", only_a), ("B", only_b)):
                 if extra:
@@ -780,8 +791,10 @@ class Diff:
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
-            if not counts["uncompared"]:
+            if not counts["uncompared"] and counts["compared"]:
                 return Verdict("matches", **counts)
+            if not counts["uncompared"]:  # the ledger holds nothing compared: never "matches"
+                return Verdict("incomplete", None, self._nothing_compared(counts), **counts)
             stopped = self.uncompared_after(progress=False, allow_uncompared=allow_uncompared)
             return Verdict(
                 "incomplete", None, self._gap_text(unseen, counts, stopped), **counts, stopped=stopped
@@ -790,7 +803,8 @@ class Diff:
         row = rows.iloc[n].to_dict()
         if not row["structural"] and self.mode == "tensor":
             self._check_records(row)
-        located = "" if row["structural"] else self._locate(row, m, thr_fn(row))
+        copy = str(row["reason"]).startswith(REPLICA)  # against its own side: no A and B parts
+        located = "" if row["structural"] or copy else self._locate(row, m, thr_fn(row))
         earlier = rows.iloc[max(0, n - BEFORE) : n]
         listed = None
         if report:
@@ -800,6 +814,22 @@ class Diff:
             row, m, thr_fn, list(zip(earlier["key"], earlier[m.name].astype(float))), listed, located
         )
         return Verdict("diverges", div, **counts)
+
+    def _nothing_compared(self, counts: dict) -> str:
+        """Why an answer without divergence compared no entry: an empty selection, or every
+        entry allowed by ``allow_uncompared``."""
+        if counts["allowed"]:
+            return "every entry was one-sided or never compared"
+        chosen = [
+            f"{side}'s {ds.op_pattern.pattern!r}"
+            for side, ds in (("A", self.a), ("B", self.b))
+            if ds.op_pattern
+        ]
+        return "the selection matched nothing" + (
+            f" (both selections keep no entry: {', '.join(chosen)})"
+            if chosen
+            else " (no entry on either side)"
+        )
 
     def _gap_text(self, unseen: list[pd.DataFrame], counts: dict, stopped: dict | None) -> str:
         """What an incomplete verdict did not compare: how many, the first few with their

@@ -14,7 +14,14 @@ import pandas as pd
 
 from tdinspect.compare.growth import as_error, growth
 from tdinspect.compare.rule import NONFINITE
-from tdinspect.compare.thresholds import Thresholds, allowed_rows, divergent, never_compared, set_aside
+from tdinspect.compare.thresholds import (
+    Thresholds,
+    allowed_rows,
+    divergent,
+    explained,
+    never_compared,
+    set_aside,
+)
 
 HEALTH_COLUMNS = [
     "rank",
@@ -134,11 +141,12 @@ def _judge(out: pd.DataFrame, df: pd.DataFrame, m, thr_fn: Thresholds, allowed, 
     thr = thr_fn.of_rows(df)
     structural = df["structural"].to_numpy(bool)
     reasons = df["reason"].to_numpy(object)
-    hit = divergent(m, values, thr, structural, reasons != "")
+    hit = divergent(m, values, thr, structural, explained(reasons))
     excused = np.zeros(len(df), bool)
     if allowed:
         aside = set_aside(structural, reasons) | never_compared(structural, reasons)
-        excused = allowed_rows(allowed, df["op"].to_numpy(object), df["key_b"].to_numpy(object)) & aside
+        names = (df[c].to_numpy(object) for c in ("op", "key_b", "key"))
+        excused = allowed_rows(allowed, *names) & aside
         hit &= ~excused
     if diverges is not None:
         hit = diverges
@@ -146,7 +154,7 @@ def _judge(out: pd.DataFrame, df: pd.DataFrame, m, thr_fn: Thresholds, allowed, 
     limit = as_error(m.name, pd.Series(thr)).to_numpy(float)
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(limit > 0, error / limit, np.where(error > 0, np.inf, 0.0))
-    share = np.where(structural | (np.isnan(values) & (reasons == "")), np.inf, share)
+    share = np.where(structural | (np.isnan(values) & ~explained(reasons)), np.inf, share)
     out["value"] = values
     # a one-sided row has no pair and no dtypes: auto's fallback threshold would mean nothing
     out["threshold"] = np.where(one_sided(reasons), np.nan, thr)

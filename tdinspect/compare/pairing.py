@@ -31,14 +31,23 @@ def _signature(pi: PassIndex, i: int) -> tuple:
     return (name, labels, tuple(pi.shape[i] or ()))
 
 
-def pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str, mapping=None):
+def pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str, mapping=None, keep_b=None):
     """``(i_a, i_b, order)`` triples: matched, A-only (i_b None), B-only (i_a None).
 
     With a :class:`~tdinspect.align.Mapping`, an A entry meets the B entry its
     rule names (same call); several A entries may meet one B entry.
+
+    ``keep`` is A's selection, ``keep_b`` B's (default: A's): an entry is paired only
+    when both keep it, each its own side's name (an A entry: A's name, and for B the
+    name its partner has or would have there; a B entry: its name, for both), so that
+    narrowing either side narrows the comparison (:meth:`tdinspect.DumpSet.filter`).
     """
     ka = [i for i, k in enumerate(pa.keys) if keep(k)] if pa else []
     kb = [j for j, k in enumerate(pb.keys) if keep(k)] if pb else []
+    if keep_b is not None:
+        named = mapping is not None and align != "sequence"
+        ka = [i for i in ka if keep_b(mapped_key(mapping, pa.keys[i]) if named else pa.keys[i])]
+        kb = [j for j in kb if keep_b(pb.keys[j])]
     if pa is None or pb is None:
         return [(i, None, float(i)) for i in ka] + [(None, j, float(j)) for j in kb]
     if align == "sequence":

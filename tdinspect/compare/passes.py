@@ -22,6 +22,7 @@ from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare.pairing import pairs, unchanged_since
 from tdinspect.compare.passframes import typed_columns
 from tdinspect.compare.plainpairs import compare_plain, plain_dtypes
+from tdinspect.compare.replicas import check_replicas
 from tdinspect.compare.rule import COLUMNS, compare_pair, new_row, side_of
 from tdinspect.compare.smallpairs import compare_batch, pass_spans, small_plain
 from tdinspect.compare.spanpairs import compare_spans, span_dtypes
@@ -49,9 +50,17 @@ class PassJob:
     # shape mismatch that is a tensor-parallel shard says so (_hint_shards)
     peers_a: tuple = ()
     peers_b: tuple = ()
+    pattern_b: Any = None  # B's selection (DumpSet.filter / sel on B): honoured as A's is
 
     def keep(self, key: str) -> bool:
+        """Whether A's selection keeps entry ``key``."""
         return self.pattern is None or bool(self.pattern.search(split_call(key)[0]))
+
+    @property
+    def keep_b(self):
+        """B's selection as a test of an entry name, or ``None`` when B keeps every entry."""
+        pattern = self.pattern_b
+        return None if pattern is None else (lambda key: bool(pattern.search(split_call(key)[0])))
 
     def transform(self, a_key: str):
         return None if self.mapping is None else self.mapping.partner(split_call(a_key)[0])[1]
@@ -108,6 +117,7 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
             job.mode,
             job.chunk,
         )
+    check_replicas(rows, job, (loaded_a, loaded_b))  # a recompute on one side: against its original
     _hint_concat(rows, pa, pb)
     _hint_shards(rows, job)
     return rows
@@ -125,7 +135,7 @@ def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, li
     small_a, small_b = (
         None if plain is None else small_plain(p, plain) for p, plain in ((pa, plain_a), (pb, plain_b))
     )
-    for ia, ib, order in pairs(pa, pb, job.keep, job.align, job.mapping):
+    for ia, ib, order in pairs(pa, pb, job.keep, job.align, job.mapping, job.keep_b):
         ref, idx = (pa, ia) if ia is not None else (pb, ib)
         key = ref.keys[idx]
         row = new_row(

@@ -103,19 +103,24 @@ class Verdict:
     ----------
     outcome : {"diverges", "matches", "incomplete"}
         ``"diverges"``: :attr:`divergence` is the first divergent entry.
-        ``"matches"``: every entry of both sides was compared and none passed its
-        threshold (entries named by ``allow_uncompared`` may have been left out).
+        ``"matches"``: every entry of both sides (after both sides' selections) was compared
+        and none passed its threshold (entries named by ``allow_uncompared`` may have been
+        left out), and at least one was compared.
         ``"incomplete"``: nothing diverged among the entries compared, but others were set
         aside (``structural="report"``: one side only, unmatched, another shape) or never
-        compared (not stored, a transform a statistics-only dump cannot apply): :attr:`gap`
-        says which and where the comparison stopped.
+        compared (not stored, a transform a statistics-only dump cannot apply), or nothing
+        was compared at all (the selections share no entry, every entry was allowed):
+        :attr:`gap` says which and where the comparison stopped.
     divergence : Divergence or None
         The first divergence (``"diverges"`` only).
     gap : str
         What was not compared (the first few, with their reasons) and, when the reference's
         last entries were among them, where the comparison stops; ``""`` unless incomplete.
     compared : int
-        Entries compared in numbers (of the passes read: a divergence stops at its pass).
+        Entries compared in numbers (of the passes read: a divergence stops at its pass),
+        one-sided copies of an earlier call checked against it included (a recompute).
+        ``compared + uncompared + allowed`` accounts for every entry the passes read hold
+        on either side after both selections (a pair counts once).
     uncompared : int
         Entries set aside or never compared that no ``allow_uncompared`` pattern names.
     allowed : int
@@ -141,6 +146,12 @@ class Verdict:
     def __post_init__(self):
         if self.outcome not in OUTCOMES:
             raise ValueError(f"outcome={self.outcome!r}: expected one of {OUTCOMES}")
+        if self.outcome == "matches" and (self.compared < 1 or self.uncompared):
+            # the ledger's rule: all compared or allowed, and at least one compared
+            raise ValueError(
+                f"a verdict of {self.compared} entries compared and {self.uncompared} not is never "
+                "'matches' (it is 'incomplete')"
+            )
 
     @property
     def text(self) -> str:
@@ -153,6 +164,8 @@ class Verdict:
         allowed = f" ({self.allowed} left out by allow_uncompared)" if self.allowed else ""
         if self.outcome == "matches":
             return f"matches: all {self.compared} entries compared, none past its threshold{allowed}"
+        if not self.compared:
+            return visible(f"incomplete: nothing was compared: {self.gap}{allowed}")
         return visible(
             f"incomplete: no divergence among the {self.compared} entries compared, but {self.gap}{allowed}"
         )
@@ -398,6 +411,21 @@ def set_aside(structural, reasons) -> np.ndarray:
     return np.asarray(structural, bool) & ~compared
 
 
+# the reason of a one-sided call compared with an earlier call of its own side (a recompute,
+# tdinspect.compare.replicas): compared in numbers, judged by its metric like a pair
+REPLICA = "compared with "
+
+
+def explained(reasons) -> np.ndarray:
+    """Which rows have a reason that is not judged by their metric (a boolean array): every
+    reason but a replica's (:data:`REPLICA`), which was compared in numbers."""
+    reasons = np.asarray(reasons, object)
+    flat = reasons.ravel()
+    return np.fromiter(
+        (isinstance(r, str) and r != "" and not r.startswith(REPLICA) for r in flat), bool, flat.size
+    ).reshape(reasons.shape)
+
+
 # reasons of rows not compared that need no comparison: an uninitialized tensor holds no value
 # (torch.empty), an entry unchanged since a pass was compared there
 NOT_NEEDED = ("uninitialized", "unchanged since pass")
@@ -410,7 +438,9 @@ def never_compared(structural, reasons) -> np.ndarray:
     reasons = np.asarray(reasons, object)
     flat = reasons.ravel()
     out = np.fromiter(
-        (isinstance(r, str) and r != "" and not r.startswith(NOT_NEEDED) for r in flat), bool, flat.size
+        (isinstance(r, str) and r != "" and not r.startswith(NOT_NEEDED + (REPLICA,)) for r in flat),
+        bool,
+        flat.size,
     ).reshape(reasons.shape)
     return out & ~np.asarray(structural, bool)
 
@@ -433,16 +463,31 @@ def allowed_patterns(patterns) -> list[re.Pattern]:
     return out
 
 
-def allowed_rows(patterns: list[re.Pattern], ops, keys_b) -> np.ndarray:
-    """Which rows an ``allow_uncompared`` regex names (``re.search`` on the entry name, A's or
-    B's, without ``::callN``)."""
+def allowed_rows(patterns: list[re.Pattern], ops, keys_b, keys=None) -> np.ndarray:
+    """Which rows an ``allow_uncompared`` regex names: ``re.search`` on the entry name (A's or
+    B's, without ``::callN``) or on the key as a verdict prints it (``keys``: A's key, or B's
+    for a B-only row; and B's key), ``::callN`` included, so that ``"::call1"`` or
+    ``r"fc1::call1$"`` names that call alone.
+
+    Examples
+    --------
+    >>> import re
+    >>> allowed_rows([re.compile("::call1")], ["fc1", "fc1"], ["fc1", "fc1::call1"], ["fc1", "fc1::call1"]).tolist()
+    [False, True]
+    """
     ops = list(ops)
     if not patterns:
         return np.zeros(len(ops), bool)
+    keys = [""] * len(ops) if keys is None else keys
     return np.fromiter(
         (
-            any(p.search(a) or (b and p.search(split_call(b)[0])) for p in patterns)
-            for a, b in zip((str(o) for o in ops), (str(k or "") for k in keys_b))
+            any(
+                p.search(a) or (k and p.search(k)) or (b and (p.search(split_call(b)[0]) or p.search(b)))
+                for p in patterns
+            )
+            for a, b, k in zip(
+                (str(o) for o in ops), (str(k or "") for k in keys_b), (str(k or "") for k in keys)
+            )
         ),
         bool,
         len(ops),
@@ -454,13 +499,29 @@ def reason_of(row, m, thr_fn) -> str:
     threshold came from: ``rel_diff 5.08e-05 > 1.49e-08 (auto: float32)``)."""
     if row["structural"]:
         return row["reason"]
+    copy = _replica_of(row)
     value = row[m.name]
     if value is None or math.isnan(value):
-        return f"{m.name} could not be computed"
+        return f"{copy}{m.name} could not be computed"
     thr_fn = threshold_fn(thr_fn, m.name)
     own = thr_fn.explain(row, value)
     if own:
-        return own
+        return copy + own
+    return copy + _past(m, thr_fn, row, value)
+
+
+def _replica_of(row) -> str:
+    """``B's fc1::call1 differs from its call 0 (a recompute?): `` for a one-sided copy
+    compared with its own side's earlier call (:mod:`tdinspect.compare.replicas`), else ``""``."""
+    reason = row.get("reason", "")
+    if not (isinstance(reason, str) and reason.startswith(REPLICA)):
+        return ""
+    side, call = reason[len(REPLICA) :].split(": ", 1)[0].split("'s call ")
+    return f"{side}'s {row['key']} differs from its call {call} (a recompute?): "
+
+
+def _past(m, thr_fn, row, value) -> str:
+    """``metric value > threshold (source)`` of a row past its threshold."""
     thr, source = thr_fn.lookup(*thr_fn._args(row))
     op = ">" if m.higher_is_worse else "<"
     q = digits_apart(value, thr)

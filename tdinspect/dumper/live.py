@@ -358,7 +358,7 @@ class LiveCompare:
             for i, key in enumerate(pi.keys):
                 row = new_row(self.rank, p, key, "", float(i), pi.dtype[i], "", pi.shape[i])
                 row["reason"] = f"pass {p} only in A: this run stopped before it"  # never compared
-                if allowed_rows(self.allow, [row["op"]], [""])[0]:
+                if allowed_rows(self.allow, [row["op"]], [""], [key])[0]:
                     self.counts["allowed"] += 1
                     continue
                 self.counts["uncompared"] += 1
@@ -401,8 +401,10 @@ class LiveCompare:
         does not know the reference's tail until the run ends)."""
         if self.first is not None:
             return Verdict("diverges", self.first, **self.counts)
-        if not self.counts["uncompared"]:
+        if not self.counts["uncompared"] and self.counts["compared"]:
             return Verdict("matches", **self.counts)
+        if not self.counts["uncompared"]:  # never "matches" on nothing compared
+            return Verdict("incomplete", None, "no entry of the reference was compared yet", **self.counts)
         rows, n = self.uncompared, self.counts["uncompared"]
         shown = "; ".join(f"{r['key']} (pass {r['pass']}): {r['reason']}" for r in rows[:SHOWN]) + (
             "; ..." if n > SHOWN else ""
@@ -419,7 +421,7 @@ class LiveCompare:
             self.rows.append(row)
         layout = bool(set_aside(row["structural"], row["reason"]))  # Diff._layout_rows
         never = bool(never_compared(row["structural"], row["reason"]))
-        if (layout or never) and allowed_rows(self.allow, [row["op"]], [row["key_b"]])[0]:
+        if (layout or never) and allowed_rows(self.allow, [row["op"]], [row["key_b"]], [row["key"]])[0]:
             self.counts["allowed"] += 1  # one-sided by design: never a divergence (as offline)
             return
         if (layout and self.report) or never:
