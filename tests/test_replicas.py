@@ -200,6 +200,8 @@ def test_pipeline_stages_meet_one_stage_entry_by_entry(tmp_path, fault):
     assert len(table) == 40 and not table["reason"].astype(bool).any()  # each entry once, none one-sided
     if not fault:
         assert v.outcome == "matches" and v.compared == 40, v.text
+        plain = tdinspect.DumpSet.open(pp1).diff(pp2).first_divergence()  # rank by rank: says what to do
+        assert "rank 1 only in B (a pp rank: compare with unshard=True / --unshard)" in plain.reason
         return
     div = d.first_divergence()
     assert div.key == "model.blocks.3.up" and not div.structural, div

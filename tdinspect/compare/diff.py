@@ -47,7 +47,7 @@ from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
 from tdinspect.compare.pairing import assembled, layout, pairs
-from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
+from tdinspect.compare.passes import PassJob, compare_pass, pass_frame, rank_hint
 from tdinspect.compare.passframes import PassFrames
 from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
@@ -251,9 +251,9 @@ class Diff:
             pa, pb = passes_a.get((rank, p)), passes_b.get((rank, p))
             reason = ""
             if rank not in ranks_b:
-                reason = f"rank {rank} only in A"
+                reason = f"rank {rank} only in A" + rank_hint(pa)
             elif rank not in ranks_a:
-                reason = f"rank {rank} only in B"
+                reason = f"rank {rank} only in B" + rank_hint(pb)
             elif pa is None or pb is None:
                 reason = f"pass {p} only in {'A' if pb is None else 'B'}"
             jobs.append(
