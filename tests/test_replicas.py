@@ -206,3 +206,17 @@ def test_pipeline_stages_meet_one_stage_entry_by_entry(tmp_path, fault):
     div = d.first_divergence()
     assert div.key == "model.blocks.3.up" and not div.structural, div
     assert main(["first-divergence", str(pp1), str(pp2), "--unshard"]) == 1
+
+
+def test_a_shard_wrong_in_every_dp_copy_is_named_with_its_tp_rank(tmp_path):
+    """The copies agree (the same bug on both dp ranks): the divergence is named with the
+    shard that differs, read through the first copy."""
+    up = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0))
+    _write_rank(tmp_path / "a", 0, {}, {"m.up": up}, {})
+    for r in range(4):
+        dp, tp = divmod(r, 2)
+        shard = up.chunk(2, -1)[tp] * (1.5 if tp == 1 else 1.0)
+        _write_rank(tmp_path / "b", r, {"dp": (dp, 2), "tp": (tp, 2)}, {"m.up": shard}, {r"up$": "b s h(tp)"})
+    div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True).first_divergence()
+    assert div.key == "m.up" and not div.structural
+    assert "in rank 1 (tp 1 of 2)" in div.reason and "rank 0 (tp 0" not in div.reason, div.reason

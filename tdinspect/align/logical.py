@@ -212,14 +212,20 @@ def common_cuts(pa: list[tuple[int, Any]], pb: list[tuple[int, Any]], length: in
         yield start, stop - start, pa[i], pb[j]
 
 
+def primary(node: dict) -> dict:
+    """The copy a replicated plan (``same``) is read from, its first; any other plan itself."""
+    while node["op"] == "same":
+        node = node["parts"][0]
+    return node
+
+
 def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]:
     """``(label, [(start, length), ...], dim)`` of each part of a top-level ``cat``.
 
     Lets a divergence be traced to the shard (rank) whose slice differs; replicas
     (``same``) are read through their first copy, the one compared.
     """
-    while node["op"] == "same":
-        node = node["parts"][0]
+    node = primary(node)
     if node["op"] != "cat":
         return []
     dim, out, start = node["dim"], [], 0

@@ -7,7 +7,10 @@ logical tensor is put back together: concatenated along the dims tagged with
 an axis, in that axis's rank order (zigzag for ``cp,zigzag``), summed over the
 axes of a ``partial`` dim; a ``fused=`` dim segment by segment (every rank's
 share of ``q``, then of ``k``...: the whole model's ``[q | k | v]``). Entries without dims must be identical on every
-rank (replicated): the first rank's copy is taken, after checking it.
+rank (replicated): the first rank's copy is taken, after checking it. So must the copies of an
+entry with dims along the axes they do not shard (``dp``, a ``tp`` it is replicated over): each
+is put together from its own ranks, and they are checked the same way. A pipeline stage
+(``pp``) holds its own entries: they are read from its ranks, as if every rank held them.
 
 Examples
 --------
@@ -64,12 +67,11 @@ def _replica_label(ranks: list[int], coords: dict, axes: list[str]) -> str:
     return ", ".join(f"{a} rank {coords[ranks[0]].get(a, [0, 1])[0]}" for a in axes)
 
 
-def _missing(holders: list[int], world: list[int], why: str) -> dict:
+def _missing(holders: list[int], world: list[int], why: str, coords: dict) -> dict:
     missing = [r for r in world if r not in holders]
-    return error(
-        f"{why} and only on ranks {holders} (not on {missing}); a pipeline stage? capture "
-        "with parallel={'pp': (stage, stages)}"
-    )
+    staged = any(PIPELINE in c for c in coords.values())
+    hint = "" if staged else "; a pipeline stage? capture with parallel={'pp': (stage, stages)}"
+    return error(f"{why} and only on ranks {holders} (not on {missing}){hint}")
 
 
 def plan_entry(
@@ -95,7 +97,7 @@ def plan_entry(
         if len(holders) == 1 and len(everyone) == 1:
             return read(holders[0], key)
         if len(holders) < len(everyone):
-            return _missing(holders, everyone, "no dims")
+            return _missing(holders, everyone, "no dims", coords)
         if len({tuple(shapes[r] or ()) for r in holders}) > 1:
             seen = ", ".join(f"rank {r}: {shapes[r]}" for r in holders)
             return error(f"no dims and shapes differ across ranks ({seen}); give it dims")
@@ -160,7 +162,7 @@ def plan_entry(
     for r in holders:
         copies[tuple(coord(r, a)[0] for a in unnamed)].append(r)
     if any(not g for g in copies.values()):
-        return _missing(holders, everyone, f"dims {spec_text!r}")
+        return _missing(holders, everyone, f"dims {spec_text!r}", coords)
     groups = [copies[c] for c in sorted(copies)]
     try:
         built = [build(g, 0) for g in groups]

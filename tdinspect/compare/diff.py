@@ -42,7 +42,7 @@ import pandas as pd
 import torch
 
 from tdinspect.align.fusedhint import cut_of, cuts_hint, fused_hint
-from tdinspect.align.logical import LogicalPass, slices_of
+from tdinspect.align.logical import LogicalPass, primary, slices_of
 from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
@@ -865,7 +865,7 @@ class Diff:
         transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
         for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
             pi = side.pass_map.get((row["rank"], row["pass"]))
-            node = pi.plans.get(key) if isinstance(pi, LogicalPass) else None
+            node = primary(pi.plans[key]) if isinstance(pi, LogicalPass) and key in pi.plans else None
             if node and node["op"] == "sum" and _same_partials(pi, node):
                 return (
                     f"; its {len(node['parts'])} partial sums ({', '.join(node['labels'])}) "
