@@ -23,10 +23,12 @@ from tdinspect.examples.gloo import spawn_ranks
 from .tp_block import DIMS, Block, inputs, run
 
 
-def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict) -> None:
+def _write_rank(root, rank: int, coords: dict, entries: dict, dims: dict, checksum=False) -> None:
     os.environ["RANK"] = str(rank)
     try:
-        rec = Recorder(root, level="module", parallel=coords, dims=dims, background_write=False)
+        rec = Recorder(
+            root, level="module", parallel=coords, dims=dims, background_write=False, checksum=checksum
+        )
     finally:
         del os.environ["RANK"]
     for key, t in entries.items():
@@ -220,3 +222,20 @@ def test_a_shard_wrong_in_every_dp_copy_is_named_with_its_tp_rank(tmp_path):
     div = tdinspect.DumpSet.open(tmp_path / "a").diff(tmp_path / "b", unshard=True).first_divergence()
     assert div.key == "m.up" and not div.structural
     assert "in rank 1 (tp 1 of 2)" in div.reason and "rank 0 (tp 0" not in div.reason, div.reason
+
+
+def test_copies_with_checksums_are_settled_without_reading(tmp_path):
+    """capture(checksum=True): copies whose shards' checksums agree are one read; a copy
+    whose checksums differ is named without reading it."""
+    up = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0))
+    for r in range(4):
+        dp, tp = divmod(r, 2)
+        shard = up.chunk(2, -1)[tp]
+        entries = {"m.up": shard, "m.bad": shard + (r == 3)}
+        _write_rank(tmp_path, r, {"dp": (dp, 2), "tp": (tp, 2)}, entries, {r"": "b s h(tp)"}, checksum=True)
+    plans = tdinspect.DumpSet.open(tmp_path).unshard().get_pass(0).plans
+    assert plans["m.up"]["op"] == "cat" and [p["src"] for p in plans["m.up"]["parts"]] == [0, 1]
+    assert plans["m.bad"]["op"] == "error"
+    assert (
+        "dp rank 1 differs from dp rank 0: their checksums differ (ranks [2, 3]" in plans["m.bad"]["reason"]
+    )

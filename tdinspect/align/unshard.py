@@ -175,7 +175,23 @@ def plan_entry(
     for label, node in zip(labels, built):
         if node["op"] == "error":
             return error(f"{label}: {node['reason']}")
+    sums = [[(checksums or {}).get(r) for r in _sources(node)] for node in built]
+    if all(c is not None for row in sums for c in row):  # capture(checksum=True): settled unread
+        bad = next((i for i, row in enumerate(sums) if row != sums[0]), None)
+        if bad is None:
+            return built[0]
+        return error(
+            f"replicas differ: {labels[bad]} differs from {labels[0]}: their checksums differ "
+            f"(ranks {groups[bad]} against {groups[0]}); its dims do not shard {' and '.join(varying)}"
+        )
     return {"op": "same", "parts": built, "labels": labels, "ranks": groups, "axes": varying}
+
+
+def _sources(node: dict) -> list:
+    """The ranks a plan reads, in its order."""
+    if node["op"] == "read":
+        return [node["src"]]
+    return [src for p in node.get("parts", [node.get("part")]) if p for src in _sources(p)]
 
 
 def _fused(d: Dim, dim: int, parts: list[dict], labels: list[str], size: int, shape) -> dict:
