@@ -45,9 +45,9 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, rank: int, size: int, gen: torch.Generator):
+    def __init__(self, rank: int, size: int, gen: torch.Generator, group=None):
         super().__init__()
-        self.size = size
+        self.size, self.group = size, group
         h, f = HIDDEN // size, FFN // size
 
         def column(n_in, n_out, part):  # the rows of the full weight this rank computes
@@ -73,7 +73,7 @@ class Block(nn.Module):
 
     def reduce(self, t):
         if self.size > 1:
-            torch.distributed.all_reduce(t)
+            torch.distributed.all_reduce(t, group=self.group)
         return t
 
     def forward(self, x):
@@ -83,10 +83,10 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, rank: int = 0, size: int = 1, fault_layer: int | None = None):
+    def __init__(self, rank: int = 0, size: int = 1, fault_layer: int | None = None, group=None):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        self.blocks = nn.ModuleList(Block(rank, size, gen) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(rank, size, gen, group) for _ in range(LAYERS))
         if fault_layer is not None and rank == 1:  # a wrong shard on rank 1 only
             with torch.no_grad():
                 self.blocks[fault_layer].up.weight[:4] *= 1.5

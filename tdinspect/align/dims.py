@@ -10,8 +10,10 @@ carry modifiers in parentheses, separated by commas::
                               h is q, k and v end to end, each split over tp on its own:
                               every rank holds [q_r | k_r | v_r]
 
-Axes: ``tp``, ``cp``, ``ep``, ``sp`` (concatenate shards along this dim in the
-rank order of that axis). ``partial`` sums over the ranks of the dim's axes
+Axes: ``tp``, ``cp``, ``ep``, ``sp``, ``dp`` (concatenate shards along this dim in the
+rank order of that axis; ``b(dp)``: data-parallel ranks fed other samples). The copies of an
+entry along an axis its dims do not name (``dp`` ranks fed the same batch, a ``tp`` it is
+replicated over) must agree: unshard compares them. ``partial`` sums over the ranks of the dim's axes
 instead. ``zigzag`` (context parallel's load-balanced order): with ``C``
 ranks the dim is cut into ``2C`` chunks and rank ``r`` holds chunks ``r`` and
 ``2C-1-r``.
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 
 from tdinspect.errors import DimsError
 
-AXES = ("tp", "cp", "ep", "sp")
+AXES = ("tp", "cp", "ep", "sp", "dp")
 FLAGS = ("partial", "zigzag")
 FUSED = ("fused", "fused_per_rank")  # full-model widths / each rank's widths
 _TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\(([^()]*)\))?\Z")

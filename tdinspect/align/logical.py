@@ -12,6 +12,8 @@ read. Nodes::
         rank width], ...] and "ranks": [rank label, ...]; its parts are narrows)
     {"op": "sum", "parts": [...], "labels": [...]}     partial sums (in the parts' dtype)
     {"op": "same", "parts": [...], "labels": [...]}    replicated: all equal, first one taken
+        (unshard's copies of an entry with dims along axes they do not shard also have
+        "axes": those axes, and "ranks": the ranks of each copy)
     {"op": "narrow", "dim": d, "start": i, "length": n, "part": node}
     {"op": "flat", "end": d, "part": node}             dims 0..d flattened into one (token rows)
     {"op": "error", "reason": text}                    cannot be assembled: why
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tdinspect.align.dims import AXES
 from tdinspect.errors import AlignError
 from tdinspect.numerics.metrics import same_bits
 from tdinspect.store.passindex import PassIndex
@@ -108,18 +111,34 @@ def evaluate(node: dict, fetch, out=None) -> torch.Tensor:
         return total
     if op == "same":  # bitwise: NaN meets the same NaN, -0.0 differs from 0.0
         first = parts[0]
-        for label, t in zip(node["labels"][1:], parts[1:]):
+        for i, (label, t) in enumerate(zip(node["labels"][1:], parts[1:]), 1):
             if not same_bits(first, t):
                 delta = (
                     (first.double() - t.double()).abs().max().item() if first.shape == t.shape else math.nan
                 )
-                raise AlignError(
-                    f"no dims and not replicated: {node['labels'][0]} and {label} "
-                    f"differ (max |Δ| {delta:.3g}); give the entry dims, e.g. "
-                    f"dims={{regex: 'b s h(tp)'}}"
-                )
+                raise AlignError(_not_replicated(node, i, label, delta))
         return first
     raise AlignError(f"unknown plan step {op!r}")
+
+
+def _not_replicated(node: dict, i: int, label: str, delta: float) -> str:
+    """Why copy ``i`` of a ``same`` node is no copy of the first: an entry without dims, or
+    one whose dims do not shard an axis its copies lie along (``"axes"``: ``dp rank 1``)."""
+    first = node["labels"][0]
+    if not node.get("axes"):
+        return (
+            f"no dims and not replicated: {first} and {label} differ (max |Δ| {delta:.3g}); "
+            "give the entry dims, e.g. dims={regex: 'b s h(tp)'}"
+        )
+    ranks = node.get("ranks") or [[]] * len(node["labels"])
+    axes = " and ".join(node["axes"])
+    named = [a for a in node["axes"] if a in AXES]
+    example = "b(dp) s h" if "dp" in named else f"b s h({named[0]})" if named else ""
+    hint = f"; if they hold other data, name the axis in its dims, e.g. {example!r}" if named else ""
+    return (
+        f"replicas differ: {label} differs from {first} (ranks {ranks[i]} against {ranks[0]}, "
+        f"max |Δ| {delta:.3g}): its dims do not shard {axes}, so its copies along it agree{hint}"
+    )
 
 
 def pieces(node: dict, fetch) -> tuple[int, list[tuple[int, torch.Tensor]]]:
@@ -193,11 +212,20 @@ def common_cuts(pa: list[tuple[int, Any]], pb: list[tuple[int, Any]], length: in
         yield start, stop - start, pa[i], pb[j]
 
 
+def primary(node: dict) -> dict:
+    """The copy a replicated plan (``same``) is read from, its first; any other plan itself."""
+    while node["op"] == "same":
+        node = node["parts"][0]
+    return node
+
+
 def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]:
     """``(label, [(start, length), ...], dim)`` of each part of a top-level ``cat``.
 
-    Lets a divergence be traced to the shard (rank) whose slice differs.
+    Lets a divergence be traced to the shard (rank) whose slice differs; replicas
+    (``same``) are read through their first copy, the one compared.
     """
+    node = primary(node)
     if node["op"] != "cat":
         return []
     dim, out, start = node["dim"], [], 0

@@ -7,7 +7,10 @@ logical tensor is put back together: concatenated along the dims tagged with
 an axis, in that axis's rank order (zigzag for ``cp,zigzag``), summed over the
 axes of a ``partial`` dim; a ``fused=`` dim segment by segment (every rank's
 share of ``q``, then of ``k``...: the whole model's ``[q | k | v]``). Entries without dims must be identical on every
-rank (replicated): the first rank's copy is taken, after checking it.
+rank (replicated): the first rank's copy is taken, after checking it. So must the copies of an
+entry with dims along the axes they do not shard (``dp``, a ``tp`` it is replicated over): each
+is put together from its own ranks, and they are checked the same way. A pipeline stage
+(``pp``) holds its own entries: they are read from its ranks, as if every rank held them.
 
 Examples
 --------
@@ -24,6 +27,8 @@ from tdinspect.align.dims import Dim, parse_dims
 from tdinspect.align.logical import LogicalPass, error, read
 from tdinspect.errors import DimsError, DumpFormatError
 from tdinspect.store.passindex import PassIndex
+
+PIPELINE = "pp"  # the axis of pipeline stages: each holds its own layers, under their own names
 
 
 def coordinates(passes: dict[int, PassIndex]) -> dict[int, dict[str, list[int]]]:
@@ -50,6 +55,25 @@ def _label(ranks: list[int], axis: str, i: int, size: int) -> str:
     return f"rank {who} ({axis} {i} of {size})" if len(ranks) == 1 else f"ranks {who} ({axis} {i} of {size})"
 
 
+def _stage_world(holders: list[int], coords: dict[int, dict[str, list[int]]]) -> list[int]:
+    """The ranks an entry is expected on: every rank of the pipeline stages (``pp``) that
+    hold it. A stage holds its own layers; the other stages' absence is no gap."""
+    stages = {coords[r].get(PIPELINE, [0, 1])[0] for r in holders}
+    return sorted(r for r in coords if coords[r].get(PIPELINE, [0, 1])[0] in stages)
+
+
+def _replica_label(ranks: list[int], coords: dict, axes: list[str]) -> str:
+    """``dp rank 1`` (or ``dp rank 1, tp rank 0``): a copy by its coordinates on ``axes``."""
+    return ", ".join(f"{a} rank {coords[ranks[0]].get(a, [0, 1])[0]}" for a in axes)
+
+
+def _missing(holders: list[int], world: list[int], why: str, coords: dict) -> dict:
+    missing = [r for r in world if r not in holders]
+    staged = any(PIPELINE in c for c in coords.values())
+    hint = "" if staged else "; a pipeline stage? capture with parallel={'pp': (stage, stages)}"
+    return error(f"{why} and only on ranks {holders} (not on {missing}){hint}")
+
+
 def plan_entry(
     key: str,
     spec_text: str | None,
@@ -62,15 +86,18 @@ def plan_entry(
 
     An entry without dims is a replica: with every rank's checksum recorded
     (``capture(checksum=True)``) they settle it without reading; otherwise
-    the copies are compared bitwise when read.
+    the copies are compared bitwise when read. An entry with dims is put
+    together from each copy along the axes its dims do not shard (``dp``, a
+    ``tp`` it is replicated over), and those copies are compared the same way
+    (``dp rank 1 differs from dp rank 0``). Ranks of pipeline stages (``pp``)
+    that do not hold the entry are not expected to.
     """
-    everyone = sorted(coords)
+    everyone = _stage_world(holders, coords)
     if spec_text is None:
         if len(holders) == 1 and len(everyone) == 1:
             return read(holders[0], key)
-        missing = [r for r in everyone if r not in holders]
-        if missing:
-            return error(f"no dims and only on ranks {holders} (not on {missing})")
+        if len(holders) < len(everyone):
+            return _missing(holders, everyone, "no dims", coords)
         if len({tuple(shapes[r] or ()) for r in holders}) > 1:
             seen = ", ".join(f"rank {r}: {shapes[r]}" for r in holders)
             return error(f"no dims and shapes differ across ranks ({seen}); give it dims")
@@ -103,9 +130,6 @@ def plan_entry(
     def coord(r, axis):
         return coords[r].get(axis, [0, 1])
 
-    # ranks off index 0 of an axis the spec does not name hold copies: the first is taken
-    chosen = [r for r in holders if all(c[0] == 0 for a, c in coords[r].items() if a not in axes)]
-
     def build(ranks: list[int], level: int) -> dict:
         if level == len(steps):
             if len(ranks) != 1:
@@ -128,12 +152,46 @@ def plan_entry(
             return {"op": "sum", "parts": parts, "labels": labels}
         return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels, "axis": axis}
 
-    if not chosen:
-        return error(f"dims {spec_text!r}: no rank at index 0 of the unnamed axes holds it")
+    # the axes its dims do not shard, each of more than one rank: the ranks along them hold copies
+    unnamed = sorted(
+        {a for r in everyone for a, (_, size) in coords[r].items() if a not in axes and size > 1}
+    )
+    copies: dict[tuple, list[int]] = {}
+    for r in everyone:
+        copies.setdefault(tuple(coord(r, a)[0] for a in unnamed), [])
+    for r in holders:
+        copies[tuple(coord(r, a)[0] for a in unnamed)].append(r)
+    if any(not g for g in copies.values()):
+        return _missing(holders, everyone, f"dims {spec_text!r}", coords)
+    groups = [copies[c] for c in sorted(copies)]
     try:
-        return build(chosen, 0)
+        built = [build(g, 0) for g in groups]
     except DimsError as exc:
         return error(f"{key}: dims {spec_text!r}: {exc}")
+    if len(built) == 1:
+        return built[0]
+    varying = [a for i, a in enumerate(unnamed) if len({c[i] for c in copies}) > 1]
+    labels = [_replica_label(g, coords, varying) for g in groups]
+    for label, node in zip(labels, built):
+        if node["op"] == "error":
+            return error(f"{label}: {node['reason']}")
+    sums = [[(checksums or {}).get(r) for r in _sources(node)] for node in built]
+    if all(c is not None for row in sums for c in row):  # capture(checksum=True): settled unread
+        bad = next((i for i, row in enumerate(sums) if row != sums[0]), None)
+        if bad is None:
+            return built[0]
+        return error(
+            f"replicas differ: {labels[bad]} differs from {labels[0]}: their checksums differ "
+            f"(ranks {groups[bad]} against {groups[0]}); its dims do not shard {' and '.join(varying)}"
+        )
+    return {"op": "same", "parts": built, "labels": labels, "ranks": groups, "axes": varying}
+
+
+def _sources(node: dict) -> list:
+    """The ranks a plan reads, in its order."""
+    if node["op"] == "read":
+        return [node["src"]]
+    return [src for p in node.get("parts", [node.get("part")]) if p for src in _sources(p)]
 
 
 def _fused(d: Dim, dim: int, parts: list[dict], labels: list[str], size: int, shape) -> dict:

@@ -42,12 +42,12 @@ import pandas as pd
 import torch
 
 from tdinspect.align.fusedhint import cut_of, cuts_hint, fused_hint
-from tdinspect.align.logical import LogicalPass, slices_of
+from tdinspect.align.logical import LogicalPass, primary, slices_of
 from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
 from tdinspect.compare.pairing import assembled, layout, pairs
-from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
+from tdinspect.compare.passes import PassJob, compare_pass, pass_frame, rank_hint
 from tdinspect.compare.passframes import PassFrames
 from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
@@ -253,9 +253,9 @@ class Diff:
             pa, pb = passes_a.get((rank, p)), passes_b.get((rank, p))
             reason = ""
             if rank not in ranks_b:
-                reason = f"rank {rank} only in A"
+                reason = f"rank {rank} only in A" + rank_hint(pa)
             elif rank not in ranks_a:
-                reason = f"rank {rank} only in B"
+                reason = f"rank {rank} only in B" + rank_hint(pb)
             elif pa is None or pb is None:
                 reason = f"pass {p} only in {'A' if pb is None else 'B'}"
             jobs.append(
@@ -895,7 +895,7 @@ class Diff:
         transform = self.mapping.partner(row["op"])[1] if self.mapping is not None else None
         for side, key in ((self.b, row["key_b"]), (self.a, row["key"])):
             pi = side.pass_map.get((row["rank"], row["pass"]))
-            node = pi.plans.get(key) if isinstance(pi, LogicalPass) else None
+            node = primary(pi.plans[key]) if isinstance(pi, LogicalPass) and key in pi.plans else None
             if node and node["op"] == "sum" and _same_partials(pi, node):
                 return (
                     f"; its {len(node['parts'])} partial sums ({', '.join(node['labels'])}) "

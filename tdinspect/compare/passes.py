@@ -263,6 +263,16 @@ def _hint_shards(rows: list[dict[str, Any]], job: PassJob) -> None:
             break
 
 
+def rank_hint(pi: PassIndex | None) -> str:
+    """What to add to ``rank R only in B`` where that rank records parallel coordinates
+    (a pipeline stage, a tensor-parallel shard): the ranks meet the other side's once
+    unsharded (pipeline stages entry by entry, by name), or ``""``."""
+    axes = [a for a, (_i, size) in sorted((getattr(pi, "parallel", None) or {}).items()) if size > 1]
+    if not axes:
+        return ""
+    return f" (a {', '.join(axes)} rank: compare with unshard=True / --unshard)"
+
+
 def _concat_dim(shapes: list, other: list) -> tuple[int, int, int] | None:
     """``(dim, length end to end, the other's length)`` for the dim along which ``shapes``
     (two or more calls) put end to end give the one shape in ``other`` or its first
