@@ -17,10 +17,13 @@ whatever mapping pairs B). Rows the baseline lacks are judged by the ``"auto"`` 
 norm computed in float32 on both sides, a baseline bitwise equal to A): there ``k · 0`` would make
 every last-bit difference of B a divergence. It is ``k`` times the *least error the baseline makes
 anywhere in the pass at the entry's precision* (the noise a computation in that precision makes
-where it makes any), and never more than :data:`FLOOR_UNITS` units of roundoff of the coarser
-dtype (:func:`tdinspect.numerics.metrics.roundoff_floor`), the floor of a baseline exact
-everywhere. Where the baseline's error is not 0 the floor is at most ``k`` times it: the budget is
-the baseline's, never the floor's.
+where it makes any), never more than :data:`FLOOR_UNITS` units of roundoff of the coarser dtype
+(:func:`tdinspect.numerics.metrics.roundoff_floor`), the floor of a baseline exact everywhere,
+and never less than :data:`LEAST_UNITS` unit (``rel_diff`` ½u²: a relative L2 error of ``u``,
+what about six independent roundings of every element add up to, at 0.08 u² each; a baseline whose
+least error is one element's last bit would otherwise leave a budget that B computing the entry in
+another order cannot meet). Where the baseline's error is not 0
+the floor is at most ``k`` times it, or one unit: the budget is the baseline's, never the floor's.
 
 Measured on the tiny Llama of :mod:`tdinspect.examples.port` (``initializer_range=0.1``) against
 its float64 copy (``rel_diff``; one rounding of a tensor reads about 0.08 u²)::
@@ -62,6 +65,7 @@ from tdinspect.util.terminal import visible
 
 FACTOR = 10.0  # k: how many times the baseline's error B may make
 FLOOR_UNITS = 8  # the floor at most: units of roundoff of the coarser dtype (float32 rel_diff 1.1e-13)
+LEAST_UNITS = 1  # ...and at least (bfloat16 rel_diff 7.6e-6): a few roundings of every element
 LACKING = "no baseline entry"
 
 
@@ -152,17 +156,28 @@ class Budget(Thresholds):
         )
 
     def _floor(self, rank: int, pass_: int, dtype_a, dtype_b) -> float:
-        units = roundoff_floor(self.metric.name, dtype_a, dtype_b, FLOOR_UNITS)
+        return self._floor_of(rank, pass_, dtype_a, dtype_b)[0]
+
+    def _floor_of(self, rank: int, pass_: int, dtype_a, dtype_b) -> tuple[float, str, tuple | None]:
+        """``(floor, which, least)``: which bound set it (``"most"``, ``"one"`` or ``"least"``)
+        and the baseline's least error ``(value, key)``."""
+        most = roundoff_floor(self.metric.name, dtype_a, dtype_b, FLOOR_UNITS)
         least = self.least_error(rank, pass_, dtype_a, dtype_b)
-        return units if least is None else min(units, self.factor * least[0])
+        if least is None or most <= self.factor * least[0]:
+            return most, "most", least
+        one = roundoff_floor(self.metric.name, dtype_a, dtype_b, LEAST_UNITS)
+        if self.factor * least[0] < one:
+            return one, "one", least
+        return self.factor * least[0], "least", least
 
     def _floor_text(self, row) -> str:
         """What the floor of ``row`` is, in words."""
         da, db = row.get("dtype_a", "") or "", row.get("dtype_b", "") or ""
-        least = self.least_error(row["rank"], row["pass"], da, db)
-        units = roundoff_floor(self.metric.name, da, db, FLOOR_UNITS)
-        if least is None or units <= self.factor * least[0]:
+        _, which, least = self._floor_of(row["rank"], row["pass"], da, db)
+        if which == "most":
             return f"{FLOOR_UNITS} units of {_coarser(row)} roundoff"
+        if which == "one":
+            return f"{LEAST_UNITS} unit of {_coarser(row)} roundoff"
         value, key = least
         return f"{self.factor:g}x the baseline's least {_coarser(row)} error {value:.3g} ({visible(key)})"
 
@@ -235,7 +250,7 @@ class Budget(Thresholds):
     def describe(self, rows: pd.DataFrame | None = None) -> str:
         return (
             f"{self.factor:g}x the baseline's {self.metric.name} against A ({self.base.b.path}), "
-            f"at least {self.factor:g}x its least error at the entry's precision (at most "
+            f"at least {self.factor:g}x its least error at the entry's precision ({LEAST_UNITS} to "
             f"{FLOOR_UNITS} units of roundoff of the coarser dtype); auto where the baseline lacks an entry"
         )
 
