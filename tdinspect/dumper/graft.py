@@ -286,7 +286,8 @@ def graft(
     root : str
         Name of the top module, as in the reference (``"model"``).
     scope : {"leaves", "all"}
-        Consider leaf modules only, or every module.
+        The leaf modules and the modules holding parameters of their own (as ``capture``), or
+        every module.
     mapping : dict, path or Mapping, optional
         Rules ``{reference_regex: live_template}`` when the runs name modules
         differently (:class:`tdinspect.align.mapping.Mapping`; rules with a

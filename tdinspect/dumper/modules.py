@@ -235,14 +235,22 @@ def eager_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
+def owns_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters of its own (not only through its children)."""
+    return any(p is not None for p in module._parameters.values())
+
+
 def select_modules(model: nn.Module, predicate, root: str, modules: str) -> list[tuple[str, nn.Module]]:
-    """The ``(dotted name, module)`` pairs to hook: leaves (or all) that pass the filter."""
+    """The ``(dotted name, module)`` pairs to hook, in ``named_modules`` order, that pass the
+    filter: with ``"leaves"``, the leaves and the modules with parameters of their own (Mixtral's
+    ``experts``: 3-D expert weights and an ``act_fn`` child; ``nn.MultiheadAttention``), whose
+    work no leaf records; with ``"all"``, every module."""
     if modules not in ("leaves", "all"):
         raise ConfigError(f"modules={modules!r}: expected 'leaves' or 'all'")
     chosen = []
     for name, mod in model.named_modules():
         full = module_key(root, eager_name(name))
-        if modules == "leaves" and next(mod.children(), None) is not None:
+        if modules == "leaves" and next(mod.children(), None) is not None and not owns_parameters(mod):
             continue
         if type(mod).__name__ == "OptimizedModule":  # its _orig_mod is hooked under this name
             continue
@@ -692,7 +700,8 @@ class ModuleCapture(StopsOnCheck, InMemory):
         """Selected modules whose hook has not fired so far (work they did was not captured).
 
         ``nn.MultiheadAttention`` uses its ``out_proj`` weights without calling
-        it, for example; capture with ``modules="all"`` to see such parents.
+        it, for example (its own output is recorded: it holds parameters of its own);
+        capture with ``modules="all"`` to see other parents.
         Containers without a forward of their own (``ModuleList``,
         ``ModuleDict``) are never called, so never missing.
         """
@@ -844,7 +853,10 @@ def capture(
     root : str
         Name of the top module (``"model"``).
     modules : {"leaves", "all"}
-        Hook leaf modules only (the documented behaviour) or every module.
+        Hook the leaf modules and the modules holding parameters of their own (Mixtral's
+        ``experts``, which compute with 3-D expert weights around an ``act_fn`` child), or
+        every module. A parent's output is recorded when it returns, after its children's
+        (execution order is the order outputs arrive).
     stats_only : bool
         Write statistics (sidecar) without tensors, for dumps too big for disk.
     checksum : bool

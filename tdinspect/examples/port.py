@@ -88,12 +88,13 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, style: str) -
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     freqs = positions[:, None].float() * inv_freq  # s x d/2
-    if style == "half":
-        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    if style == "half":  # cos and sin in x's dtype, as Llama's (a bfloat16 port stays bfloat16)
+        cos = torch.cat([freqs, freqs], -1).cos().to(x.dtype)
+        sin = torch.cat([freqs, freqs], -1).sin().to(x.dtype)
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return x * cos + torch.cat([-x2, x1], -1) * sin
     if style == "interleaved":
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
         even, odd = x[..., 0::2], x[..., 1::2]
         return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
     raise ValueError(f"rope={style!r}: expected 'half' or 'interleaved'")
