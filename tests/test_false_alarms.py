@@ -1,0 +1,107 @@
+"""Correct runs of real stacks must not read as diverging (issue 35, cases 6-9); a planted
+fault in the same layouts is still named. Tiny Hugging Face models with random weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect.align.dims import zigzag_chunks
+from tdinspect.dumper.recorder import Recorder
+
+pytest.importorskip("transformers")
+
+from tdinspect.examples.port import make_hf_llama  # noqa: E402
+
+
+def _record(root, rank, passes, dims=None, parallel=None):
+    """One rank's dump: ``passes`` is a list of ({key: tensor}, TokenLayout or None)."""
+    os.environ["RANK"] = str(rank)
+    try:
+        rec = Recorder(root, level="module", parallel=parallel, dims=dims, background_write=False)
+    finally:
+        del os.environ["RANK"]
+    for entries, layout in passes:
+        for key, t in entries.items():
+            rec.record(key, t, module_type="LlamaDecoderLayer")
+        rec.step(tokens=layout)
+    rec.close()
+
+
+# -- 9: packed THD under context parallelism, zigzag per sequence (Megatron) ------------------
+CP = 2
+LENGTHS = (8, 12, 4)  # each a multiple of 2 * CP
+
+
+@pytest.fixture(scope="module")
+def thd(tmp_path_factory):
+    """A tiny Llama's hidden states of three sequences packed ``[T, h]``: the reference
+    (one rank) and a cp=2 run whose rank r holds chunks r and 3-r of every sequence."""
+    root = tmp_path_factory.mktemp("thd")
+    hf = make_hf_llama(seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        rows = [
+            hf(torch.randint(0, 100, (1, n), generator=gen), output_hidden_states=True).hidden_states[1][0]
+            for n in LENGTHS
+        ]
+    packed = torch.cat(rows)
+    ref = tdinspect.tokens(seq_lens=list(LENGTHS))
+    _record(root / "ref", 0, [({"model.layers.0": packed}, ref)])
+    dims = {r"layers\.0$": "t(cp,zigzag) h"}
+    for name, fault in (("cp2", None), ("cp2_bad", (1, 2))):  # rank 1, request 2's chunk
+        for rank in range(CP):
+            shard, positions = [], []
+            for request, seq in enumerate(rows):
+                chunks = seq.chunk(2 * CP)
+                n = len(seq) // (2 * CP)
+                for k in zigzag_chunks(rank, CP):
+                    part = chunks[k].clone()
+                    if fault == (rank, request):
+                        part[0, 0] += 1.0
+                    shard.append(part)
+                    positions += range(k * n, (k + 1) * n)
+            layout = tdinspect.tokens(
+                request_ids=list(range(len(rows))),
+                seq_lens=[n // CP for n in LENGTHS],
+                positions=positions,
+            )
+            _record(
+                root / name, rank, [({"model.layers.0": torch.cat(shard)}, layout)], dims, {"cp": (rank, CP)}
+            )
+    return {k: root / k for k in ("ref", "cp2", "cp2_bad")}
+
+
+def test_packed_thd_zigzag_per_sequence_reassembles_exactly(thd):
+    ref = tdinspect.DumpSet.open(thd["ref"])
+    u = tdinspect.DumpSet.open(thd["cp2"]).unshard()
+    assert torch.equal(u.tensor("model.layers.0"), ref.tensor("model.layers.0"))
+    assert u.get_pass(0).tokens == ref.get_pass(0).tokens  # the ranks' rows put where they belong
+
+
+def test_packed_thd_zigzag_identical_data_matches(thd):
+    ref = tdinspect.DumpSet.open(thd["ref"])
+    v = ref.diff(thd["cp2"], unshard=True).verdict()
+    assert v.outcome == "matches", v.text
+    assert ref.diff(thd["cp2"], unshard=True, tokens=True).verdict().outcome == "matches"
+
+
+def test_packed_thd_zigzag_fault_is_named_with_its_rank(thd):
+    ref = tdinspect.DumpSet.open(thd["ref"])
+    div = ref.diff(thd["cp2_bad"], unshard=True).first_divergence()
+    assert div is not None and div.key == "model.layers.0"
+    assert "rank 1 (cp 1 of 2)" in div.reason and "rank 0 (cp 0" not in div.reason, div.reason
+    tok = ref.diff(thd["cp2_bad"], unshard=True, tokens=True).first_divergence()
+    assert (tok.key, tok.request) == ("model.layers.0", 2)
+
+
+def test_packed_thd_zigzag_with_sequences_the_ranks_disagree_on_is_named(tmp_path):
+    dims = {r"x$": "t(cp,zigzag) h"}
+    for rank, lens in enumerate(([2, 2], [2, 4])):
+        layout = tdinspect.tokens(seq_lens=lens)
+        _record(tmp_path, rank, [({"m.x": torch.zeros(sum(lens), 3)}, layout)], dims, {"cp": (rank, 2)})
+    with pytest.raises(ValueError, match="cp ranks 0 and 1 hold different sequences"):
+        tdinspect.DumpSet.open(tmp_path).unshard().tensor("m.x")
