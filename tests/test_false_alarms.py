@@ -105,3 +105,58 @@ def test_packed_thd_zigzag_with_sequences_the_ranks_disagree_on_is_named(tmp_pat
         _record(tmp_path, rank, [({"m.x": torch.zeros(sum(lens), 3)}, layout)], dims, {"cp": (rank, 2)})
     with pytest.raises(ValueError, match="cp ranks 0 and 1 hold different sequences"):
         tdinspect.DumpSet.open(tmp_path).unshard().tensor("m.x")
+
+
+# -- 8: a left-padded batch, eager vs SDPA: the pad rows differ, the tokens do not -----------
+def _padded_capture(hf, impl, root, ids, mask):
+    hf.config._attn_implementation = impl
+    with torch.no_grad(), tdinspect.capture(hf, root) as dump:
+        hf(ids, attention_mask=mask)
+        dump.step(tokens=tdinspect.tokens(attention_mask=mask))
+    return tdinspect.DumpSet.open(root)
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("padded")
+    hf = make_hf_llama(seed=0)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    out = {impl: _padded_capture(hf, impl, root / impl, ids, mask) for impl in ("eager", "sdpa")}
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight[0, 0] += 0.5
+    out["bad"] = _padded_capture(hf, "sdpa", root / "bad", ids, mask)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight[0, 0] -= 0.5
+        hf.model.layers[0].self_attn.o_proj.weight[0, 0] += 0.5
+    out["bad_attn"] = _padded_capture(hf, "sdpa", root / "bad_attn", ids, mask)
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.o_proj.weight[0, 0] -= 0.5
+    right = (ids.clone(), mask.clone())
+    right[0][0, :5], right[1][0] = ids[0, 3:], torch.tensor([1] * 5 + [0] * 3)
+    out["right"] = _padded_capture(hf, "sdpa", root / "right", *right)
+    return out
+
+
+def test_padding_alone_diverging_says_so_and_points_to_tokens(padded):
+    v = padded["eager"].diff(padded["sdpa"]).verdict()
+    assert v.outcome == "diverges"
+    reason = v.divergence.reason
+    assert "on pad rows only: its 13 real token rows (of 16) give rel_diff" in reason, reason
+    assert "tokens=True compares the real tokens only" in reason
+    d = padded["eager"].diff(padded["sdpa"], tokens=True)
+    assert d.verdict(structural="report", allow_uncompared="rotary_emb").outcome == "matches"
+    other = padded["eager"].diff(padded["right"]).verdict()  # the same tokens padded on the right
+    assert "both dumps carry token layouts and they differ" in other.divergence.reason
+    d = padded["eager"].diff(padded["right"], tokens=True)
+    assert d.verdict(structural="report", allow_uncompared="rotary_emb").outcome == "matches"
+
+
+def test_a_fault_under_padding_is_named_and_never_called_padding(padded):
+    v = padded["eager"].diff(padded["bad_attn"]).verdict()
+    assert v.divergence.key == "model.model.layers.0.self_attn.o_proj"
+    assert "pad rows" not in v.divergence.reason and "tokens=True" not in v.divergence.reason
+    d = padded["eager"].diff(padded["bad"], tokens=True)
+    div = d.verdict(structural="report", allow_uncompared="rotary_emb").divergence
+    assert div is not None and div.key == "model.model.layers.1.mlp.down_proj", div
