@@ -311,3 +311,16 @@ def test_topk_picks_that_are_no_tie_stay_a_divergence():
     near = torch.tensor([[0.5, 0.3, 0.2999, 0.0]], dtype=torch.bfloat16)
     found = tie_resolved(torch.tensor([[0, 1]]), torch.tensor([[0, 2]]), near.float(), near)
     assert found is not None and found[0].tolist() == [[0, 1]]
+
+
+def test_sequence_islands_are_dropped_only_where_both_sides_differ():
+    from difflib import Match
+
+    from tdinspect.compare.pairing import _trusted
+
+    # a one-sided insert before and after a short run (an extra op on A): the run stays paired
+    kept = _trusted([Match(0, 0, 5), Match(6, 5, 2), Match(9, 7, 5), Match(14, 12, 0)], 14, 12)
+    assert Match(6, 5, 2) in kept
+    # the same run with both sides differing just after it: an island, left unmatched
+    dropped = _trusted([Match(0, 0, 5), Match(6, 5, 2), Match(9, 8, 5), Match(14, 13, 0)], 14, 13)
+    assert Match(6, 5, 2) not in dropped and len(dropped) == 2

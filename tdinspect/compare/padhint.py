@@ -30,7 +30,8 @@ def pad_hint(pa: PassIndex, pb: PassIndex, key_a: str, key_b: str, m, thr: float
     - both layouts the same, with pad rows, the entry led by their token rows: the metric
       ``m`` on the real token rows alone; when it is within ``thr``, the divergence is the
       pads' and the hint says so (when the real tokens diverge too, nothing is added);
-    - the two layouts differ: row by row the diff meets other tokens; the hint says so.
+    - the two layouts differ: row by row the diff meets rows the layouts place elsewhere; the
+      hint says so.
     """
     la, lb = pa.tokens, pb.tokens
     if la is None or lb is None:
@@ -38,7 +39,8 @@ def pad_hint(pa: PassIndex, pb: PassIndex, key_a: str, key_b: str, m, thr: float
     if la != lb:
         return (
             f"; both dumps carry token layouts and they differ (A {la!r}, B {lb!r}): row by row "
-            "this compares other tokens; tokens=True lines them up by (request, position)"
+            "this meets rows the layouts give to another (request, position) or to padding; "
+            "tokens=True lines them up by (request, position)"
         )
     real = [request is not None for request, _, n in la.segments for _ in range(n)]
     if all(real):

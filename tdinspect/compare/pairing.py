@@ -39,8 +39,8 @@ def _signature(pi: PassIndex, i: int) -> tuple:
 
 def _trusted(blocks: list, na: int, nb: int) -> list:
     """The matching blocks of a sequence alignment, less the islands: a run of fewer than
-    :data:`ISLAND` pairs with unmatched entries just before it and just after it (on
-    either side) sits inside a stretch where the two op sequences differ (eager's
+    :data:`ISLAND` pairs with unmatched entries just before it and just after it, on both
+    sides at one end at least, sits inside a stretch where the two op sequences differ (eager's
     ``_softmax`` against SDPA's fused kernel, forward and backward). There a signature is all
     that pairs it, and different computations share one (the ``detach`` autograd saves of
     eager's attention probabilities against SDPA's of its output, both ``[1, 4, 8, 8]``): its
@@ -50,9 +50,9 @@ def _trusted(blocks: list, na: int, nb: int) -> list:
     for n, bl in enumerate(blocks):
         pa, pb = (blocks[n - 1].a + blocks[n - 1].size, blocks[n - 1].b + blocks[n - 1].size) if n else (0, 0)
         qa, qb = (blocks[n + 1].a, blocks[n + 1].b) if n + 1 < len(blocks) else (na, nb)
-        before = bl.a > pa or bl.b > pb
-        after = qa > bl.a + bl.size or qb > bl.b + bl.size
-        if bl.size < ISLAND and before and after:
+        before = (bl.a > pa) + (bl.b > pb)  # how many sides have unmatched entries just before
+        after = (qa > bl.a + bl.size) + (qb > bl.b + bl.size)
+        if bl.size < ISLAND and before and after and 2 in (before, after):
             continue
         out.append(bl)
     return out
