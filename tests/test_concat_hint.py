@@ -28,7 +28,7 @@ def test_a_decode_run_against_a_full_forward_names_the_concat(tmp_path):
     table = DumpSet.open(ref).diff(eng).table(progress=False).set_index("key")
     reason = table.loc["m.attn", "reason"]
     assert reason.startswith("shape [2, 10, 4] vs [2, 6, 4]"), reason
-    assert "B calls this entry 5 times: end to end along dim 1 they match A" in reason
+    assert "B calls this entry 5 times: end to end along dim 1 they have A's shape" in reason
     assert ".concat('call', dim=1)" in reason and "--concat call:1" in reason
     assert table.loc["m.norm", "reason"] == "shape [3] vs [2]"  # no hint where none fits
     # the hint is right: after it, the decode run matches the forward exactly
@@ -39,7 +39,7 @@ def test_a_decode_run_against_a_full_forward_names_the_concat(tmp_path):
 def test_the_hint_works_the_other_way_round_and_in_the_cli(tmp_path):
     ref, eng = _runs(tmp_path)
     row = DumpSet.open(eng).diff(ref).table(progress=False).set_index("key").loc["m.attn"]
-    assert "A calls this entry 5 times: end to end along dim 1 they match B" in row["reason"]
+    assert "A calls this entry 5 times: end to end along dim 1 they have B's shape" in row["reason"]
     out = subprocess.run(
         [sys.executable, "-m", "tdinspect", "diff", str(ref), str(eng)],
         capture_output=True,

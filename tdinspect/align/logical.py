@@ -7,6 +7,8 @@ read. Nodes::
 
     {"op": "read", "src": S, "key": K}                 source pass S's entry K
     {"op": "cat", "dim": d, "parts": [...], "zigzag": bool, "labels": [...]}
+        (a packed token dim's zigzag also has "seqlens": each sequence's rows per rank,
+        cut sequence by sequence: :mod:`tdinspect.align.zigzag`)
         (unshard's also has "axis": the parallel axis its parts are the ranks of;
         a fused dim's "segments": [[name, start, width, rank offset,
         rank width], ...] and "ranks": [rank label, ...]; its parts are narrows)
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from tdinspect.align.dims import AXES
+from tdinspect.align.zigzag import order as zigzag_order
 from tdinspect.errors import AlignError
 from tdinspect.numerics.metrics import same_bits
 from tdinspect.store.passindex import PassIndex
@@ -155,7 +158,9 @@ def pieces(node: dict, fetch) -> tuple[int, list[tuple[int, torch.Tensor]]]:
             parts.extend(t for _, t in pieces(p, fetch)[1])
         else:
             parts.append(evaluate(p, fetch))
-    if node.get("zigzag"):  # rank r holds chunks r and 2C-1-r: put the halves in place
+    if node.get("seqlens"):  # packed: chunks r and 2C-1-r of every sequence
+        parts = [parts[r].narrow(dim, start, n) for r, start, n in zigzag_order(node["seqlens"], len(parts))]
+    elif node.get("zigzag"):  # rank r holds chunks r and 2C-1-r: put the halves in place
         halves = [h for t in parts for h in t.chunk(2, dim)]
         c = len(parts)
         order = [None] * (2 * c)
@@ -230,6 +235,12 @@ def slices_of(node: dict, shape) -> list[tuple[str, list[tuple[int, int]], int]]
         return []
     dim, out, start = node["dim"], [], 0
     sizes = [shape_of(p, shape)[dim] for p in node["parts"]]
+    if node.get("seqlens"):
+        spans: list[list[tuple[int, int]]] = [[] for _ in sizes]
+        for r, _, n in zigzag_order(node["seqlens"], len(sizes)):
+            spans[r].append((start, n))
+            start += n
+        return [(label, s, dim) for label, s in zip(node["labels"], spans)]
     if node.get("zigzag"):
         c, total = len(sizes), sum(sizes)
         chunk = total // (2 * c)
@@ -270,7 +281,8 @@ def describe(node: dict) -> str:
         label if part["op"] == "read" else f"{label} [{describe(part)}]"
         for label, part in zip(node["labels"], node["parts"])
     ]
-    head = f"dim {node['dim']}{', zigzag' if node.get('zigzag') else ''}: " if op == "cat" else ""
+    zz = ", zigzag per sequence" if node.get("seqlens") else ", zigzag" if node.get("zigzag") else ""
+    head = f"dim {node['dim']}{zz}: " if op == "cat" else ""
     return f"{op}({head}{', '.join(parts)})"
 
 

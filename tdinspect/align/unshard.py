@@ -25,6 +25,7 @@ from typing import Any
 
 from tdinspect.align.dims import Dim, parse_dims
 from tdinspect.align.logical import LogicalPass, error, read
+from tdinspect.align.zigzag import local_lengths, merged_layout
 from tdinspect.errors import DimsError, DumpFormatError
 from tdinspect.store.passindex import PassIndex
 
@@ -81,6 +82,7 @@ def plan_entry(
     coords: dict[int, dict[str, list[int]]],
     shapes: dict[int, Any],
     checksums: dict[int, str | None] | None = None,
+    layouts: dict[int, Any] | None = None,
 ) -> dict:
     """The plan of one logical entry from the ranks in ``holders`` that hold ``key``.
 
@@ -90,7 +92,9 @@ def plan_entry(
     together from each copy along the axes its dims do not shard (``dp``, a
     ``tp`` it is replicated over), and those copies are compared the same way
     (``dp rank 1 differs from dp rank 0``). Ranks of pipeline stages (``pp``)
-    that do not hold the entry are not expected to.
+    that do not hold the entry are not expected to. ``layouts`` (each rank's token layout):
+    a zigzag dim that is their packed token dim is cut sequence by sequence
+    (:mod:`tdinspect.align.zigzag`).
     """
     everyone = _stage_world(holders, coords)
     if spec_text is None:
@@ -150,7 +154,14 @@ def plan_entry(
             return parts[0]
         if how == "sum":
             return {"op": "sum", "parts": parts, "labels": labels}
-        return {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels, "axis": axis}
+        node = {"op": "cat", "dim": dim, "parts": parts, "zigzag": zigzag, "labels": labels, "axis": axis}
+        if zigzag:
+            lengths = _packed_lengths(dim, [g[0] for g in groups], layouts or {}, shapes)
+            if isinstance(lengths, str):
+                return error(f"dims {spec_text!r}: {lengths}")
+            if lengths is not None:
+                node["seqlens"] = lengths
+        return node
 
     # the axes its dims do not shard, each of more than one rank: the ranks along them hold copies
     unnamed = sorted(
@@ -192,6 +203,27 @@ def _sources(node: dict) -> list:
     if node["op"] == "read":
         return [node["src"]]
     return [src for p in node.get("parts", [node.get("part")]) if p for src in _sources(p)]
+
+
+def _packed_lengths(dim: int, ranks: list[int], layouts: dict, shapes: dict) -> list[int] | str | None:
+    """Each sequence's rows per cp rank when ``dim`` is the ranks' packed token dim (their
+    layouts' last leading dim, the ones before it of size 1) and it holds several sequences;
+    ``None`` for a whole-dim zigzag (no layouts, one sequence, a padded ``[batch, seq]``);
+    a reason where the layouts cannot be a per-sequence zigzag."""
+    found = [layouts.get(r) for r in ranks]
+    if all(layout is None for layout in found):
+        return None
+    for r, layout in zip(ranks, found):
+        shape = shapes.get(r)
+        if layout is None or shape is None:
+            continue
+        lead = tuple(layout.shape)
+        if len(lead) != dim + 1 or any(n != 1 for n in lead[:-1]) or tuple(shape[: dim + 1]) != lead:
+            return None  # the zigzag dim is not the packed token dim: the whole dim is one sequence
+    lengths = local_lengths(found)
+    if isinstance(lengths, str) or len(lengths) > 1:
+        return lengths
+    return None
 
 
 def _fused(d: Dim, dim: int, parts: list[dict], labels: list[str], size: int, shape) -> dict:
@@ -242,11 +274,33 @@ def unshard_pass(passes: dict[int, PassIndex]) -> LogicalPass:
             continue
         spec = specs.pop()
         dims[key] = spec
-        plans[key] = plan_entry(key, spec, holders, coords, shapes, checksums)
+        layouts = {r: passes[r].tokens for r in holders}
+        plans[key] = plan_entry(key, spec, holders, coords, shapes, checksums, layouts)
     some = passes[ranks[0]]
-    return LogicalPass.build(
+    out = LogicalPass.build(
         0, some.index, dict(passes), plans, first, dims=dims, what=f"unsharded from ranks {ranks}"
     )
+    out.tokens = _cp_layout(passes, coords, plans)
+    return out
+
+
+def _cp_layout(passes: dict[int, PassIndex], coords: dict, plans: dict):
+    """The logical pass's token layout where its entries' packed token dim is put together
+    sequence by sequence (a plan with ``seqlens``): every cp rank's rows where the plan puts
+    them. ``None`` otherwise (a reader of token layouts takes the ranks' own, when they agree)."""
+    lengths = next((n["seqlens"] for n in plans.values() if n.get("seqlens")), None)
+    if lengths is None:
+        return None
+    by_cp: dict[int, set] = {}
+    for r, pi in passes.items():
+        index, _ = coords[r].get("cp", [0, 1])
+        by_cp.setdefault(index, set()).add(pi.tokens)
+    if any(len(found) != 1 for found in by_cp.values()) or sorted(by_cp) != list(range(len(by_cp))):
+        return None
+    try:
+        return merged_layout([by_cp[i].pop() for i in range(len(by_cp))], lengths)
+    except DumpFormatError:
+        return None
 
 
 def unshard(passes: dict[tuple[int, int], PassIndex], where: Any, *, stats_only: bool = False) -> dict:

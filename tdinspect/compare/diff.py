@@ -46,6 +46,7 @@ from tdinspect.align.logical import LogicalPass, primary, slices_of
 from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
+from tdinspect.compare.padhint import pad_hint
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, pass_frame, rank_hint
 from tdinspect.compare.passframes import PassFrames
@@ -804,7 +805,11 @@ class Diff:
         if not row["structural"] and self.mode == "tensor":
             self._check_records(row)
         copy = str(row["reason"]).startswith(REPLICA)  # against its own side: no A and B parts
-        located = "" if row["structural"] or copy else self._locate(row, m, thr_fn(row))
+        located = (
+            ""
+            if row["structural"] or copy
+            else self._locate(row, m, thr_fn(row)) + self._pad_hint(row, m, thr_fn(row))
+        )
         earlier = rows.iloc[max(0, n - BEFORE) : n]
         listed = None
         if report:
@@ -911,6 +916,16 @@ class Diff:
             if bad:
                 return "; in " + ", ".join(bad) + self._fused_hint(row, pi, key, node, side is self.b, ya, xb)
         return ""
+
+    def _pad_hint(self, row: dict, m, thr: float) -> str:
+        """Pad rows of two token-laid-out passes compared row by row (:mod:`.padhint`)."""
+        pa = self.a.pass_map.get((row["rank"], row["pass"]))
+        pb = self.b.pass_map.get((row["rank"], row["pass"]))
+        if self.mode != "tensor" or pa is None or pb is None or getattr(self, "token_aligned", False):
+            return ""
+        if self.mapping is not None and self.mapping.partner(row["op"])[1] is not None:
+            return ""  # a transform moves rows: the layouts no longer say which is which
+        return pad_hint(pa, pb, row["key"], row["key_b"], m, thr, chunk=self.chunk)
 
     def _parts_differ(self, row: dict, m, thr: float, parts: list, b_side: bool, transform):
         """``(labels, A, B)``: ``"label: metric value"`` of each of one side's ``parts``

@@ -19,8 +19,13 @@ from tdinspect.errors import TransformError
 from tdinspect.naming import parse_key, split_call
 from tdinspect.store.passindex import PassIndex
 
+ISLAND = 3  # a matched run shorter than this, with unmatched entries on both sides of it, is not trusted
+
 
 def _signature(pi: PassIndex, i: int) -> tuple:
+    """What sequence alignment pairs on: the op (or module type), its output labels and shape,
+    and its phase: an op-level entry run by autograd's backward has no module call
+    (``module_call`` None), one run in forward has one; a forward op never meets a backward one."""
     key = pi.keys[i]
     try:
         parts = parse_key(key)
@@ -28,7 +33,29 @@ def _signature(pi: PassIndex, i: int) -> tuple:
         labels = parts.labels
     except ValueError:
         name, labels = split_call(key)[0], ()
-    return (name, labels, tuple(pi.shape[i] or ()))
+    phase = None if pi.module_call is None else pi.module_call[i] is None
+    return (name, labels, tuple(pi.shape[i] or ()), phase)
+
+
+def _trusted(blocks: list, na: int, nb: int) -> list:
+    """The matching blocks of a sequence alignment, less the islands: a run of fewer than
+    :data:`ISLAND` pairs with unmatched entries just before it and just after it, on both
+    sides at one end at least, sits inside a stretch where the two op sequences differ (eager's
+    ``_softmax`` against SDPA's fused kernel, forward and backward). There a signature is all
+    that pairs it, and different computations share one (the ``detach`` autograd saves of
+    eager's attention probabilities against SDPA's of its output, both ``[1, 4, 8, 8]``): its
+    entries are left unmatched, never compared as partners."""
+    blocks = [b for b in blocks if b.size]
+    out = []
+    for n, bl in enumerate(blocks):
+        pa, pb = (blocks[n - 1].a + blocks[n - 1].size, blocks[n - 1].b + blocks[n - 1].size) if n else (0, 0)
+        qa, qb = (blocks[n + 1].a, blocks[n + 1].b) if n + 1 < len(blocks) else (na, nb)
+        before = (bl.a > pa) + (bl.b > pb)  # how many sides have unmatched entries just before
+        after = (qa > bl.a + bl.size) + (qb > bl.b + bl.size)
+        if bl.size < ISLAND and before and after and 2 in (before, after):
+            continue
+        out.append(bl)
+    return out
 
 
 def pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str, mapping=None, keep_b=None):
@@ -55,7 +82,7 @@ def pairs(pa: PassIndex | None, pb: PassIndex | None, keep, align: str, mapping=
         sb = [_signature(pb, j) for j in kb]
         matcher = difflib.SequenceMatcher(None, sa, sb, autojunk=False)
         matched = {}
-        for block in matcher.get_matching_blocks():
+        for block in _trusted(matcher.get_matching_blocks(), len(sa), len(sb)):
             for t in range(block.size):
                 matched[kb[block.b + t]] = ka[block.a + t]
         out = [(i, None, float(i)) for i in ka if i not in matched.values()]

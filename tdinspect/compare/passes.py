@@ -23,6 +23,7 @@ from tdinspect.compare.pairing import pairs, unchanged_since
 from tdinspect.compare.passframes import typed_columns
 from tdinspect.compare.plainpairs import compare_plain, plain_dtypes
 from tdinspect.compare.replicas import check_replicas
+from tdinspect.compare.routing import judge_routing
 from tdinspect.compare.rule import COLUMNS, compare_pair, new_row, side_of
 from tdinspect.compare.smallpairs import compare_batch, pass_spans, small_plain
 from tdinspect.compare.spanpairs import compare_spans, span_dtypes
@@ -118,6 +119,15 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
             job.chunk,
         )
     check_replicas(rows, job, (loaded_a, loaded_b))  # a recompute on one side: against its original
+    if job.mode == "tensor":
+        judge_routing(
+            rows,
+            pa,
+            pb,
+            lambda k: pa.tensor(k, loaded_a()),
+            lambda k: pb.tensor(k, loaded_b()),
+            job.chunk,
+        )
     _hint_concat(rows, pa, pb)
     _hint_shards(rows, job)
     return rows
@@ -220,9 +230,9 @@ def _hint_concat(rows: list[dict[str, Any]], pa: PassIndex, pb: PassIndex) -> No
                 continue
             dim, total, size = found
             head = f" ({side} calls this entry {len(own)} times: end to end along dim {dim} they"
-            if total == size:
+            if total == size:  # shapes only: no value was read, so no claim that they match
                 row["reason"] += (
-                    f"{head} match {other}; compare after .concat('call', "
+                    f"{head} have {other}'s shape; compare after .concat('call', "
                     f"dim={dim}), CLI --concat call:{dim})"
                 )
             else:  # generate never feeds its last token back: the forward ran on more

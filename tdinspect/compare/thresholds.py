@@ -428,7 +428,7 @@ def explained(reasons) -> np.ndarray:
 
 # reasons of rows not compared that need no comparison: an uninitialized tensor holds no value
 # (torch.empty), an entry unchanged since a pass was compared there
-NOT_NEEDED = ("uninitialized", "unchanged since pass")
+NOT_NEEDED = ("uninitialized", "unchanged since pass", "compared as tied: ")  # the last: compare/routing.py
 
 
 def never_compared(structural, reasons) -> np.ndarray:
