@@ -418,7 +418,7 @@ class Recorder:
             else:
                 stat = safe_stats(tensor)
         elif self.checksum and measured:
-            digest = tensor_checksum(tensor)
+            digest = self._checksum(key, tensor)
         if self.checksum_dim is not None and plain:
             rows = row_checksums(tensor, self.checksum_dim)
             if rows is not None:  # the entry's index once appended (under the lock)
@@ -431,6 +431,22 @@ class Recorder:
         copy = self._host_copy(key, tensor) if measured and store and not self.stats_only else None
         self._append(key, tensor, copy, stat, module_type, extra, digest)
         return stat
+
+    def _checksum(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The fingerprint of a tensor of any kind (computed from a copy where it must be: the
+        model's tensor is never changed), or ``None`` with a warning naming the entry (a meta
+        tensor holds no data): the forward goes on and the pass is written, the entry's
+        ``checksum`` null (``metric="equal"`` sets it aside, never calls it equal)."""
+        try:
+            return tensor_checksum(tensor)
+        except Exception as exc:  # noqa: BLE001 - the model's forward must go on
+            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            self._say_once(
+                f"checksum {split_call(key)[0]}",
+                f"tdinspect: {key} has no checksum ({type(tensor).__name__}: {why}); its sidecar "
+                "checksum is null, and metric='equal' sets it aside",
+            )
+            return None
 
     def _host_copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.memory is not None:
