@@ -25,7 +25,7 @@ from tdinspect.numerics.checksum import row_checksums, tensor_checksum
 from tdinspect.numerics.stats import stats_and_checksum
 from tdinspect.store.format import pass_filename, sidecar_filename
 from tdinspect.store.runs import new_run_folder, release_run_folder
-from tdinspect.store.tokenlayout import TokenLayout
+from tdinspect.store.tokenlayout import TokenLayout, check_layout
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
@@ -597,8 +597,10 @@ class Recorder:
             return self._step(failed, tokens)
 
     def _check_tokens(self, tokens: TokenLayout) -> None:
-        """A layout no entry of the pass fits is refused before the pass is written (the
-        pass stays open: call ``step`` again with the right one)."""
+        """A layout the reader would refuse (:func:`~tdinspect.store.tokenlayout.check_layout`,
+        its own check), or one no entry of the pass fits, is refused before the pass is
+        written (the pass stays open: call ``step`` again with the right one)."""
+        check_layout(tokens.shape, tokens.segments, "step(tokens=...)")
         k = len(tokens.shape)
         shapes = [s for s in self._pass.columns["shape"] if s is not None]
         if shapes and not any(list(s[:k]) == list(tokens.shape) for s in shapes):
