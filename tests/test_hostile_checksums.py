@@ -225,6 +225,23 @@ def test_a_meta_output_with_checksums_writes_the_pass_and_names_the_entry(tmp_pa
     assert v.outcome != "matches", v
 
 
+def test_a_fake_tensor_output_with_checksums_has_none_and_the_pass_is_written(tmp_path):
+    """A forward under ``FakeTensorMode`` with ``checksum=True`` lost its pass
+    (``CaptureWriteError``: the checksum was itself fake); now it has none, the pass is written
+    and the real call beside it is fingerprinted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with tdinspect.capture(model, tmp_path, checksum=True) as dump:
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.warns(RuntimeWarning, match="fake tensor"):
+            assert model(torch.ones(4, 3)).shape == (4, 2)
+        model(torch.ones(1, 3))
+        dump.step()
+    sums = _entries(tmp_path)
+    assert sums["model.0"] is None and isinstance(sums["model.0::call1"], str)
+    assert torch.equal(DumpSet.open(tmp_path).tensor("model.0::call1"), model(torch.ones(1, 3)).detach())
+
+
 def test_a_wrapper_subclass_with_checksums_keeps_the_pass(tmp_path):
     """A ``TwoTensor`` output lost its pass with ``CaptureWriteError`` (the checksum was itself a
     ``TwoTensor``); now its checksum is that of its components, in order."""
