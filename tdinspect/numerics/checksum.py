@@ -98,19 +98,23 @@ def checksum_parts(t: torch.Tensor, _depth: int = 0) -> list[torch.Tensor]:
     >>> len(checksum_parts(torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)))
     4
     """
-    from torch._subclasses.fake_tensor import is_fake
-
     if _depth > _MAX_DEPTH:
         raise ChecksumError(f"a tensor subclass nested more than {_MAX_DEPTH} deep")
-    if t.device.type == "meta" or is_fake(t):
-        raise ChecksumError(f"a {'meta' if t.device.type == 'meta' else 'fake'} tensor holds no data")
+    if t.device.type == "meta":
+        raise ChecksumError("a meta tensor holds no data")
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    if not plain:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):
+            raise ChecksumError("a fake tensor holds no data")
     t = t.detach()
     if t.is_nested:  # strided or jagged (a subclass): its components, as a reader reads them
         parts = [c.reshape(-1) for c in t.unbind()]
         values = torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype, device=t.device)
         shapes = [d for c in t.unbind() for d in (c.dim(), *c.shape)]
         return [values.resolve_conj().resolve_neg(), _small(shapes, t)]
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if not plain:
         if hasattr(type(t), "__tensor_flatten__"):
             names = t.__tensor_flatten__()[0]
             parts = [p for name in names for p in checksum_parts(getattr(t, name), _depth + 1)]
