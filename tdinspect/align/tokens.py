@@ -26,6 +26,7 @@ request 0: positions 0..4 (5): A pass 0 rows 0..4 | B pass 0 rows 0..2, pass 1 r
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,13 @@ def token_map(passes: dict[tuple[int, int], PassIndex], where) -> dict[int, list
                 f"{where}: pass {p} has no token layout: record it with "
                 "dump.step(tokens=tdinspect.tokens(...)) (request ids, positions, cu_seqlens or an attention mask)"
             )
+        held = held_bytes(pi)
+        if held is not None and pi.tokens.rows > held:  # before a position is listed
+            raise AlignError(
+                f"{where}: pass {p} ({pi.path}): its token layout claims {pi.tokens.rows} token rows, but "
+                f"its pass file holds {held} bytes (a stored token row takes one at least): a damaged "
+                "or forged layout"
+            )
         for row, request, position, length in pi.tokens.runs():
             if request is not None:
                 out.setdefault(request, []).append((position, length, p, row))
@@ -159,6 +167,19 @@ def token_map(passes: dict[tuple[int, int], PassIndex], where) -> dict[int, list
                     f"{row0 + p1 - p0} and pass {pass1} row {row1}: a token computed twice"
                 )
     return out
+
+
+def held_bytes(pi: PassIndex) -> int | None:
+    """The bytes of the pass files that hold ``pi``'s tensors (a logical pass: its sources'),
+    which bound the token rows it can hold; ``None`` where they are not files."""
+    if isinstance(pi, LogicalPass):
+        sizes = [held_bytes(src) for src in pi.sources.values()]
+        return None if None in sizes else sum(sizes)
+    path = pi.files.tensors
+    try:
+        return None if path is None else os.path.getsize(path)
+    except OSError:
+        return None
 
 
 def _add(runs: list[Run], p: int, row: int, position: int, length: int) -> None:

@@ -91,11 +91,13 @@ def prepare(t: torch.Tensor) -> Prepared:
 
 
 def shape_of(t: torch.Tensor) -> list[int] | None:
-    """``t``'s shape as a list, or ``None`` (a nested tensor has no single shape)."""
+    """``t``'s shape as a list, or ``None`` (a nested tensor has no single shape; a jagged one
+    has a symbolic dim, which no sidecar can hold: its pass was lost)."""
     try:
-        return list(t.shape)
+        shape = list(t.shape)
     except Exception:  # noqa: BLE001 - nested tensors have no single shape
         return None
+    return shape if all(type(d) is int for d in shape) else None
 
 
 _TINY_SCALE = 2.0**600  # exact: brings float64 subnormals (2**-1074 and up) to 2**-474 and up

@@ -25,7 +25,7 @@ from tdinspect.numerics.checksum import row_checksums, tensor_checksum
 from tdinspect.numerics.stats import stats_and_checksum
 from tdinspect.store.format import pass_filename, sidecar_filename
 from tdinspect.store.runs import new_run_folder, release_run_folder
-from tdinspect.store.tokenlayout import TokenLayout
+from tdinspect.store.tokenlayout import TokenLayout, check_layout
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
@@ -418,7 +418,7 @@ class Recorder:
             else:
                 stat = safe_stats(tensor)
         elif self.checksum and measured:
-            digest = tensor_checksum(tensor)
+            digest = self._checksum(key, tensor)
         if self.checksum_dim is not None and plain:
             rows = row_checksums(tensor, self.checksum_dim)
             if rows is not None:  # the entry's index once appended (under the lock)
@@ -431,6 +431,22 @@ class Recorder:
         copy = self._host_copy(key, tensor) if measured and store and not self.stats_only else None
         self._append(key, tensor, copy, stat, module_type, extra, digest)
         return stat
+
+    def _checksum(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The fingerprint of a tensor of any kind (computed from a copy where it must be: the
+        model's tensor is never changed), or ``None`` with a warning naming the entry (a meta
+        tensor holds no data): the forward goes on and the pass is written, the entry's
+        ``checksum`` null (``metric="equal"`` sets it aside, never calls it equal)."""
+        try:
+            return tensor_checksum(tensor)
+        except Exception as exc:  # noqa: BLE001 - the model's forward must go on
+            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            self._say_once(
+                f"checksum {split_call(key)[0]}",
+                f"tdinspect: {key} has no checksum ({type(tensor).__name__}: {why}); its sidecar "
+                "checksum is null, and metric='equal' sets it aside",
+            )
+            return None
 
     def _host_copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.memory is not None:
@@ -581,8 +597,10 @@ class Recorder:
             return self._step(failed, tokens)
 
     def _check_tokens(self, tokens: TokenLayout) -> None:
-        """A layout no entry of the pass fits is refused before the pass is written (the
-        pass stays open: call ``step`` again with the right one)."""
+        """A layout the reader would refuse (:func:`~tdinspect.store.tokenlayout.check_layout`,
+        its own check), or one no entry of the pass fits, is refused before the pass is
+        written (the pass stays open: call ``step`` again with the right one)."""
+        check_layout(tokens.shape, tokens.segments, "step(tokens=...)")
         k = len(tokens.shape)
         shapes = [s for s in self._pass.columns["shape"] if s is not None]
         if shapes and not any(list(s[:k]) == list(tokens.shape) for s in shapes):

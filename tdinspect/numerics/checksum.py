@@ -31,6 +31,27 @@ fingerprint; shape and dtype are compared separately):
 It is a fingerprint against accidents, not against an adversary (multipliers
 are public and the map is linear).
 
+Every kind of tensor capture accepts has one (:func:`checksum_parts`): a plain
+tensor is its words as above, its conjugate or negative bit resolved on a copy
+(the value it shows, never the model's tensor changed); any other kind is the
+plain tensors that define it, ``h = h_0 + Σ_{i≥1} P_i · h_i`` over their
+fingerprints ``h_i`` (``P_i`` odd multipliers of :data:`SEED_P`; one part is its
+own fingerprint):
+
+==========================  ========================================================
+sparse                      its dense values (above 2^26 elements, or a dtype
+                            with no dense kernel: its indices, values and shape)
+quantized                   ``int_repr()``; its scales; its zero points; the bytes
+                            of its dtype, scheme and axis
+nested                      its components flattened and joined (as a reader reads
+                            it); their shapes
+subclass                    its components (``__tensor_flatten__``), in order; a
+                            subclass without them: the plain tensor under it
+meta, ``FakeTensor``        none: :class:`ChecksumError` (they hold no data)
+==========================  ========================================================
+
+A change to one element of any part changes the fingerprint (``P_i`` are odd).
+
 Examples
 --------
 >>> x = torch.arange(6, dtype=torch.float32)
@@ -53,11 +74,98 @@ CHUNK_BLOCKS = 16  # blocks converted to int64 at a time (8 MB)
 _MATERIALISE_LIMIT = 1 << 26  # broadcast tensors up to this many elements are hashed as laid out
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as int32 words in logical order (zero-padded)."""
+SEED_P = 0x7061727473  # "parts": the multipliers of a kind's parts
+_MAX_DEPTH = 16  # subclasses wrapping subclasses: deeper is refused, never a RecursionError
+
+
+class ChecksumError(ValueError):
+    """A tensor that has no fingerprint (a meta or fake tensor holds no data)."""
+
+
+def checksum_parts(t: torch.Tensor, _depth: int = 0) -> list[torch.Tensor]:
+    """The plain strided tensors (no conjugate or negative bit) whose words define ``t``'s
+    fingerprint, in order; see the module docstring. Never changes ``t``.
+
+    Raises
+    ------
+    ChecksumError
+        ``t`` holds no data (meta, ``FakeTensor``), or a subclass nests too deep.
+
+    Examples
+    --------
+    >>> [p.dtype for p in checksum_parts(torch.tensor([1j]).conj())]
+    [torch.complex64]
+    >>> len(checksum_parts(torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)))
+    4
+    """
+    if _depth > _MAX_DEPTH:
+        raise ChecksumError(f"a tensor subclass nested more than {_MAX_DEPTH} deep")
+    if t.device.type == "meta":
+        raise ChecksumError("a meta tensor holds no data")
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    if not plain:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):
+            raise ChecksumError("a fake tensor holds no data")
     t = t.detach()
+    if t.is_nested:  # strided or jagged (a subclass): its components, as a reader reads them
+        parts = [c.reshape(-1) for c in t.unbind()]
+        values = torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype, device=t.device)
+        shapes = [d for c in t.unbind() for d in (c.dim(), *c.shape)]
+        return [values.resolve_conj().resolve_neg(), _small(shapes, t)]
+    if not plain:
+        if hasattr(type(t), "__tensor_flatten__"):
+            names = t.__tensor_flatten__()[0]
+            parts = [p for name in names for p in checksum_parts(getattr(t, name), _depth + 1)]
+            if not parts:
+                raise ChecksumError(f"tensor subclass {type(t).__qualname__}: no components")
+            return parts
+        with torch._C.DisableTorchFunctionSubclass():
+            t = t.as_subclass(torch.Tensor)
+    if t.is_quantized:
+        return _quantized_parts(t)
     if t.layout != torch.strided:
-        t = t.to_dense()
+        if t.numel() <= _MATERIALISE_LIMIT:
+            try:
+                return [t.to_dense().resolve_conj().resolve_neg()]
+            except (RuntimeError, NotImplementedError):  # no dense kernel for this dtype (float8 CSR)
+                pass
+        return [*_sparse_parts(t), _small(list(t.shape), t)]
+    return [t.resolve_conj().resolve_neg()]
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A sparse tensor's indices and values (COO coalesced: one form for one value)."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        index = [t.indices()]
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        index = [t.crow_indices(), t.col_indices()]
+    else:  # CSC, BSC
+        index = [t.ccol_indices(), t.row_indices()]
+    return [*index, t.values().resolve_conj().resolve_neg()]
+
+
+def _small(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+
+def _quantized_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A quantized tensor's integers, scales, zero points, and the bytes naming its kind."""
+    scheme = t.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        scales = torch.tensor([float(t.q_scale())], dtype=torch.float64, device=t.device)
+        zeros, axis = _small([int(t.q_zero_point())], t), -1
+    else:
+        scales = t.q_per_channel_scales().to(torch.float64)
+        zeros, axis = t.q_per_channel_zero_points().to(torch.int64), int(t.q_per_channel_axis())
+    kind = torch.tensor(list(f"{t.dtype} {scheme} {axis}".encode()), dtype=torch.uint8, device=t.device)
+    return [t.int_repr(), scales, zeros, kind]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A plain part's (:func:`checksum_parts`) bytes as int32 words in logical order (zero-padded)."""
     if t.numel() > _MATERIALISE_LIMIT:  # a huge broadcast view: hash the elements it stores
         t = first_slice(t, broadcast_dims(t))
     flat = t.reshape(-1)
@@ -77,8 +185,24 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     """The fingerprint of ``t``'s bits as a 0-d int64 tensor on ``t``'s device.
 
-    See the module docstring for the definition and its collision rate.
+    See the module docstring for the definition and its collision rate; every kind of
+    tensor has one (:func:`checksum_parts`), and ``t`` is never changed.
+
+    Raises
+    ------
+    ChecksumError
+        ``t`` holds no data (meta, ``FakeTensor``).
     """
+    parts = checksum_parts(t)
+    h = _plain_checksum(parts[0])
+    if len(parts) > 1:
+        p = multipliers(SEED_P, len(parts), h.device)
+        for i, part in enumerate(parts[1:], 1):
+            h = h + _plain_checksum(part) * p[i]
+    return h
+
+
+def _plain_checksum(t: torch.Tensor) -> torch.Tensor:
     words = _words(t)
     n = words.numel()
     device = words.device
@@ -118,6 +242,7 @@ def row_checksums(t: torch.Tensor, dim: int) -> torch.Tensor | None:
     t = t.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
+    t = t.resolve_conj().resolve_neg()  # a copy where a bit is set: never the model's tensor
     if not -t.dim() <= dim < t.dim() or t.dim() == 0:
         return None
     if t.numel() > _MATERIALISE_LIMIT and broadcast_dims(t):

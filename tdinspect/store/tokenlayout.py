@@ -37,16 +37,26 @@ from typing import Any
 
 from tdinspect.errors import DumpFormatError, TokenLayoutError
 
+MAX_ROWS = 1 << 26  # token rows one pass may hold: far beyond any engine's batch
+MAX_ID = (1 << 63) - 1  # request ids and positions: int64, as the diff's arrays hold them
+
 
 @dataclass(frozen=True)
 class TokenLayout:
     """The token rows of one pass: their leading ``shape`` and ``(request, position, length)`` runs.
 
-    Build with :func:`tokens`. ``request`` is ``None`` for pad rows.
+    Build with :func:`tokens`. ``request`` is ``None`` for pad rows. Every layout is checked
+    when made (:func:`check_layout`, the reader's check too): one that could not be read back
+    is never written.
     """
 
     shape: tuple[int, ...]
     segments: tuple[tuple[int | None, int, int], ...]
+
+    def __post_init__(self) -> None:
+        shape, segments = check_layout(self.shape, self.segments, "TokenLayout")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "segments", segments)
 
     @property
     def rows(self) -> int:
@@ -69,39 +79,20 @@ class TokenLayout:
 
     @classmethod
     def from_json(cls, value: Any, where: str) -> TokenLayout:
-        """A sidecar's ``tokens`` field, checked; :class:`DumpFormatError` naming ``where``."""
-
-        def bad(why: str) -> DumpFormatError:
-            return DumpFormatError(f"{where}: malformed 'tokens' field ({why}): {str(value)[:80]!r}")
-
+        """A sidecar's ``tokens`` field, checked (:func:`check_layout`, as at capture);
+        :class:`DumpFormatError` naming ``where``."""
         if not isinstance(value, dict) or set(value) != {"shape", "segments"}:
-            raise bad("expected {'shape': [...], 'segments': [[request, position, length], ...]}")
-        shape, segments = value["shape"], value["segments"]
-        if not isinstance(shape, list) or not shape or not all(_nonneg(v) for v in shape):
-            raise bad("shape must be a list of non-negative ints")
-        if not isinstance(segments, list):
-            raise bad("segments must be a list")
-        out = []
-        for seg in segments:
-            ok = (
-                isinstance(seg, list)
-                and len(seg) == 3
-                and (seg[0] is None or _nonneg(seg[0]))
-                and _nonneg(seg[1])
-                and _nonneg(seg[2])
-                and seg[2] > 0
+            raise DumpFormatError(
+                f"{where}: malformed 'tokens' field (expected {{'shape': [...], 'segments': "
+                f"[[request, position, length], ...]}}): {str(value)[:80]!r}"
             )
-            if not ok:
-                raise bad(f"segment {seg!r} is not [request or null, position, length > 0]")
-            out.append(tuple(seg))
-        layout = cls(tuple(shape), tuple(out))
-        total = sum(n for _, _, n in out)
-        if total != layout.rows:
-            raise bad(f"segments cover {total} rows, shape {shape} has {layout.rows}")
         try:
-            _check_unique(layout, where)
+            shape, segments = check_layout(value["shape"], value["segments"])
         except TokenLayoutError as exc:
-            raise DumpFormatError(str(exc)) from None
+            raise DumpFormatError(f"{where}: malformed 'tokens' field ({exc}): {str(value)[:80]!r}") from None
+        layout = object.__new__(cls)  # checked just now: not twice
+        object.__setattr__(layout, "shape", shape)
+        object.__setattr__(layout, "segments", segments)
         return layout
 
     def __repr__(self) -> str:
@@ -114,7 +105,64 @@ class TokenLayout:
 
 
 def _nonneg(v: Any) -> bool:
-    return type(v) is int and v >= 0
+    return type(v) is int and 0 <= v <= MAX_ID
+
+
+def check_layout(shape: Any, segments: Any, where: str = "") -> tuple[tuple, tuple]:
+    """``(shape, segments)`` as tuples, or :class:`TokenLayoutError` naming the field (after
+    ``where``, if given): the one check of a layout, at capture (:func:`tokens`,
+    ``step(tokens=...)``) and on read (:meth:`TokenLayout.from_json`), so that what is
+    written can be read.
+
+    ``shape`` is a non-empty sequence of non-negative ints holding at most :data:`MAX_ROWS`
+    rows; ``segments`` are ``(request or None, position, length > 0)`` of ints in int64
+    (positions up to :data:`MAX_ID`), covering the rows exactly, no ``(request, position)``
+    twice. The work is bounded by the rows (checked first), never by what a segment claims.
+
+    Examples
+    --------
+    >>> check_layout([2], [[0, 0, 2]], "here")
+    ((2,), ((0, 0, 2),))
+    >>> check_layout((), (), "here")
+    Traceback (most recent call last):
+    ...
+    tdinspect.errors.TokenLayoutError: here: shape=(): expected a non-empty list of non-negative ints
+    """
+    at = f"{where}: " if where else ""
+    if not isinstance(shape, (list, tuple)) or not shape or not all(_nonneg(v) for v in shape):
+        raise TokenLayoutError(f"{at}shape={str(shape)[:80]}: expected a non-empty list of non-negative ints")
+    rows = math.prod(shape)
+    if rows > MAX_ROWS:
+        raise TokenLayoutError(
+            f"{at}shape={list(shape)} holds {rows} token rows, more than a pass may ({MAX_ROWS})"
+        )
+    if not isinstance(segments, (list, tuple)):
+        raise TokenLayoutError(f"{at}segments: expected a list of [request or null, position, length]")
+    if len(segments) > rows:  # each covers one row at least
+        raise TokenLayoutError(f"{at}{len(segments)} segments for {rows} token rows")
+    out, total = [], 0
+    for i, seg in enumerate(segments):
+        ok = (
+            isinstance(seg, (list, tuple))
+            and len(seg) == 3
+            and (seg[0] is None or _nonneg(seg[0]))
+            and _nonneg(seg[1])
+            and _nonneg(seg[2])
+            and seg[2] > 0
+            and seg[1] + seg[2] - 1 <= MAX_ID
+        )
+        if not ok:
+            raise TokenLayoutError(
+                f"{at}segments[{i}] = {str(seg)[:80]}: expected [request (an int up to 2^63-1) or "
+                "null, position, length > 0], positions up to 2^63-1"
+            )
+        total += seg[2]
+        out.append(tuple(seg))
+    if total != rows:
+        raise TokenLayoutError(f"{at}segments cover {total} rows, shape {list(shape)} has {rows}")
+    layout = (tuple(shape), tuple(out))
+    _check_unique(layout[1], at)
+    return layout
 
 
 def _ints(value: Any, name: str) -> list:
@@ -132,8 +180,8 @@ def _ints(value: Any, name: str) -> list:
 
 def _check_flat(values: list, name: str, *, bools: bool = False) -> None:
     for i, v in enumerate(values):
-        if not (type(v) is int or (bools and type(v) is bool)) or v < 0:
-            raise TokenLayoutError(f"{name}[{i}] = {v!r}: expected a non-negative int")
+        if not (type(v) is int or (bools and type(v) is bool)) or not 0 <= v <= MAX_ID:
+            raise TokenLayoutError(f"{name}[{i}] = {v!r}: expected a non-negative int up to 2^63-1")
 
 
 def tokens(
@@ -188,6 +236,8 @@ def tokens(
         shape = (len(pos),) if shape is None else shape
     shape = tuple(_ints(shape, "shape"))
     _check_flat(list(shape), "shape")
+    if not shape:
+        raise TokenLayoutError("shape=(): give the leading dims of the token-major tensors, e.g. (T,)")
     if math.prod(shape) != len(pos):
         raise TokenLayoutError(
             f"shape {list(shape)} holds {math.prod(shape)} rows, but there are {len(pos)} tokens"
@@ -201,12 +251,10 @@ def tokens(
             last[2] += 1
         else:
             segments.append([r, 0 if r is None else p, 1])
-    layout = TokenLayout(shape, tuple(tuple(s) for s in segments))
-    _check_unique(layout, "tokens()")
-    return layout
-
-
-MAX_ROWS = 1 << 26  # token rows one pass may hold: far beyond any engine's batch
+    try:
+        return TokenLayout(shape, tuple(tuple(s) for s in segments))
+    except TokenLayoutError as exc:
+        raise TokenLayoutError(str(exc).replace("TokenLayout: ", "tokens(): ", 1)) from None
 
 
 def _packed(request_ids, positions, cu_seqlens, seq_lens, shape) -> tuple[list, list]:
@@ -239,10 +287,10 @@ def _packed(request_ids, positions, cu_seqlens, seq_lens, shape) -> tuple[list, 
         return req, pos
     total = sum(lens)
     rows = math.prod(_ints(shape, "shape")) if shape is not None else MAX_ROWS
-    if total > rows:  # before a list of that many positions is made
+    if total > min(rows, MAX_ROWS):  # before a list of that many positions is made
         said = (
             "shape " + str(list(shape)) + f" holds {rows} rows"
-            if shape is not None
+            if shape is not None and rows <= MAX_ROWS
             else f"a pass holds {MAX_ROWS} at most"
         )
         raise TokenLayoutError(
@@ -294,12 +342,14 @@ def _padded(request_ids, positions, attention_mask, shape) -> tuple[list, list, 
     return out_req, out_pos, (b, s)
 
 
-def _check_unique(layout: TokenLayout, where: str) -> None:
+def _check_unique(segments: tuple, at: str) -> None:
     """A (request, position) in two rows of one pass is an error naming both rows (checked on
     the runs, sorted, never token by token)."""
-    found = sorted((r, p, n, row) for row, r, p, n in layout.runs() if r is not None)
+    runs, row = [], 0
+    for r, p, n in segments:
+        runs.append((row, r, p, n))
+        row += n
+    found = sorted((r, p, n, row) for row, r, p, n in runs if r is not None)
     for (r0, p0, n0, row0), (r1, p1, _, row1) in zip(found, found[1:]):
         if r0 == r1 and p0 + n0 > p1:
-            raise TokenLayoutError(
-                f"{where}: request {r0} position {p1} is in rows {row0 + p1 - p0} and {row1}"
-            )
+            raise TokenLayoutError(f"{at}request {r0} position {p1} is in rows {row0 + p1 - p0} and {row1}")
