@@ -879,6 +879,26 @@ def table(runs: Runs, cells=CELLS) -> list[dict]:
     return list(rows.values())
 
 
+def mutations(runs: Runs, root: Path, seeds: int = 6) -> dict[str, tuple[int, int]]:
+    """Per mutated comparison: how many of ``seeds`` one-slice changes of B did not read "matches"."""
+    import numpy as np
+
+    from tdinspect.errors import DumpFormatError
+
+    out = {}
+    for mode, (_, b, slices) in MUTATED.items():
+        caught = 0
+        for seed in range(seeds):
+            dst = root / f"mutated_{mode}_{seed}"
+            mutate(runs[b], dst, slices, np.random.default_rng(seed))
+            try:
+                caught += mutated_diff(mode, runs, dst).verdict().outcome != "matches"
+            except DumpFormatError:
+                caught += 1
+        out[mode] = (caught, seeds)
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
     def frac(pair):
         named, total = pair
@@ -915,6 +935,10 @@ def main(argv=None) -> None:
                 print(f"{mark} {cell.id}: {text[:300]}")
         if args.table or not args.cells:
             print(markdown(table(runs)))
+            found = mutations(runs, Path(tmp))
+            print("\n| mutated comparison | one-slice changes of B not read as matches |\n|---|---|")
+            for mode, (caught, seeds) in found.items():
+                print(f"| {mode} ({MUTATED[mode][2]} slices) | {caught}/{seeds} |")
 
 
 if __name__ == "__main__":
