@@ -155,15 +155,18 @@ def planted(model, faults: tuple[Fault, ...]):
     return [model.get_submodule(f.module).register_forward_hook(f.hook()) for f in faults]
 
 
-def capture(model, path: Path, run: Callable, faults=(), ops: bool = False, **options) -> Path:
-    """``run(model)`` under a capture at ``path`` (one pass per ``step`` it calls)."""
+def capture(
+    model, path: Path, run: Callable, faults=(), ops: bool = False, grad: bool = False, **options
+) -> Path:
+    """``run(model, dump)`` under a capture at ``path`` (one pass per ``step`` it calls); ``ops``:
+    at op level; ``ops`` or ``grad``: with autograd on (a backward in ``run``)."""
     handles = planted(model, faults)
     try:
         if ops:
             with tdinspect.capture_ops(path, model=model, **options) as dump:
                 run(model, dump)
         else:
-            with torch.no_grad(), tdinspect.capture(model, path, **options) as dump:
+            with torch.set_grad_enabled(grad), tdinspect.capture(model, path, **options) as dump:
                 run(model, dump)
     finally:
         for h in handles:
@@ -318,6 +321,28 @@ class Runs:
             dump.step(tokens=layout)
 
         return capture(llama(attn), p, run)
+
+    # activation checkpointing: a training step whose backward recomputes each layer (call 1)
+    def _train(self, p):
+        return self._train_run(p, False, ())
+
+    def _train_ckpt(self, p):
+        return self._train_run(p, True, ())
+
+    def _train_ckpt_recompute(self, p):  # the recompute of layer 0's down_proj 10% off
+        return self._train_run(p, True, (Fault(LAYER0_DOWN, "call", call=1, eps=0.1),))
+
+    def _train_run(self, p, checkpointing: bool, faults):
+        model = llama().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        x = ids()
+
+        def run(m, dump):
+            m(x, labels=x, use_cache=False).loss.backward()
+            dump.step()
+
+        return capture(model, p, run, faults=faults, grad=True)
 
     # unshard: the dense runs written as rank folders
     def _tp2(self, p):
@@ -599,6 +624,7 @@ def ENC_REQUESTS():  # noqa: N802 (a constant, built fresh)
 CASE = {
     3: "issue 35 case 3: copies along an axis the dims do not shard are never compared",
     4: "issue 35 case 4: a fault in one slice is diluted by the whole-tensor metric",
+    5: "issue 35 case 5: the recompute of activation checkpointing (::call1) is only in B, never compared",
     6: "issue 35 case 6: MoE routing near-ties and expert rows compared by position",
     7: "issue 35 case 7: op-level backward pairs another tensor (align='sequence')",
     8: "issue 35 case 8: a padded batch diverges on its pad rows only",
@@ -722,6 +748,16 @@ CELLS = [
     Cell("dense", "plain", "bf16", _plain("dense", "dense_bf16")),
     Cell("dense", "plain", "batch of 2", _narrowed("dense", "dense_batched")),
     Cell("dense", "plain", "left-padded sdpa", _plain("dense_leftpad", "dense_leftpad_sdpa"), xfail=CASE[8]),
+    Cell(
+        "dense",
+        "plain",
+        "recompute replica",
+        _plain("train", "train_ckpt_recompute"),
+        DOWN0,
+        r"call ?1\b|recompute",
+        CASE[5],
+    ),
+    Cell("dense", "plain", "gradient checkpointing", _plain("train", "train_ckpt"), xfail=CASE[5]),
     Cell("dense", "mapping", "element", _mapping("port_element"), key(DENSE_FAULT)),
     Cell("dense", "mapping", "port", _mapping("port")),
     Cell("dense", "unshard", "rank", _unshard("dense", "tp2_rank"), DOWN1, RANK1),
