@@ -570,6 +570,45 @@ class Runs:
             weight[EXPERT] *= 1.5
         return capture(model, p, forward(ids()))
 
+    def _moe_requests(self, p):  # the engine's three prompts, one pass each
+        from tdinspect.examples.engine import capture_reference, engine_prompts
+
+        return capture_reference(mixtral(), engine_prompts(vocab=64), p)
+
+    def _moe_padded(self, p):
+        return self._moe_padded_run(p, ())
+
+    def _moe_padded_token(self, p):  # request 1's last token (row 1, position 8)
+        return self._moe_padded_run(p, (Fault(MOE_FAULT, "token", index=(1, 8)),))
+
+    def _moe_padded_run(self, p, faults):
+        from tdinspect.examples.engine import capture_reference, engine_prompts
+
+        model = mixtral()
+        handles = planted(model, faults)
+        try:
+            return capture_reference(model, engine_prompts(vocab=64), p, padded=True)
+        finally:
+            for h in handles:
+                h.remove()
+
+    # checksums only (statistics-only dumps, one fingerprint per batch row): metric="equal"
+    def _ck_b2(self, p):
+        return self._ck_run(p, 2, ())
+
+    def _ck_b2_again(self, p):
+        return self._ck_run(p, 2, ())
+
+    def _ck_b1(self, p):
+        return self._ck_run(p, 1, ())
+
+    def _ck_b2_row(self, p):  # batch row 1 of down_proj, FACTOR x on its own
+        return self._ck_run(p, 2, (Fault(DENSE_FAULT, "token", index=(1,)),))
+
+    def _ck_run(self, p, batch, faults):
+        x = torch.cat([ids(), ids(seed=1)])[:batch]
+        return capture(llama(), p, forward(x), faults=faults, stats_only=True, checksum=True, checksum_dim=0)
+
     # encoder: BERT
     def _enc(self, p):
         return capture(bert(), p, forward(ids()))
@@ -612,6 +651,7 @@ class Runs:
 
 
 BUDGET_FAULT = "model.layers.1.mlp.up_proj"
+MOE_FAULT = "model.layers.1.self_attn.o_proj"
 EXPERTS, EXPERT = "model.layers.0.mlp.experts", 1
 ENC_FAULT = "encoder.layer.1.output.dense"
 
@@ -622,6 +662,8 @@ def ENC_REQUESTS():  # noqa: N802 (a constant, built fresh)
 
 # -- the cells ---------------------------------------------------------------------------------
 CASE = {
+    1: "issue 35 case 1: a selection that names nothing compares 0 entries and reads 'matches'",
+    2: "issue 35 case 2: B's own selection (filter, sel) is ignored by A.diff(B)",
     3: "issue 35 case 3: copies along an axis the dims do not shard are never compared",
     4: "issue 35 case 4: a fault in one slice is diluted by the whole-tensor metric",
     5: "issue 35 case 5: the recompute of activation checkpointing (::call1) is only in B, never compared",
@@ -632,6 +674,15 @@ CASE = {
     11: "issue 35 case 11: a non-leaf module with parameters (Mixtral experts) is never recorded",
 }
 
+CASE_ROWS = (
+    "issue 35 case 4 (every slice judged: rows by checksum_dim): a fault in batch row 1 is named at "
+    "its module as 'equal 0 < 1', without its row"
+)
+NEW_ROUTER_ROWS = (
+    "new finding (issue 35 matrix): with tokens=True a router's [b*s, experts] output (its token rows "
+    "flattened) is 'not token-major: shape [5, 4] ... does not lead with its token rows [1, 5]', a "
+    "structural divergence on a correct MoE run"
+)
 CASE_PP = "issue 35 case 3 (pipeline stages): an entry held by one pp rank is read as one-sided"
 
 
@@ -738,6 +789,9 @@ DOWN1, DOWN0 = key(DENSE_FAULT), key(LAYER0_DOWN)
 # BERT's position and token-type embeddings are [1, s, h] whatever the batch: not token-major in a
 # padded batch, named as one-sided by design (docs/engines.md)
 # and the pooler's output is [b, h] (one row per request, no token rows)
+# Mixtral's experts run on the tokens routed to each (rows of no fixed token): not token-major;
+# its router's [b*s, experts] outputs are, flattened (see NEW_ROUTER_ROWS)
+MOE_TOKENS = {"allow_uncompared": r"experts\.act_fn|mlp\.gate"}
 ENC_TOKENS = {"allow_uncompared": r"position_embeddings|token_type_embeddings|pooler"}
 RANK1 = r"rank 1\b"
 
@@ -758,6 +812,17 @@ CELLS = [
         CASE[5],
     ),
     Cell("dense", "plain", "gradient checkpointing", _plain("train", "train_ckpt"), xfail=CASE[5]),
+    Cell(
+        "dense",
+        "checksum",
+        "row",
+        _plain("ck_b2", "ck_b2_row", metric="equal"),
+        DOWN1,
+        r"row 1\b",
+        CASE_ROWS,
+    ),
+    Cell("dense", "checksum", "re-run", _plain("ck_b2", "ck_b2_again", metric="equal")),
+    Cell("dense", "checksum", "batch of 1", _plain("ck_b1", "ck_b2", metric="equal")),
     Cell("dense", "mapping", "element", _mapping("port_element"), key(DENSE_FAULT)),
     Cell("dense", "mapping", "port", _mapping("port")),
     Cell("dense", "unshard", "rank", _unshard("dense", "tp2_rank"), DOWN1, RANK1),
@@ -811,7 +876,24 @@ CELLS = [
     Cell("decode", "concat", "generate", _concat("generate")),
     Cell("decode", "concat", "generate sdpa", _concat("generate_sdpa")),
     # MoE (Mixtral)
-    Cell("moe", "plain", "element", _plain("moe", "moe_element"), key("model.layers.1.self_attn.o_proj")),
+    Cell("moe", "plain", "element", _plain("moe", "moe_element"), key(MOE_FAULT)),
+    Cell(
+        "moe",
+        "tokens",
+        "token",
+        _tokens("moe_requests", "moe_padded_token", **MOE_TOKENS),
+        key(MOE_FAULT),
+        r"request 1\b",
+        CASE[4],
+    ),
+    Cell("moe", "tokens", "padded batch", _tokens("moe_requests", "moe_padded", **MOE_TOKENS)),
+    Cell(
+        "moe",
+        "tokens",
+        "padded batch, router rows compared",
+        _tokens("moe_requests", "moe_padded", allow_uncompared=r"experts\.act_fn"),
+        xfail=NEW_ROUTER_ROWS,
+    ),
     Cell("moe", "plain", "expert", _plain("moe", "moe_expert"), key(EXPERTS), None, CASE[11]),
     Cell("moe", "plain", "sdpa", _plain("moe", "moe_sdpa")),
     Cell("moe", "plain", "bf16", _plain("moe", "moe_bf16")),
