@@ -694,7 +694,8 @@ class Cell:
     ``diff(runs)`` returns ``(diff, verdict options)``. A fault must diverge at ``module`` (the
     captured key without ``::callN``; a key under it, ``module.child``, counts where the module
     is not a leaf) with ``slice`` (a regex) found in the divergence's text; a correct variant
-    must read "matches" with entries compared. ``xfail``: the issue 35 case that breaks it today.
+    must read "matches" (or another of ``settles``, never "diverges") with entries compared.
+    ``xfail``: the issue 35 case that breaks it today.
     """
 
     family: str
@@ -704,6 +705,7 @@ class Cell:
     module: str | None = None
     slice: str | None = None
     xfail: str | None = None
+    settles: tuple[str, ...] = ("matches",)
 
     @property
     def kind(self) -> str:
@@ -719,7 +721,7 @@ def judge(cell: Cell, runs: Runs) -> tuple[bool, str]:
     diff, options = cell.diff(runs)
     v = diff.verdict(**options)
     if cell.kind == "correct":
-        return v.outcome == "matches" and v.compared > 0, v.text
+        return v.outcome in cell.settles and v.compared > 0, v.text
     d = v.divergence
     if v.outcome != "diverges" or d is None:
         return False, v.text
@@ -867,7 +869,16 @@ CELLS = [
     ),
     Cell("dense", "baseline", "bf16 sdpa", _baseline("cand16_sdpa", "base16")),
     Cell("dense", "ops", "weight element", _ops("ops_weight"), DOWN1),
-    Cell("dense", "ops", "sdpa with backward", _ops("ops_sdpa"), xfail=CASE[7]),
+    # eager and SDPA attention run other ops: those without a partner are set aside
+    # (structural="report"), so "incomplete" is the honest answer; "diverges" never is
+    Cell(
+        "dense",
+        "ops",
+        "sdpa with backward",
+        _ops("ops_sdpa"),
+        xfail=CASE[7],
+        settles=("matches", "incomplete"),
+    ),
     # decode (Llama generate against one forward)
     Cell("decode", "concat", "call", _concat("generate_call"), DOWN0, r"call ?7\b|position 23\b", CASE[4]),
     Cell(
