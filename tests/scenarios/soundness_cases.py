@@ -726,7 +726,7 @@ def judge(cell: Cell, runs: Runs) -> tuple[bool, str]:
     if v.outcome != "diverges" or d is None:
         return False, v.text
     here = d.op == cell.module or d.op.startswith(cell.module + ".") or d.op.startswith(cell.module + "/")
-    sliced = cell.slice is None or re.search(cell.slice, repr(d)) is not None
+    sliced = cell.slice is None or re.search(cell.slice, f"{d!r} {v.text}") is not None
     return here and sliced, v.text
 
 
@@ -796,6 +796,8 @@ DOWN1, DOWN0 = key(DENSE_FAULT), key(LAYER0_DOWN)
 MOE_TOKENS = {"allow_uncompared": r"experts\.act_fn|mlp\.gate"}
 ENC_TOKENS = {"allow_uncompared": r"position_embeddings|token_type_embeddings|pooler"}
 RANK1 = r"rank 1\b"
+# the last decode call: call NEW - 1, the token at position PROMPT + NEW - 2 of the fed sequence
+LAST_CALL = rf"call ?{NEW - 1}\b|position {PROMPT + NEW - 2}\b"
 
 CELLS = [
     # dense decoder (Llama)
@@ -880,10 +882,8 @@ CELLS = [
         settles=("matches", "incomplete"),
     ),
     # decode (Llama generate against one forward)
-    Cell("decode", "concat", "call", _concat("generate_call"), DOWN0, r"call ?7\b|position 23\b", CASE[4]),
-    Cell(
-        "decode", "concat", "call (gross)", _concat("generate_call_gross"), DOWN0, r"call ?7\b|position 23\b"
-    ),
+    Cell("decode", "concat", "call", _concat("generate_call"), DOWN0, LAST_CALL, CASE[4]),
+    Cell("decode", "concat", "call (gross)", _concat("generate_call_gross"), DOWN0, LAST_CALL),
     Cell("decode", "concat", "generate", _concat("generate")),
     Cell("decode", "concat", "generate sdpa", _concat("generate_sdpa")),
     # MoE (Mixtral)
