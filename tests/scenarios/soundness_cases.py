@@ -507,13 +507,18 @@ class Runs:
         return capture(llama(dtype=torch.bfloat16), p, forward(ids()), faults=(fault,))
 
     def _budget_fault(self, base: str, dtype) -> Fault:
-        """A fault at layer 1's up_proj 30x the baseline's own error there (and under the
-        ``auto`` threshold, so that only the budget can name it)."""
-        from tdinspect.numerics.metrics import auto_threshold
+        """A fault at layer 1's up_proj under the ``auto`` threshold (only a budget can name it),
+        far past the baseline's own error there: in float32 30x the larger of that error and the
+        budget's floor (8 units of roundoff); in bfloat16 20x the error (issue 35 case 10: 12x
+        was missed), which sits under the floor (4.9e-4) on the CPUs measured (2.1e-4)."""
+        from tdinspect.numerics.metrics import auto_threshold, roundoff_floor
 
         k = key(BUDGET_FAULT)
         err = self.open("ref64").diff(self[base]).table(progress=False).set_index("key").at[k, "rel_diff"]
-        target = 30 * float(err)
+        if dtype == torch.float32:
+            target = 30 * max(float(err), roundoff_floor("rel_diff", "torch.float64", "torch.float32", 8))
+        else:
+            target = 20 * float(err)
         assert target < auto_threshold("rel_diff", "torch.float64", str(dtype))[0]
         return Fault(BUDGET_FAULT, "scale", eps=math.sqrt(2 * target))
 
@@ -706,6 +711,7 @@ class Cell:
     slice: str | None = None
     xfail: str | None = None
     settles: tuple[str, ...] = ("matches",)
+    needs: Callable | None = field(default=None, repr=False)  # runs -> why the cell cannot hold here
 
     @property
     def kind(self) -> str:
@@ -714,6 +720,17 @@ class Cell:
     @property
     def id(self) -> str:
         return f"{self.family}-{self.mode}-{self.kind}-{self.place}"
+
+
+def router_flip(runs: Runs, a: str, b: str) -> str | None:
+    """``None`` if some token's top-k experts differ as a set between runs ``a`` and ``b`` (the
+    near-tie the cell is about); else why not: bfloat16 rounding is the CPU's."""
+    ta, tb = pass_tensors(runs[a]), pass_tensors(runs[b])
+    for k in ta:
+        if k.endswith("mlp.gate[2]"):
+            if (ta[k].sort(-1).values != tb[k].sort(-1).values).any():
+                return None
+    return "no router top-k set differs between the runs on this CPU: no near-tie to judge"
 
 
 def judge(cell: Cell, runs: Runs) -> tuple[bool, str]:
@@ -908,7 +925,14 @@ CELLS = [
     Cell("moe", "plain", "expert", _plain("moe", "moe_expert"), key(EXPERTS), None, CASE[11]),
     Cell("moe", "plain", "sdpa", _plain("moe", "moe_sdpa")),
     Cell("moe", "plain", "bf16", _plain("moe", "moe_bf16")),
-    Cell("moe", "plain", "bf16 router near-tie", _plain("moe_tie", "moe_tie_bf16"), xfail=CASE[6]),
+    Cell(
+        "moe",
+        "plain",
+        "bf16 router near-tie",
+        _plain("moe_tie", "moe_tie_bf16"),
+        xfail=CASE[6],
+        needs=lambda runs: router_flip(runs, "moe_tie", "moe_tie_bf16"),
+    ),
     # encoder (BERT)
     Cell("encoder", "plain", "element", _plain("enc", "enc_element"), key(ENC_FAULT)),
     Cell("encoder", "plain", "sdpa", _plain("enc", "enc_sdpa")),
@@ -998,6 +1022,8 @@ def table(runs: Runs, cells=CELLS) -> list[dict]:
     """Per family x mode: planted faults named right, correct variants reading "matches"."""
     rows: dict[tuple[str, str], dict] = {}
     for cell in cells:
+        if cell.needs is not None and cell.needs(runs):
+            continue  # nothing to judge on this machine (said by the test as a skip)
         ok, _ = judge(cell, runs)
         row = rows.setdefault(
             (cell.family, cell.mode),

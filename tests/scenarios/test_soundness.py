@@ -37,6 +37,8 @@ def _param(cell):
 
 @pytest.mark.parametrize("cell", [_param(c) for c in CELLS])
 def test_cell(cell, runs):
+    if cell.needs is not None and (why := cell.needs(runs)):
+        pytest.skip(why)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the verdict is the answer under test
         ok, text = judge(cell, runs)
