@@ -589,17 +589,21 @@ def _run_spans(runs: list[Run]) -> str:
 def _token_rows(pi: PassIndex, p: int, key: str) -> tuple[dict, int, list[int], torch.dtype | None] | str:
     """Entry ``key`` of pass ``p`` as token rows: ``(plan reading it, its token rows, the shape
     of a row, its torch dtype)``, or the reason it is not (its shape does not lead with the
-    pass's token rows)."""
+    pass's token rows). A ``[b, s]`` layout's rows may also lead flattened (``[b*s, ...]``:
+    MoE routers and experts flatten the batch): the same rows in the same order."""
     i = pi.position[key]
     shape, lead = pi.shape[i], list(pi.tokens.shape)
-    if shape is None or list(shape[: len(lead)]) != lead:
+    node = read(p, key)
+    if shape is not None and list(shape[: len(lead)]) == lead:
+        if len(lead) > 1:
+            node = {"op": "flat", "end": len(lead) - 1, "part": node}
+    elif shape and len(lead) > 1 and shape[0] == math.prod(lead):
+        lead = [shape[0]]  # its token rows already flattened, row-major (MoE routers, experts)
+    else:
         return (
             f"not token-major: shape {None if shape is None else list(shape)} in pass {p} "
             f"does not lead with its token rows {lead} (set aside, not compared)"
         )
-    node = read(p, key)
-    if len(lead) > 1:
-        node = {"op": "flat", "end": len(lead) - 1, "part": node}
     dtype = getattr(torch, str(pi.dtype[i]).removeprefix("torch."), None)
     return node, math.prod(lead), list(shape[len(lead) :]), dtype if isinstance(dtype, torch.dtype) else None
 

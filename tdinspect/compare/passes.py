@@ -19,6 +19,7 @@ import pandas as pd
 
 from tdinspect.align.logical import LogicalPass
 from tdinspect.align.mapping import mapped_key, quoted_rule
+from tdinspect.compare.padrows import compare_real_rows
 from tdinspect.compare.pairing import pairs, unchanged_since
 from tdinspect.compare.passframes import typed_columns
 from tdinspect.compare.plainpairs import compare_plain, plain_dtypes
@@ -127,6 +128,9 @@ def _compare_pass(job: PassJob) -> list[dict[str, Any]]:
             lambda k: pa.tensor(k, loaded_a()),
             lambda k: pb.tensor(k, loaded_b()),
             job.chunk,
+        )
+        compare_real_rows(
+            rows, pa, pb, lambda k: pa.tensor(k, loaded_a()), lambda k: pb.tensor(k, loaded_b()), job.chunk
         )
     _hint_concat(rows, pa, pb)
     _hint_shards(rows, job)

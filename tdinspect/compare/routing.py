@@ -16,7 +16,9 @@ compared:
   the routing: where the two runs route differently, those rows are not the same tokens at the
   same places, and they are set aside with the reason ("set aside: routing differs"), never
   compared position by position. The verdict is then incomplete, never a false alarm and never
-  a false "matches".
+  a false "matches". The experts module's own output (``<parent>.experts``, recorded as a
+  module with parameters of its own) is a row per token: it is compared on the tokens both
+  runs route alike, so a fault in an expert is still named there.
 """
 
 from __future__ import annotations
@@ -113,15 +115,34 @@ def judge_routing(rows: list[dict[str, Any]], pa, pb, tensor_a, tensor_b, chunk:
         more = f"; {len(ties) - 3} more" if len(ties) > 3 else ""
         row["reason"] = f"{TIED}{len(ties)} pick(s) differ only at near-ties of {ka}'s scores ({shown}{more})"
         parent = _parts(row["key"]).module.rsplit(".", 1)[0]
-        differing[parent] = f"{ROUTING}: {row['key']} picks other experts at near-ties ({shown}{more})"
+        why = f"{ROUTING}: {row['key']} picks other experts at near-ties ({shown}{more})"
+        differing[parent] = (why, len(ia), {t for t, *_ in ties})
     if not differing:
         return
     for row in rows:
         p = _parts(row["key"])
-        if p is None or row["reason"]:
+        if p is None or row["reason"] or row["structural"]:
             continue
-        for parent, why in differing.items():
+        for parent, (why, tokens, moved) in differing.items():
+            if p.module == parent + ".experts" and _same_tokens(
+                row, tokens, moved, tensor_a, tensor_b, chunk
+            ):
+                break  # the experts' combined output, per token: compared where the routing agrees
             if p.module.startswith(parent + ".experts"):
                 row.update(structural=False, reason=f"{why}; its rows are gathered by that routing")
                 row.update(dict.fromkeys(TENSOR_METRICS, float("nan")))  # position by position: meaningless
                 break
+
+
+def _same_tokens(row: dict[str, Any], tokens: int, moved: set, tensor_a, tensor_b, chunk: int) -> bool:
+    """Compare, in ``row``, the experts' combined output (``[tokens, ...]``, a row per token) on
+    the tokens both runs route alike; ``False`` (nothing changed) where it is not led by the
+    router's ``tokens`` rows or every token was routed otherwise."""
+    ya, xb = tensor_a(row["key"]), tensor_b(row["key_b"])
+    if ya.dim() == 0 or ya.shape != xb.shape or ya.shape[0] != tokens or len(moved) >= tokens:
+        return False
+    keep = torch.ones(tokens, dtype=torch.bool)
+    keep[sorted(moved)] = False
+    row.update(compare_tensors(xb[keep], ya[keep], chunk=chunk))
+    row.pop("nonfinite_mismatch", None)
+    return True

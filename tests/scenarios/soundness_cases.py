@@ -42,6 +42,9 @@ EPS = math.sqrt(2 * FACTOR * FP32)  # the relative scale of a slice fault
 SEQ, PROMPT, NEW = 12, 16, 8
 DENSE_FAULT = "model.layers.1.mlp.down_proj"  # module names inside the Hugging Face model
 LAYER0_DOWN = "model.layers.0.mlp.down_proj"
+# non-reentrant checkpointing stops its recompute once backward's saved tensors are back: a layer's
+# down_proj is never recomputed, its up_proj is
+LAYER0_UP = "model.layers.0.mlp.up_proj"
 
 
 def key(module: str) -> str:
@@ -329,8 +332,8 @@ class Runs:
     def _train_ckpt(self, p):
         return self._train_run(p, True, ())
 
-    def _train_ckpt_recompute(self, p):  # the recompute of layer 0's down_proj 10% off
-        return self._train_run(p, True, (Fault(LAYER0_DOWN, "call", call=1, eps=0.1),))
+    def _train_ckpt_recompute(self, p):  # the recompute of layer 0's up_proj 10% off
+        return self._train_run(p, True, (Fault(LAYER0_UP, "call", call=1, eps=0.1),))
 
     def _train_run(self, p, checkpointing: bool, faults):
         model = llama().train()
@@ -808,8 +811,8 @@ DOWN1, DOWN0 = key(DENSE_FAULT), key(LAYER0_DOWN)
 # BERT's position and token-type embeddings are [1, s, h] whatever the batch: not token-major in a
 # padded batch, named as one-sided by design (docs/engines.md)
 # and the pooler's output is [b, h] (one row per request, no token rows)
-# Mixtral's experts run on the tokens routed to each (rows of no fixed token): not token-major;
-# its router's [b*s, experts] outputs are, flattened (see NEW_ROUTER_ROWS)
+# Mixtral's experts' activations run on the tokens routed to each (rows of no fixed token): not
+# token-major; the router's and the experts' [b*s, ...] outputs are, flattened, and are compared
 MOE_TOKENS = {"allow_uncompared": r"experts\.act_fn|mlp\.gate"}
 ENC_TOKENS = {"allow_uncompared": r"position_embeddings|token_type_embeddings|pooler"}
 RANK1 = r"rank 1\b"
@@ -822,17 +825,16 @@ CELLS = [
     Cell("dense", "plain", "sdpa", _plain("dense", "dense_sdpa")),
     Cell("dense", "plain", "bf16", _plain("dense", "dense_bf16")),
     Cell("dense", "plain", "batch of 2", _narrowed("dense", "dense_batched")),
-    Cell("dense", "plain", "left-padded sdpa", _plain("dense_leftpad", "dense_leftpad_sdpa"), xfail=CASE[8]),
+    Cell("dense", "plain", "left-padded sdpa", _plain("dense_leftpad", "dense_leftpad_sdpa")),
     Cell(
         "dense",
         "plain",
         "recompute replica",
         _plain("train", "train_ckpt_recompute"),
-        DOWN0,
+        key(LAYER0_UP),
         r"call ?1\b|recompute",
-        CASE[5],
     ),
-    Cell("dense", "plain", "gradient checkpointing", _plain("train", "train_ckpt"), xfail=CASE[5]),
+    Cell("dense", "plain", "gradient checkpointing", _plain("train", "train_ckpt")),
     Cell(
         "dense",
         "checksum",
@@ -851,7 +853,7 @@ CELLS = [
     # the cp slice is named (ranks 2, 3 hold cp 1), or rank 2 alone
     Cell("dense", "unshard", "cp rank", _unshard("dense", "cp2_tp2_rank"), DOWN1, r"rank 2\b|cp 1 of 2"),
     Cell("dense", "unshard", "cp2 zigzag tp2 sdpa", _unshard("dense", "cp2_tp2")),
-    Cell("dense", "unshard", "dp replica", _unshard("dense", "dp2_tp2_replica"), DOWN1, r"dp.*1", CASE[3]),
+    Cell("dense", "unshard", "dp replica", _unshard("dense", "dp2_tp2_replica"), DOWN1, r"dp.*1"),
     Cell(
         "dense",
         "unshard",
@@ -859,7 +861,6 @@ CELLS = [
         _unshard("dense", "dp2_tp2_nan"),
         key("model.embed_tokens"),
         r"dp.*1",
-        CASE[3],
     ),
     Cell("dense", "unshard", "dp2 tp2 sdpa", _unshard("dense", "dp2_tp2")),
     Cell(
@@ -869,9 +870,8 @@ CELLS = [
         _unshard("dense", "tp2_replicated"),
         key("model.norm"),
         RANK1,
-        CASE[3],
     ),
-    Cell("dense", "unshard", "pp2 sdpa", _unshard("dense", "pp2"), xfail=CASE_PP),
+    Cell("dense", "unshard", "pp2 sdpa", _unshard("dense", "pp2")),
     Cell("dense", "tokens", "token", _tokens("requests", "continuous_token"), DOWN0, r"request 2\b", CASE[4]),
     Cell("dense", "tokens", "continuous batching", _tokens("requests", "continuous")),
     Cell("dense", "tokens", "padded batch", _tokens("requests", "padded")),
@@ -884,7 +884,6 @@ CELLS = [
         _baseline("cand16_up", "base16"),
         key(BUDGET_FAULT),
         None,
-        CASE[10],
     ),
     Cell("dense", "baseline", "bf16 sdpa", _baseline("cand16_sdpa", "base16")),
     Cell("dense", "ops", "weight element", _ops("ops_weight"), DOWN1),
@@ -895,7 +894,6 @@ CELLS = [
         "ops",
         "sdpa with backward",
         _ops("ops_sdpa"),
-        xfail=CASE[7],
         settles=("matches", "incomplete"),
     ),
     # decode (Llama generate against one forward)
@@ -920,9 +918,8 @@ CELLS = [
         "tokens",
         "padded batch, router rows compared",
         _tokens("moe_requests", "moe_padded", allow_uncompared=r"experts\.act_fn"),
-        xfail=NEW_ROUTER_ROWS,
     ),
-    Cell("moe", "plain", "expert", _plain("moe", "moe_expert"), key(EXPERTS), None, CASE[11]),
+    Cell("moe", "plain", "expert", _plain("moe", "moe_expert"), key(EXPERTS)),
     Cell("moe", "plain", "sdpa", _plain("moe", "moe_sdpa")),
     Cell("moe", "plain", "bf16", _plain("moe", "moe_bf16")),
     Cell(
@@ -930,7 +927,10 @@ CELLS = [
         "plain",
         "bf16 router near-tie",
         _plain("moe_tie", "moe_tie_bf16"),
-        xfail=CASE[6],
+        # the picks that differ at a near-tie are compared as tied and the experts' per-token output
+        # on the tokens routed alike; the experts' inner rows, gathered by another routing, are
+        # set aside with that reason: "incomplete" is the honest answer, "diverges" never is
+        settles=("matches", "incomplete"),
         needs=lambda runs: router_flip(runs, "moe_tie", "moe_tie_bf16"),
     ),
     # encoder (BERT)
