@@ -293,6 +293,87 @@ def _numba_kernels() -> dict:
     return _NUMBA_KERNELS
 
 
+_ROW_KERNELS: dict | None = None
+
+
+def _numba_row_kernels() -> dict:
+    """:func:`tdinspect.numerics.fused_loop.compile_row_kernels`' loops, made once per process
+    (as :func:`_numba_kernels`); empty where numba fails to load."""
+    global _ROW_KERNELS
+    with _COMPILE_LOCK:
+        if _ROW_KERNELS is None:
+            fused_loop = lazy_numba.load("fused_loop", "the metrics use numpy's kernels (slower)")
+            if fused_loop is None:
+                _ROW_KERNELS = {}
+            else:
+                try:
+                    _ROW_KERNELS = fused_loop.compile_row_kernels(cache=True)
+                except RuntimeError:  # no writable cache directory
+                    _ROW_KERNELS = fused_loop.compile_row_kernels(cache=False)
+    return _ROW_KERNELS
+
+
+def row_sums(
+    x: np.ndarray,
+    y: np.ndarray,
+    width: int,
+    *,
+    rtol: float,
+    atol: float,
+    min_numba: int = NUMBA_MIN_BYTES,
+    codes: str | None = None,
+) -> np.ndarray:
+    """The seven sums of each row of ``width`` elements of ``x`` against ``y``, in one read.
+
+    ``x`` and ``y`` as :func:`pair_sums` takes them, their length a multiple of ``width``.
+    Returns a ``[rows, 7]`` float64 array, columns in :data:`SEGMENT_SUMS` order. The sums of
+    a row are the additive pieces of the pair's (``Σ`` over rows; the maxima and the count as
+    such), which :mod:`tdinspect.numerics.slices` judges row by row. Column 5 (``max_rel``) is
+    only meant for the pair's maximum over rows (the compiled loop carries it from row to row).
+
+    The road is chosen by size as :func:`pair_sums` chooses it: under :func:`segment_limit`
+    bytes :func:`segment_sums` (a segment a row), else the compiled loop row by row
+    (:func:`tdinspect.numerics.fused_loop.compile_row_kernels`), or numpy's segments where
+    numba is not there.
+
+    Examples
+    --------
+    >>> x, y = np.array([1.0, 2.0, 3.0, 5.0]), np.array([1.0, 2.0, 3.0, 4.0])
+    >>> row_sums(x, y, 2, rtol=0.0, atol=0.0)[:, 2].tolist()  # Σ(x - y)² of each row
+    [0.0, 1.0]
+    """
+    global _BACKEND
+    if width <= 0 or x.shape[0] % width or x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"row_sums needs two 1-D arrays of one length, a multiple of width={width}")
+    rows = x.shape[0] // width
+    lut = None
+    codec = "value" if codes is None else codes if codes in _ARITHMETIC else "table"
+    if _BACKEND is None:
+        _BACKEND = default_backend()
+    compiled = (
+        _numba_row_kernels()
+        if _BACKEND == "numba" and x.nbytes >= max(segment_limit(min_numba), min_numba)
+        else {}
+    )
+    if compiled:
+        if codec == "table":
+            lut = decode_table(codes)
+        out = np.empty((rows, 7))
+        compiled[codec](
+            np.ascontiguousarray(x), np.ascontiguousarray(y), width, float(rtol), float(atol), EPS, lut, out
+        )
+        return out
+    out = np.empty((rows, 7))
+    step = max(1, SCRATCH_MAX // width)  # rows a call: the reused scratch buffers
+    for r in range(0, rows, step):
+        stop = min(rows, r + step)
+        starts = np.arange(0, (stop - r) * width, width, dtype=np.intp)
+        out[r:stop] = segment_sums(
+            x[r * width : stop * width], y[r * width : stop * width], starts, rtol, atol, codes
+        ).T
+    return out
+
+
 def _define_numba_kernels() -> dict:
     fused_loop = lazy_numba.load("fused_loop", "the metrics use numpy's kernels (slower)")
     if fused_loop is None:
