@@ -67,20 +67,6 @@ def _identical_slices() -> dict[str, float]:
     return {c: _IDENTICAL[c.removeprefix("slice_")] for c in SLICE_COLUMNS}
 
 
-def _add_rows(found: np.ndarray) -> PairSums:
-    """The pair's sums from its rows' (``[rows, 7]``, :func:`row_sums`' columns)."""
-    return PairSums(
-        0,
-        float(found[:, 0].sum()),
-        float(found[:, 1].sum()),
-        float(found[:, 2].sum()),
-        float(found[:, 3].sum()),
-        float(found[:, 4].max()),
-        float(found[:, 5].max()),
-        int(found[:, 6].sum()),
-    )
-
-
 def _as_row(s: PairSums) -> list[float]:
     return [s.sxx, s.syy, s.sdd, s.sabs, s.max_abs, s.max_rel, float(s.mismatch)]
 
@@ -186,16 +172,16 @@ def stored_pieces_metrics(
     # depend on how it was stored)
     total = sum(x.nbytes for x, _ in pieces)
     min_numba = 0 if total >= NUMBA_MIN_BYTES else 1 << 62
+    found = worst = None
     if isinstance(slices, int):
-        found = np.concatenate(
-            [
-                row_sums(x, y, slices, rtol=rtol, atol=atol, codes=codes, min_numba=min_numba)
-                for x, y in pieces
-            ]
-        )
-        s = _add_rows(found)
-        s.n = sum(x.shape[0] for x, _ in pieces)
-        counts = np.full(found.shape[0], slices)
+        s = PairSums()
+        each = []
+        for x, y in pieces:
+            p, w = row_sums(x, y, slices, rtol=rtol, atol=atol, codes=codes, min_numba=min_numba)
+            s += p
+            each.append(w)
+        if s.n > slices:  # two rows or more
+            worst = _worse(each)
     else:
         each = [pair_sums(x, y, rtol=rtol, atol=atol, codes=codes, min_numba=min_numba) for x, y in pieces]
         s = PairSums()
@@ -209,6 +195,23 @@ def stored_pieces_metrics(
     out.update(row)
     if found is not None and found.shape[0] > 1:
         out.update(worst_slices(found, counts))
+    if worst is not None:
+        out.update(worst)
+    return out
+
+
+_ROW_WORST = ("rel_diff", "mean_abs", "cosine", "sqnr_db", "mismatch")
+
+
+def _worse(each: list[tuple[float, ...]]) -> dict[str, float]:
+    """``slice_<metric>`` of pieces' worst rows (:func:`row_sums`' order; a few pieces a pair:
+    plain Python, no numpy call)."""
+    out = {}
+    for k, name in enumerate(_ROW_WORST):
+        v = [w[k] for w in each if not math.isnan(w[k])]
+        worst = (min(v) if name in ("cosine", "sqnr_db") else max(v)) if v else math.nan
+        out[f"slice_{name}"] = float(worst)
+    out["slice_rel_diff_cast"] = out["slice_rel_diff"]  # one dtype
     return out
 
 
