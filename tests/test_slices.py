@@ -186,3 +186,36 @@ def test_correct_engines_never_diverge_token_by_token(served, ref):
     v = d.verdict()
     assert v.outcome == "matches", v.text
     assert d.table(progress=False)["slice_rel_diff"].notna().any()
+
+
+# -- rows paired along a checksum dim ---------------------------------------------------------
+
+
+def test_a_fault_on_one_row_of_a_batch_paired_along_its_checksum_dim_diverges(tmp_path):
+    """capture(checksum_dim=0): a batch of 4 against a batch of 3 compares their 3 common rows;
+    a fault on one of them, 2x past the threshold on its own, is under it over the 3 rows."""
+    from .test_batch_invariance import _capture, _model
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    thr = 1.49e-8  # float32's "auto" rel_diff threshold, u/4
+
+    def fault(module, args, out):
+        out = out.clone()
+        row = out[1]
+        row += (2 * thr * 2 * row.square().sum() / row.numel()).sqrt()  # row's rel_diff ~ 2 thr
+        return out
+
+    _capture(_model(False), tmp_path / "four", x, stats_only=False, checksum_dim=0)
+    model = _model(False)
+    handle = model[2].register_forward_hook(fault)
+    try:
+        _capture(model, tmp_path / "three", x[:3], stats_only=False, checksum_dim=0)
+    finally:
+        handle.remove()
+    d = tdinspect.DumpSet.open(tmp_path / "four").diff(tmp_path / "three")
+    v = d.verdict()
+    assert v.outcome == "diverges", v.text
+    assert v.divergence.op == "model.2" and "in a slice" in v.divergence.reason, v.divergence.reason
+    row = d.table(progress=False).set_index("key").loc["model.2"]
+    assert row["rel_diff"] < v.divergence.threshold < row["slice_rel_diff"]
+    assert tdinspect.DumpSet.open(tmp_path / "four").diff(tmp_path / "four").verdict().outcome == "matches"
