@@ -23,6 +23,7 @@ from tdinspect.compare.passes import compare_pass
 from tdinspect.compare.passframes import frame_of, typed_columns
 from tdinspect.compare.rule import COLUMNS, ROW_METRICS
 from tdinspect.compare.thresholds import upstream_of
+from tdinspect.numerics.slices import SLICE_COLUMNS
 from tdinspect.util import parallel
 
 from .test_dumpset_diff import write_dump
@@ -161,6 +162,7 @@ def test_table_and_pass_frames_are_the_frames_pandas_makes_of_the_rows(runs, oth
         "structural": "bool",
         "reason": text,
         **{m: "float64" for m in ROW_METRICS},
+        **{c: "float64" for c in SLICE_COLUMNS},
         "upstream": text,
     }
     assert list(table.columns) == list(expected)

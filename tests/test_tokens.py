@@ -437,7 +437,7 @@ def test_token_pairs_read_from_the_files_have_the_pair_by_pair_rows(tmp_path, mo
     monkeypatch.setattr(
         spanpairs,
         "stored_pieces_metrics",
-        lambda pieces, dtype: seen.append((len(pieces), dtype)) or real(pieces, dtype),
+        lambda pieces, dtype, slices=None: seen.append((len(pieces), dtype)) or real(pieces, dtype, slices),
     )
     spans = table()
     with monkeypatch.context() as m:

@@ -107,6 +107,10 @@ class Budget(Thresholds):
     'baseline 10x'
     """
 
+    # a slice's error is not the whole's: the budget, set by the baseline's error over the
+    # whole entry, is not a rule for slices (numerics/slices.py); only the whole is judged
+    per_slice = False
+
     def __init__(self, base: Any, metric_name: str, factor: float = FACTOR):
         super().__init__(AUTO, metric_name)  # the rule of entries the baseline lacks
         roundoff_floor(self.metric.name, "", "")  # a metric that is not an error: ValueError

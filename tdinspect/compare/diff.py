@@ -66,6 +66,7 @@ from tdinspect.compare.thresholds import (
     never_compared,
     reason_of,
     set_aside,
+    slice_hits,
     threshold_fn,
 )
 from tdinspect.errors import DumpFormatError, UncomparedWarning
@@ -470,14 +471,11 @@ class Diff:
 
     @staticmethod
     def _hits(rows: pd.DataFrame, m, thr_fn) -> np.ndarray:
-        """Which rows diverge (a boolean array), by :func:`divergent`."""
-        return divergent(
-            m,
-            rows[m.name].to_numpy(float),
-            thr_fn.of_rows(rows),
-            rows["structural"].to_numpy(bool),
-            explained(rows["reason"].to_numpy(object)),
-        )
+        """Which rows diverge (a boolean array), by :func:`divergent`, whole or by a slice
+        (:func:`~tdinspect.compare.thresholds.slice_hits`)."""
+        thresholds, skip = thr_fn.of_rows(rows), explained(rows["reason"].to_numpy(object))
+        hit = divergent(m, rows[m.name].to_numpy(float), thresholds, rows["structural"].to_numpy(bool), skip)
+        return hit | slice_hits(rows, m, thresholds, skip, thr_fn)
 
     def _check_metric(self, metric_name):
         metric_name = metric_name or self.default_metric
@@ -944,7 +942,15 @@ class Diff:
             if why:
                 return None, ya, xb
         bad = []
+        calls = all(str(label).startswith(("call ", "pass ")) for label, _, _ in parts)
         for n_part, (label, spans, dim) in enumerate(parts):
+            if calls and masks is None:  # a decode step: which positions it fed
+                first, n = spans[0]
+                label = (
+                    f"{label} (position {first})"
+                    if n == 1
+                    else f"{label} (positions {first}..{first + n - 1})"
+                )
             if masks is not None:
                 y, x = ya[masks[n_part]], xb[masks[n_part]]
             else:

@@ -21,6 +21,7 @@ from tdinspect.compare.thresholds import (
     explained,
     never_compared,
     set_aside,
+    slice_hits,
 )
 
 HEALTH_COLUMNS = [
@@ -141,7 +142,8 @@ def _judge(out: pd.DataFrame, df: pd.DataFrame, m, thr_fn: Thresholds, allowed, 
     thr = thr_fn.of_rows(df)
     structural = df["structural"].to_numpy(bool)
     reasons = df["reason"].to_numpy(object)
-    hit = divergent(m, values, thr, structural, explained(reasons))
+    skip = explained(reasons)
+    hit = divergent(m, values, thr, structural, skip) | slice_hits(df, m, thr, skip, thr_fn)
     excused = np.zeros(len(df), bool)
     if allowed:
         aside = set_aside(structural, reasons) | never_compared(structural, reasons)

@@ -17,12 +17,14 @@ import torch
 
 from tdinspect.align.args import arg_difference
 from tdinspect.align.logical import LogicalPass, matching_slices
+from tdinspect.align.tokens import RequestPass
 from tdinspect.compare.pairing import layout_shapes
 from tdinspect.compare.rows import differing_rows, paired_rows
 from tdinspect.errors import AlignError
 from tdinspect.naming import split_call
 from tdinspect.numerics.metrics import TENSOR_METRICS, compare_tensors, stats_rel
 from tdinspect.numerics.metrics_split import compare_pieces
+from tdinspect.numerics.slices import SLICE_COLUMNS, SLICE_METRICS
 from tdinspect.store.passindex import PassIndex
 from tdinspect.store.restore import oversized
 
@@ -45,6 +47,8 @@ COLUMNS = [
     "structural",
     "reason",
     *ROW_METRICS,
+    # the worst slice's value of each metric a slice can be worse in (NaN: not made of slices)
+    *SLICE_COLUMNS,
 ]
 
 # what a side says of an entry capture recorded without its tensor (dumper/kinds.py)
@@ -72,6 +76,8 @@ def new_row(
     }
     for m in ROW_METRICS:
         row[m] = math.nan
+    for c in SLICE_COLUMNS:
+        row[c] = math.nan
     return row
 
 
@@ -92,6 +98,7 @@ class Side:
     rows: Any = None  # capture(checksum_dim=...): {"dim": d, "rows": [fingerprint per index]}
     fused: Any = None  # a fused entry's layout (align.logical.LogicalPass.fused_layout), or None
     rank_pieces: Any = None  # () -> a fused entry's shards in rank order
+    token_rows: int | None = None  # a request's tokens (tokens=True): elements a token row
 
 
 def _replica_problem(a: Side, b: Side, mode: str) -> str:
@@ -158,7 +165,8 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
 def _compare_rows(row: dict[str, Any], a: Side, b: Side, dim: int, n: int, mode: str, chunk: int) -> None:
     """Fill ``row`` for a pair whose shapes differ only along its checksum dim
     (:func:`tdinspect.compare.rows.paired_rows`): ``equal`` from the first ``n`` rows'
-    fingerprints; in tensor mode the other metrics from those rows of both tensors (statistics
+    fingerprints; in tensor mode the other metrics from those rows of both tensors, each row
+    judged too (``slice_<metric>``, a second read of those rows: this road is rare) (statistics
     of whole tensors of other shapes say nothing: ``stats_rel`` stays NaN)."""
     if mode == "tensor":
         try:
@@ -167,6 +175,8 @@ def _compare_rows(row: dict[str, Any], a: Side, b: Side, dim: int, n: int, mode:
             row.update(structural=True, reason=str(exc))
             return
         row.update(compare_tensors(xb, ya, chunk=chunk))
+        # each row judged too (numerics/slices.py): a batch's rows are requests of their own
+        row.update(_worst_apart(list(zip(xb.unbind(dim), ya.unbind(dim))), chunk))
         bad = row.pop("nonfinite_mismatch", 0)
         if bad:
             row.update(structural=True, reason=f"{NONFINITE} ({int(bad)} elements)")
@@ -179,12 +189,17 @@ def _tensor_metrics(a: Side, b: Side, transform, chunk: int) -> dict[str, float]
 
     A concatenated side (unshard, concat) is compared part by part against the
     matching slices of the other, without assembling it, where
-    :func:`~tdinspect.numerics.metrics_split.compare_pieces` can be exact.
+    :func:`~tdinspect.numerics.metrics_split.compare_pieces` can be exact. A pair made of
+    slices (those parts; a request's token rows) is judged slice by slice too
+    (:mod:`tdinspect.numerics.slices`): the worst slice's metrics, from the sums of the same
+    read; where the pair takes the whole road (two dtypes, NaN/Inf), from its slices compared
+    one by one.
     """
+    rows = a.token_rows if transform is None and a.token_rows and a.token_rows == b.token_rows else None
+    cut = None
     if transform is None and a.fused is not None and a.fused == b.fused:  # shard meets shard
-        found = compare_pieces(
-            [(x, y) for y, x in matching_slices(a.rank_pieces(), b.rank_pieces())], chunk=chunk
-        )
+        shards = matching_slices(a.rank_pieces(), b.rank_pieces())
+        found = compare_pieces([(x, y) for y, x in shards], chunk=chunk, slices="pieces")
         if found is not None:
             return found
     if transform is None and (a.pieces is not None or b.pieces is not None):
@@ -195,15 +210,47 @@ def _tensor_metrics(a: Side, b: Side, transform, chunk: int) -> dict[str, float]
             if pb is None:
                 pb = (pa[0], [(0, b.tensor())])
             slices = matching_slices(pa, pb)
-            found = None if slices is None else compare_pieces([(x, y) for y, x in slices], chunk=chunk)
-            if found is not None:
-                return found
+            if slices is not None:
+                cut = [(x, y) for y, x in slices]
+                found = compare_pieces(cut, chunk=chunk, slices=rows or "pieces")
+                if found is not None:
+                    return found
     ya, xb = a.tensor(), b.tensor()
     if transform is not None:
         xb, why = apply_transform(transform, xb, ya)
         if why:
             return why
-    return compare_tensors(xb, ya, chunk=chunk)
+    if rows and cut is None:
+        found = compare_pieces([(xb, ya)], chunk=chunk, slices=rows)
+        if found is not None:
+            return found
+    out = compare_tensors(xb, ya, chunk=chunk)
+    if rows:
+        out.update(_worst_apart(_rows_of(xb, ya, rows), chunk))
+    elif cut is not None and len(cut) > 1:
+        out.update(_worst_apart(cut, chunk))
+    return out
+
+
+def _rows_of(x: torch.Tensor, y: torch.Tensor, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x row, y row)`` of each token row (``width`` elements) of a pair of one shape."""
+    if x.shape != y.shape or not width or x.numel() % width:
+        return []
+    return list(zip(x.reshape(-1, width), y.reshape(-1, width)))
+
+
+def _worst_apart(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk: int) -> dict[str, float]:
+    """The worst slice's metrics (``slice_<metric>``) of slices compared one by one: the road
+    of pairs whose sums do not settle in one read (two dtypes, NaN/Inf masked)."""
+    if len(pairs) < 2:
+        return {}
+    found = [compare_tensors(x, y, chunk=chunk) for x, y in pairs]
+    out = {}
+    for name in SLICE_METRICS:
+        values = [f[name] for f in found if not math.isnan(f[name])]
+        worse = max if name not in ("cosine", "sqnr_db") else min
+        out[f"slice_{name}"] = float(worse(values)) if values else math.nan
+    return out
 
 
 def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
@@ -224,7 +271,14 @@ def side_of(pi: PassIndex, i: int, loaded, side: str) -> Side:
         pi.checksum_rows[i] if pi.checksum_rows else None,
         pi.fused_layout(pi.keys[i]) if isinstance(pi, LogicalPass) else None,
         (lambda: _read(pi, i, loaded(), side, pi.rank_pieces)) if isinstance(pi, LogicalPass) else None,
+        _row_width(pi, i) if isinstance(pi, RequestPass) else None,
     )
+
+
+def _row_width(pi: PassIndex, i: int) -> int | None:
+    """Elements of one token row of a request's entry ``[positions, ...]``."""
+    shape = pi.shape[i]
+    return math.prod(shape[1:]) if isinstance(shape, list) and len(shape) >= 1 else None
 
 
 def apply_transform(transform, xb, ya):

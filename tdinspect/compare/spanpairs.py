@@ -5,7 +5,8 @@ token rows, ``DumpSet.diff(other, tokens=True)``) is a list of byte spans of its
 pass files: the rows of a prefill run, one row of each decode pass.
 :meth:`~tdinspect.align.tokens.RequestPass.byte_pieces` gives them as numpy views (small
 rows copied together); the two sides are cut at every boundary of either and compared piece
-by piece by :func:`~tdinspect.numerics.metrics_split.stored_pieces_metrics`, which is
+by piece by :func:`~tdinspect.numerics.metrics_split.stored_pieces_metrics`, token row by token row
+(each judged, :mod:`tdinspect.numerics.slices`), which is
 what :func:`~tdinspect.compare.rule.compare_pair` computes for such a pair, without a torch
 call: each releases and takes back the GIL, and with one a piece the diff's threads spent
 their time handing it over (8x the thread switches of a plain diff of the same bytes).
@@ -60,7 +61,10 @@ def compare_spans(pairs: list[tuple[dict, int, int]], pa: RequestPass, pb: Reque
         found = None
         if cut is not None:
             elements = STORED[dtype][0]
-            found = stored_pieces_metrics([(x.view(elements), y.view(elements)) for x, y in cut], dtype)
+            width = math.prod(pa.shape[ia][1:])  # a token row: each is judged (numerics/slices.py)
+            found = stored_pieces_metrics(
+                [(x.view(elements), y.view(elements)) for x, y in cut], dtype, slices=width
+            )
         if not fill_settled(row, found, pa.call_args[ia], pb.call_args[ib]):
             left.append((row, ia, ib))  # not as the sidecars say, or a special road: compare_pair's
     return left

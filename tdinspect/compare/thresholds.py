@@ -494,9 +494,44 @@ def allowed_rows(patterns: list[re.Pattern], ops, keys_b, keys=None) -> np.ndarr
     )
 
 
+def slice_hits(rows: pd.DataFrame, m, thresholds, explained, thr_fn) -> np.ndarray:
+    """Which rows diverge by their worst slice (``slice_<metric>``, :mod:`tdinspect.numerics.slices`):
+    the rule of the whole (:func:`divergent`, the same threshold) applied to each slice of a
+    pair made of slices (decode calls, ranks, token rows). A slice not judged (NaN: the pair is
+    not made of slices, or that metric has none) never diverges by itself; thresholds that are
+    not a rule of dtypes (a baseline's budget, set by the baseline's whole error) leave the
+    slices unjudged."""
+    col = f"slice_{m.name}"
+    if col not in rows or not getattr(thr_fn, "per_slice", True):
+        return np.zeros(len(rows), bool)
+    values = rows[col].to_numpy(float)
+    with np.errstate(invalid="ignore"):
+        over = values > thresholds if m.higher_is_worse else values < thresholds
+    return over & ~np.isnan(values) & ~np.asarray(explained, bool)
+
+
+def judged_value(row, m, thr: float, thr_fn=None) -> tuple[float, bool]:
+    """``(value, from a slice)``: the row's metric, or its worst slice's where only that
+    passes ``thr`` (:func:`slice_hits`)."""
+    value = row[m.name]
+    sliced = row.get(f"slice_{m.name}", math.nan) if hasattr(row, "get") else math.nan
+    if (
+        getattr(thr_fn, "per_slice", True)
+        and value is not None
+        and not math.isnan(value)
+        and not m.diverges(value, thr)
+        and sliced is not None
+        and not math.isnan(sliced)
+        and m.diverges(sliced, thr)
+    ):
+        return float(sliced), True
+    return value, False
+
+
 def reason_of(row, m, thr_fn) -> str:
     """The reason text of a row :func:`divergent` marked (with where an ``"auto"``
-    threshold came from: ``rel_diff 5.08e-05 > 1.49e-08 (auto: float32)``)."""
+    threshold came from: ``rel_diff 5.08e-05 > 1.49e-08 (auto: float32)``); a row that
+    diverges by a slice only says so (``... in a slice (the whole: rel_diff 2.9e-09)``)."""
     if row["structural"]:
         return row["reason"]
     copy = _replica_of(row)
@@ -504,6 +539,11 @@ def reason_of(row, m, thr_fn) -> str:
     if value is None or math.isnan(value):
         return f"{copy}{m.name} could not be computed"
     thr_fn = threshold_fn(thr_fn, m.name)
+    value, sliced = judged_value(row, m, thr_fn(row), thr_fn)
+    if sliced:
+        whole = dict(row)
+        whole[m.name] = value
+        return f"{reason_of(whole, m, thr_fn)} in a slice (the whole: {m.name} {row[m.name]:.3g})"
     own = thr_fn.explain(row, value)
     if own:
         return copy + own
@@ -551,7 +591,7 @@ def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str 
         int(row["rank"]),
         row["key"],
         m.name,
-        float(row[m.name]),
+        float(judged_value(row, m, thr_fn(row), thr_fn)[0]),
         thr_fn(row),
         reason_of(row, m, thr_fn) + located,
         float(row["order"]),

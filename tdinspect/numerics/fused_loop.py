@@ -365,7 +365,7 @@ def _bfloat16_pairs(x, y, blk, end, lut, decode, low, rtol, atol, eps, sxx, syy,
 
 
 @numba.njit(inline="always")
-def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread):
+def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread, best):
     # Elements are taken to float64 in registers (as fast here as float32). LLVM vectorises
     # the fixed inner trip of LANES (the caller's length need not be a multiple).
     # ``elements`` runs a block (_elements, or _bfloat16_pairs with spread 2: lane j then
@@ -383,11 +383,13 @@ def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread):
     # for all lanes: a lane's own maximum made the first blocks of a 64 KB pair slower than
     # dividing everything (each lane sets records for a while). The maxima are the numbers a
     # division of every element gives (tested bit for bit, on an FMA and a generic build).
+    # ``best``: a max_rel already reached (0.0 for a pair; the rows before, for a row of
+    # :func:`_rows`): the filter then skips what cannot beat it, and max_rel is the larger.
     n = x.shape[0]
     f8 = numba.float64
     sxx, syy, sdd, sab = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
     mxa, mis, hit, mxr = _zeros(f8), _zeros(f8), _zeros(f8), _zeros(f8)
-    best = 0.0  # max_rel so far: the lanes' mxr, and the quotients divided one at a time
+    # best: max_rel so far (the lanes' mxr, and the quotients divided one at a time)
     small = 2.0**-1020 / eps
     # whole blocks only: a last, shorter block (a variable bound) ran 9x slower
     whole = n - n % BLOCK
@@ -439,35 +441,123 @@ def _loop(x, y, rtol, atol, eps, lut, decode, elements, spread):
 # One entry point per codec, each a plain module-level function so numba's disk cache finds
 # it again (a kernel built in a closure over its decoder missed the cache in every process).
 def _fused_value(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _value, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _value, _elements, 1, 0.0)
 
 
 def _fused_table(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _lookup, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _lookup, _elements, 1, 0.0)
 
 
 def _fused_bfloat16(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_bfloat16, _bfloat16_pairs, 2)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_bfloat16, _bfloat16_pairs, 2, 0.0)
 
 
 def _fused_float16(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_float16, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_float16, _elements, 1, 0.0)
 
 
 def _fused_half(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_half, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_half, _elements, 1, 0.0)
 
 
 def _fused_e5m2_half(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2_half, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2_half, _elements, 1, 0.0)
 
 
 def _fused_e4m3fn(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_e4m3fn, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e4m3fn, _elements, 1, 0.0)
 
 
 def _fused_e5m2(x, y, rtol, atol, eps, lut):  # pragma: no cover - compiled
-    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2, _elements, 1)
+    return _loop(x, y, rtol, atol, eps, lut, _decode_e5m2, _elements, 1, 0.0)
+
+
+@numba.njit(inline="always")
+def _rows(x, y, width, rtol, atol, eps, lut, decode, elements, spread):
+    # each row of ``width`` elements summed by the loop of a pair (the same arithmetic), the
+    # pair's sums added up row after row, and each row judged as it is summed (the worst row's
+    # rel_diff, mean_abs, cosine, sqnr_db and mismatch, by metrics._from_sums' formulas: no
+    # array of rows, no second pass). max_rel's bound carried from row to row, so a row does
+    # not divide its first blocks again (the pair's max_rel is the last row's, the largest).
+    best = 0.0
+    sxx, syy, sdd, sab, mxa, mis = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    rel, mab, mms, cos = -1.0, -1.0, -1.0, 2.0
+    qy, qd = 1.0, 0.0  # Σy², Σ(x-y)² of the row of least Σy²/Σ(x-y)² (sqnr_db), no log a row
+    seen = False
+    for r in range(x.shape[0] // width):
+        a = r * width
+        s = _loop(x[a : a + width], y[a : a + width], rtol, atol, eps, lut, decode, elements, spread, best)
+        best = s[5]
+        rx, ry, rd, rb, rm = s[0], s[1], s[2], s[3], np.float64(s[6])
+        sxx += rx
+        syy += ry
+        sdd += rd
+        sab += rb
+        mxa = max(mxa, s[4])
+        mis += rm
+        mab = max(mab, rb / width)
+        mms = max(mms, rm / width)
+        if max(rx, ry) < 1e-250 and rd > 0:  # sums that underflowed: not this row's ratios
+            continue
+        den = rx + ry
+        rel = max(rel, rd / den if den > 0 else 0.0)
+        seen = True
+        if rd > 0 and (qd == 0 or ry * (1.0 / rd) < qy * (1.0 / qd)):
+            qy, qd = ry, rd
+        if rx == 0 and ry == 0:
+            cos = min(cos, 1.0)
+        elif rx == 0 or ry == 0:
+            cos = min(cos, 0.0)
+        else:
+            root = np.sqrt(rx) * np.sqrt(ry)
+            if den <= 16 * root:  # else Σxy is to be summed directly: left out
+                cos = min(cos, max(-1.0, min(1.0, (den - rd) / 2 / root)))
+    sq = np.nan
+    if seen:
+        sq = np.inf if qd == 0 else 10.0 * (np.log10(qy) - np.log10(qd)) if qy > 0 else -np.inf
+    return sxx, syy, sdd, sab, mxa, best, mis, rel, mab, cos, sq, mms
+
+
+def _rows_value(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _value, _elements, 1)
+
+
+def _rows_table(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _lookup, _elements, 1)
+
+
+def _rows_bfloat16(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _decode_bfloat16, _bfloat16_pairs, 2)
+
+
+def _rows_float16(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _decode_float16, _elements, 1)
+
+
+def _rows_half(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _decode_half, _elements, 1)
+
+
+def _rows_e5m2_half(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _decode_e5m2_half, _elements, 1)
+
+
+def _rows_e4m3fn(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _decode_e4m3fn, _elements, 1)
+
+
+def _rows_e5m2(x, y, width, rtol, atol, eps, lut):  # pragma: no cover - compiled
+    return _rows(x, y, width, rtol, atol, eps, lut, _decode_e5m2, _elements, 1)
+
+
+_ROWS = {
+    "value": _rows_value,
+    "table": _rows_table,
+    "bfloat16": _rows_bfloat16,
+    "float16": _rows_float16,
+    "float8_e4m3fn": _rows_e4m3fn,
+    "float8_e5m2": _rows_e5m2,
+}
 
 
 _ENTRIES = {
@@ -521,4 +611,17 @@ def compile_kernels(cache: bool = True, f16c: bool | None = None) -> dict:
     entries = dict(_ENTRIES)
     if has_f16c() if f16c is None else f16c:
         entries["float16"], entries["float8_e5m2"] = _fused_half, _fused_e5m2_half
+    return {codec: numba.njit(**options)(fn) for codec, fn in entries.items()}
+
+
+def compile_row_kernels(cache: bool = True, f16c: bool | None = None) -> dict:
+    """``{codec: kernel}`` of the loop row by row (:mod:`tdinspect.numerics.slices`): called as
+    ``kernel(x, y, width, rtol, atol, eps, lut)``, it gives the pair's seven sums (its rows'
+    added up, each row's by the arithmetic of :func:`compile_kernels`') and its worst row's
+    ``rel_diff``, ``mean_abs``, ``cosine``, ``sqnr_db`` and ``mismatch`` (-1, 2 or NaN where
+    no row has one). Options as for :func:`compile_kernels`."""
+    options = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"}, cache=cache)
+    entries = dict(_ROWS)
+    if has_f16c() if f16c is None else f16c:
+        entries["float16"], entries["float8_e5m2"] = _rows_half, _rows_e5m2_half
     return {codec: numba.njit(**options)(fn) for codec, fn in entries.items()}

@@ -46,6 +46,7 @@ Examples
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -291,6 +292,95 @@ def _numba_kernels() -> dict:
         if _NUMBA_KERNELS is None:
             _NUMBA_KERNELS = _define_numba_kernels()
     return _NUMBA_KERNELS
+
+
+_ROW_KERNELS: dict | None = None
+
+
+def _numba_row_kernels() -> dict:
+    """:func:`tdinspect.numerics.fused_loop.compile_row_kernels`' loops, made once per process
+    (as :func:`_numba_kernels`); empty where numba fails to load."""
+    global _ROW_KERNELS
+    with _COMPILE_LOCK:
+        if _ROW_KERNELS is None:
+            fused_loop = lazy_numba.load("fused_loop", "the metrics use numpy's kernels (slower)")
+            if fused_loop is None:
+                _ROW_KERNELS = {}
+            else:
+                try:
+                    _ROW_KERNELS = fused_loop.compile_row_kernels(cache=True)
+                except RuntimeError:  # no writable cache directory
+                    _ROW_KERNELS = fused_loop.compile_row_kernels(cache=False)
+    return _ROW_KERNELS
+
+
+def row_sums(
+    x: np.ndarray,
+    y: np.ndarray,
+    width: int,
+    *,
+    rtol: float,
+    atol: float,
+    min_numba: int = NUMBA_MIN_BYTES,
+    codes: str | None = None,
+) -> tuple[PairSums, tuple[float, ...]]:
+    """The seven sums of ``x`` against ``y`` from those of its rows of ``width`` elements, and
+    its worst row, in one read.
+
+    ``x`` and ``y`` as :func:`pair_sums` takes them, their length a multiple of ``width``.
+    Returns ``(sums, worst)``: the pair's :class:`PairSums` (its rows' added up: the same
+    numbers as :func:`pair_sums` to the rounding of the sums) and the worst row's
+    ``[rel_diff, mean_abs, cosine, sqnr_db, mismatch]``
+    (:func:`tdinspect.numerics.slices.worst_slices`; NaN where no row settles one).
+
+    The road is chosen by size as :func:`pair_sums` chooses it: under :func:`segment_limit`
+    bytes :func:`segment_sums` (a segment a row), else the compiled loop row by row, each row
+    judged as it is summed (:func:`tdinspect.numerics.fused_loop.compile_row_kernels`), or
+    numpy's segments where numba is not there.
+
+    Examples
+    --------
+    >>> x, y = np.array([1.0, 2.0, 3.0, 5.0]), np.array([1.0, 2.0, 3.0, 4.0])
+    >>> sums, worst = row_sums(x, y, 2, rtol=0.0, atol=0.0)
+    >>> sums.sdd, round(worst[0], 4)  # Σ(x - y)² of the pair, the worst row's rel_diff
+    (1.0, 0.0169)
+    """
+    from tdinspect.numerics.slices import worst_slices
+
+    global _BACKEND
+    if width <= 0 or x.shape[0] % width or x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"row_sums needs two 1-D arrays of one length, a multiple of width={width}")
+    rows = x.shape[0] // width
+    codec = "value" if codes is None else codes if codes in _ARITHMETIC else "table"
+    if _BACKEND is None:
+        _BACKEND = default_backend()
+    big = _BACKEND == "numba" and x.nbytes >= max(segment_limit(min_numba), min_numba)
+    compiled = _numba_row_kernels() if big else {}
+    if compiled:
+        lut = decode_table(codes) if codec == "table" else None
+        out = compiled[codec](
+            np.ascontiguousarray(x), np.ascontiguousarray(y), width, float(rtol), float(atol), EPS, lut
+        )
+        sums = PairSums(x.shape[0], *(float(v) for v in out[:6]), int(out[6]))
+        rel, mab, cos, sq, mms = (float(v) for v in out[7:])
+        return sums, (rel if rel >= 0 else math.nan, mab, cos if cos <= 1 else math.nan, sq, mms)
+    found = np.empty((rows, 7))
+    step = max(1, SCRATCH_MAX // width)  # rows a call: the reused scratch buffers
+    for r in range(0, rows, step):
+        stop = min(rows, r + step)
+        starts = np.arange(0, (stop - r) * width, width, dtype=np.intp)
+        found[r:stop] = segment_sums(
+            x[r * width : stop * width], y[r * width : stop * width], starts, rtol, atol, codes
+        ).T
+    sums = PairSums(
+        x.shape[0],
+        *(float(found[:, k].sum()) for k in range(4)),
+        float(found[:, 4].max()),
+        float(found[:, 5].max()),
+        int(found[:, 6].sum()),
+    )
+    worst = worst_slices(found, np.full(rows, width))
+    return sums, tuple(worst[f"slice_{m}"] for m in ("rel_diff", "mean_abs", "cosine", "sqnr_db", "mismatch"))
 
 
 def _define_numba_kernels() -> dict:

@@ -35,7 +35,15 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from tdinspect.numerics.kernels import EPS, NUMBA_MIN_BYTES, UINT_OF, PairSums, decode_table, pair_sums
+from tdinspect.numerics.kernels import (
+    EPS,
+    NUMBA_MIN_BYTES,
+    UINT_OF,
+    PairSums,
+    decode_table,
+    pair_sums,
+    row_sums,
+)
 from tdinspect.numerics.metrics import (
     _CODED,
     _IDENTICAL,
@@ -51,6 +59,16 @@ from tdinspect.numerics.metrics import (
     settled,
     tolerances,
 )
+from tdinspect.numerics.slices import SLICE_COLUMNS, worst_slices
+
+
+def _identical_slices() -> dict[str, float]:
+    """The slices of a pair bitwise equal piece by piece: each is identical."""
+    return {c: _IDENTICAL[c.removeprefix("slice_")] for c in SLICE_COLUMNS}
+
+
+def _as_row(s: PairSums) -> list[float]:
+    return [s.sxx, s.syy, s.sdd, s.sabs, s.max_abs, s.max_rel, float(s.mismatch)]
 
 
 def _plain_float(dtype: torch.dtype) -> bool:
@@ -58,7 +76,7 @@ def _plain_float(dtype: torch.dtype) -> bool:
 
 
 def compare_pieces(
-    pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *, chunk: int = 1 << 18
+    pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], *, chunk: int = 1 << 18, slices=None
 ) -> dict[str, float] | None:
     """The metrics of ``x`` against ``y`` given as matching ``(x_piece, y_piece)`` pairs.
 
@@ -86,11 +104,15 @@ def compare_pieces(
     if dtype in STORED:  # as stored, without a torch call a piece (see stored_pieces_metrics)
         arrays = [(as_stored(x, dtype), as_stored(y, dtype)) for x, y in pieces]
         if all(x is not None and y is not None for x, y in arrays):
-            return stored_pieces_metrics(arrays, dtype)
+            return stored_pieces_metrics(arrays, dtype, slices)
+    if isinstance(slices, int):
+        return None  # rows of a dtype not stored as numpy: the caller's whole road
     out = {k: math.nan for k in TENSOR_METRICS}
     out["nonfinite_mismatch"] = 0.0
     if all(same_bits(x, y) for x, y in pieces):
         out.update(_IDENTICAL)
+        if slices is not None and len(pieces) > 1:
+            out.update(_identical_slices())
         return out
     rtol, atol = tolerances(dtype, dtype)
     dt = _compute_dtype(pieces[0][0], pieces[0][1])
@@ -99,17 +121,22 @@ def compare_pieces(
     total = sum(x.numel() * x.element_size() for x, _ in pieces)  # bytes a side
     min_numba = 0 if total >= NUMBA_MIN_BYTES else 1 << 62  # every piece, or none
     s = PairSums()
+    each = []
     for x, y in pieces:
-        s += _sums(x.detach().reshape(-1), y.detach().reshape(-1), dt, rtol, atol, chunk, min_numba=min_numba)
+        p = _sums(x.detach().reshape(-1), y.detach().reshape(-1), dt, rtol, atol, chunk, min_numba=min_numba)
+        each.append(p)
+        s += p
     row = settled(s, dt == torch.float64)
     if row is None:
         return None
     out.update(row)
+    if slices is not None and len(each) > 1:
+        out.update(worst_slices(np.array([_as_row(p) for p in each]), np.array([p.n for p in each])))
     return out
 
 
 def stored_pieces_metrics(
-    pieces: list[tuple[np.ndarray, np.ndarray]], dtype: torch.dtype
+    pieces: list[tuple[np.ndarray, np.ndarray]], dtype: torch.dtype, slices=None
 ) -> dict[str, float] | None:
     """:func:`compare_pieces` of pieces given as flat numpy arrays of what they store (one dtype
     of :data:`~tdinspect.numerics.metrics.STORED`, narrow floats as their bits; ``x`` the
@@ -119,6 +146,10 @@ def stored_pieces_metrics(
     side by side; a torch call releases and takes the GIL back (token-aligned passes
     made 8x the thread switches of a plain diff, and ran 1.5x its time, with one a piece).
 
+    ``slices`` as for :func:`compare_pieces`: with rows (an int), each piece's rows are summed
+    in the same read (:func:`~tdinspect.numerics.kernels.row_sums`) and the pair's sums are
+    theirs added up.
+
     Examples
     --------
     >>> x, y = np.arange(6, dtype=np.float32), np.arange(6, dtype=np.float32) + 0.5
@@ -127,21 +158,60 @@ def stored_pieces_metrics(
     """
     out = dict.fromkeys(TENSOR_METRICS, math.nan)
     out["nonfinite_mismatch"] = 0.0
+    if isinstance(slices, int) and (slices <= 0 or any(x.shape[0] % slices for x, _ in pieces)):
+        return None  # pieces not cut at rows: the caller's road
     if all(equal_bytes(x.view(np.uint8), y.view(np.uint8)) for x, y in pieces):
         out.update(_IDENTICAL)
+        many = sum(x.shape[0] // slices for x, _ in pieces) if isinstance(slices, int) else len(pieces)
+        if slices is not None and many > 1:
+            out.update(_identical_slices())
         return out
     rtol, atol = tolerances(dtype, dtype)
     codes = STORED[dtype][1]
     # numba or numpy as the whole pair's size decides (never by piece: a pair's sums must not
     # depend on how it was stored)
-    min_numba = 0 if sum(x.nbytes for x, _ in pieces) >= NUMBA_MIN_BYTES else 1 << 62
-    s = PairSums()
-    for x, y in pieces:
-        s += pair_sums(x, y, rtol=rtol, atol=atol, codes=codes, min_numba=min_numba)
+    total = sum(x.nbytes for x, _ in pieces)
+    min_numba = 0 if total >= NUMBA_MIN_BYTES else 1 << 62
+    found = worst = None
+    if isinstance(slices, int):
+        s = PairSums()
+        each = []
+        for x, y in pieces:
+            p, w = row_sums(x, y, slices, rtol=rtol, atol=atol, codes=codes, min_numba=min_numba)
+            s += p
+            each.append(w)
+        if s.n > slices:  # two rows or more
+            worst = _worse(each)
+    else:
+        each = [pair_sums(x, y, rtol=rtol, atol=atol, codes=codes, min_numba=min_numba) for x, y in pieces]
+        s = PairSums()
+        for p in each:
+            s += p
+        found = np.array([_as_row(p) for p in each]) if slices is not None else None
+        counts = np.array([p.n for p in each])
     row = settled(s, dtype == torch.float64)
     if row is None:
         return None
     out.update(row)
+    if found is not None and found.shape[0] > 1:
+        out.update(worst_slices(found, counts))
+    if worst is not None:
+        out.update(worst)
+    return out
+
+
+_ROW_WORST = ("rel_diff", "mean_abs", "cosine", "sqnr_db", "mismatch")
+
+
+def _worse(each: list[tuple[float, ...]]) -> dict[str, float]:
+    """``slice_<metric>`` of pieces' worst rows (:func:`row_sums`' order; a few pieces a pair:
+    plain Python, no numpy call)."""
+    out = {}
+    for k, name in enumerate(_ROW_WORST):
+        v = [w[k] for w in each if not math.isnan(w[k])]
+        worst = (min(v) if name in ("cosine", "sqnr_db") else max(v)) if v else math.nan
+        out[f"slice_{name}"] = float(worst)
+    out["slice_rel_diff_cast"] = out["slice_rel_diff"]  # one dtype
     return out
 
 
