@@ -871,8 +871,9 @@ class Diff:
                 )
 
     def _rows_located(self, row: dict, m) -> str:
-        """For an entry paired row by row along its checksum dim (a batch of 4 against a batch
-        of 1, :mod:`tdinspect.compare.rows`): which rows differ in their bits."""
+        """For an entry with row fingerprints along its checksum dim on both sides (paired row
+        by row, a batch of 4 against a batch of 1, or of one shape; :mod:`tdinspect.compare.rows`):
+        which rows differ in their bits."""
         pa = self.a.pass_map.get((row["rank"], row["pass"]))
         pb = self.b.pass_map.get((row["rank"], row["pass"]))
         if pa is None or pb is None or not (pa.checksum_rows and pb.checksum_rows):
@@ -881,7 +882,7 @@ class Diff:
         if ia is None or ib is None:
             return ""
         text = rows_text(pa.shape[ia], pb.shape[ib], pa.checksum_rows[ia], pb.checksum_rows[ib])
-        if text and m.name == "stats_rel":
+        if text and m.name == "stats_rel" and list(pa.shape[ia]) != list(pb.shape[ib]):
             text += "; statistics of tensors of other shapes do not compare: metric='equal' compares the rows"
         return text
 

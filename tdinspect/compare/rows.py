@@ -48,7 +48,7 @@ def rows_text(shape_a, shape_b, rows_a: Any, rows_b: Any) -> str:
     row 0 of dim 0 differs in its bits (1 row compared, 4 vs 1)``."""
     paired = paired_rows(shape_a, shape_b, rows_a, rows_b)
     if paired is None:
-        return ""
+        return _same_shape_rows(shape_a, shape_b, rows_a, rows_b)
     d, n = paired
     bad = differing_rows(rows_a, rows_b, n)
     sizes = f"{n} {'row' if n == 1 else 'rows'} compared, {shape_a[d]} vs {shape_b[d]}"
@@ -61,3 +61,27 @@ def rows_text(shape_a, shape_b, rows_a: Any, rows_b: Any) -> str:
         else f"rows {shown} of dim {d} differ in their"
     )
     return f"; not batch-invariant: {which} bits ({sizes})"
+
+
+def _same_shape_rows(shape_a, shape_b, rows_a: Any, rows_b: Any) -> str:
+    """For entries of one shape that both hold row fingerprints along one dim: which rows differ
+    in their bits (every slice named, not only the whole entry: ``; in row 1 of dim 0 (its
+    bits differ; 2 rows)``), ``""`` otherwise."""
+    if not (isinstance(rows_a, dict) and isinstance(rows_b, dict)) or rows_a["dim"] != rows_b["dim"]:
+        return ""
+    if shape_a is None or list(shape_a) != list(shape_b or []) or rows_a["dim"] >= len(shape_a):
+        return ""
+    d = rows_a["dim"]
+    n = shape_a[d]
+    if len(rows_a["rows"]) != n or len(rows_b["rows"]) != n:
+        return ""
+    bad = differing_rows(rows_a, rows_b, n)
+    if not bad or len(bad) == n:
+        return ""  # every row: the whole entry says it
+    shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+    which = (
+        f"row {shown} of dim {d} (its bits differ"
+        if len(bad) == 1
+        else f"rows {shown} of dim {d} (their bits differ"
+    )
+    return f"; in {which}; {n} rows)"
