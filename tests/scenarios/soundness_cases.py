@@ -683,7 +683,6 @@ CASE = {
 }
 
 
-
 @dataclass(frozen=True)
 class Cell:
     """One cell: ``family`` x ``mode`` x ``place`` (a fault place, or the correct variant's
