@@ -47,7 +47,7 @@ from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
 from tdinspect.compare.pairing import assembled, layout, pairs
-from tdinspect.compare.passes import PassJob, compare_pass, pass_frame
+from tdinspect.compare.passes import PassJob, compare_pass, cut_short, pass_frame
 from tdinspect.compare.passframes import PassFrames
 from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
@@ -752,8 +752,10 @@ class Diff:
         remaining: dict[int, int] = {}  # pass -> ranks not yet seen
         for job in self._jobs():
             remaining[job.pass_] = remaining.get(job.pass_, 0) + 1
+        cut: list[str] = []  # passes an error cut short: what ran may agree, the pass never ended
         for (rank, p), rows in self.iter_passes(growing=True):
             remaining[p] -= 1
+            cut += cut_short(self.a, self.b, rank, p, self._where(p, rank))
             hit = self._hits(rows, m, thr_fn)
             layout, never = self._layout_rows(rows), self._never_rows(rows)
             named = self._allowed(rows, allow_uncompared)
@@ -780,12 +782,13 @@ class Diff:
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
-            if not counts["uncompared"]:
+            if not counts["uncompared"] and not cut:
                 return Verdict("matches", **counts)
             stopped = self.uncompared_after(progress=False, allow_uncompared=allow_uncompared)
-            return Verdict(
-                "incomplete", None, self._gap_text(unseen, counts, stopped), **counts, stopped=stopped
+            gap = "; ".join(
+                cut[:3] + ([self._gap_text(unseen, counts, stopped)] if counts["uncompared"] else [])
             )
+            return Verdict("incomplete", None, gap, **counts, stopped=stopped)
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
         if not row["structural"] and self.mode == "tensor":

@@ -158,6 +158,14 @@ def host_copy(t: torch.Tensor, pool: BufferPool | None = None) -> tuple[torch.Te
     return t.to("cpu"), False
 
 
+def failed_text(exc: BaseException | None) -> str | None:
+    """The ``failed`` mark of a pass an exception cut short (``None``: none did): the error's
+    type and text, as ``%%tdi_capture`` writes it, at most 300 characters."""
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 class Recorder:
     """Entries of the current pass of one capture, written on :meth:`step`.
 
@@ -647,13 +655,14 @@ class Recorder:
         self._in_flight = True
         return host
 
-    def close(self, write_pending: bool = True) -> None:
-        """Write a pending non-empty pass (if asked), wait for the writer, stop it."""
+    def close(self, write_pending: bool = True, failed: str | None = None) -> None:
+        """Write a pending non-empty pass (if asked; ``failed`` marks it cut short by that
+        error), wait for the writer, stop it."""
         if self._forked_from is not None:
             return  # the writer is the parent's
         try:
             if write_pending and len(self):
-                self.step()
+                self.step(failed)
         finally:
             try:
                 if self.writer is not None:
