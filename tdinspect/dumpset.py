@@ -30,6 +30,7 @@ from tdinspect.errors import DumpFormatError, RunsNote
 from tdinspect.naming import parse_key, split_call, split_module_path
 from tdinspect.numerics.stats import STAT_NAMES
 from tdinspect.report import human_bytes
+from tdinspect.store.format import vanished
 from tdinspect.store.passindex import PassIndex
 from tdinspect.store.runs import list_runs, select_run
 from tdinspect.util.parallel import map_in_waves
@@ -154,7 +155,10 @@ class DumpSet:
         for folder in folders:
             for idx, files in folder.passes.items():
                 try:
-                    pi = PassIndex.read(folder.rank, files)
+                    try:
+                        pi = PassIndex.read(folder.rank, files)
+                    except FileNotFoundError as exc:  # removed after the folder was listed
+                        raise DumpFormatError(vanished(exc.filename or folder.path)) from None
                 except DumpFormatError as exc:
                     # a sidecar alone that does not read is not a pass being written (sidecars
                     # appear whole, by a rename): a damaged or edited statistics-only pass

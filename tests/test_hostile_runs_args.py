@@ -77,3 +77,174 @@ def test_a_pass_cut_short_inside_capture_is_marked_failed_and_never_matches(tmp_
     # a real divergence before the cut is still named
     v3 = DumpSet.open(a).diff(_run(tmp_path / "c", stop_at=1, wrong=True)).verdict()
     assert v3.outcome == "diverges" and v3.divergence.key == "model.0", v3.text
+
+
+def _pair(root):
+    """Two identical runs of ``_net`` (two passes each): ``(a, b)``."""
+    return _run(root / "a", stop_at=None), _run(root / "b", stop_at=None)
+
+
+def _exits(argv) -> int:
+    """The CLI's exit status, argparse's refusals (SystemExit) included."""
+    from tdinspect.cli import main
+
+    try:
+        return main([str(v) for v in argv])
+    except SystemExit as exc:
+        return int(exc.code)
+
+
+def test_empty_paths_and_patterns_are_refused_with_exit_2(tmp_path, monkeypatch, capsys):
+    """Case 11: ``first-divergence "" ""`` in a dump folder compared the working folder with
+    itself (exit 0); ``--allow-uncompared ""`` allowed every name, so a B missing 2 of 3
+    entries answered "matches" (exit 0). Both now exit 2, and the API refuses them too."""
+    a, _ = _pair(tmp_path)
+    monkeypatch.chdir(a)
+    assert _exits(["first-divergence", "", ""]) == 2
+    assert "empty" in capsys.readouterr().err
+    with pytest.raises(tdinspect.DumpFormatError, match="empty path"):
+        DumpSet.open("")
+    short = tmp_path / "short"  # B holds only the first of A's three modules
+    net = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad(), tdinspect.capture(net, short) as dump:
+        net(torch.randn(2, 4))
+        dump.step()
+    ref = tmp_path / "ref"
+    net3 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad(), tdinspect.capture(net3, ref) as dump:
+        net3(torch.randn(2, 4))
+        dump.step()
+    assert _exits(["first-divergence", ref, short, "--structural", "report", "--allow-uncompared", ""]) == 2
+    assert _exits(["first-divergence", ref, short, "--structural", "report"]) in (1, 3)
+    with pytest.raises(ValueError, match="empty pattern"):
+        DumpSet.open(ref).diff(short, allow_uncompared=[""])
+    with pytest.raises(ValueError, match="empty pattern"):
+        DumpSet.open(ref).diff(short).verdict(allow_uncompared="  ")
+
+
+def test_zero_and_empty_values_are_never_read_as_the_default(tmp_path):
+    """Case 9: ``--baseline-factor 0`` became 10 (``0 or FACTOR``); ``metric=""`` and
+    ``passes_in_flight=0`` became their defaults the same way. Each is now refused."""
+    a, b = _pair(tmp_path)
+    assert _exits(["first-divergence", a, b, "--baseline", a, "--baseline-factor", "0"]) == 2
+    assert _exits(["first-divergence", a, b, "--baseline", a, "--baseline-factor", "10"]) == 0
+    ds = DumpSet.open(a)
+    with pytest.raises(ValueError, match="unknown metric ''"):
+        ds.diff(b, metric="")
+    with pytest.raises(ValueError, match="unknown metric ''"):
+        ds.diff(b).first_divergence(metric="")
+    with pytest.raises(ValueError, match="passes_in_flight=0"):
+        ds.diff(b, passes_in_flight=0)
+    assert ds.diff(b, passes_in_flight=1).verdict().outcome == "matches"
+
+
+def test_out_of_range_numbers_are_refused_exactly(tmp_path, capsys):
+    """Case 14: ``--threshold -1`` was accepted (every entry diverged), ``--concat
+    call:99999999999999999999`` exited 1 (a "divergence" per entry), ``--min-confidence nan``
+    was accepted (no pair used); ``memory=`` and ``baseline_factor`` of 10**400 raised
+    OverflowError and ``memory=np.int64(4096)`` was refused. Now: exit 2 or a clear error."""
+    import numpy as np
+
+    from tdinspect.compare.baseline import check_factor
+    from tdinspect.config import parse_memory
+    from tdinspect.errors import ConfigError
+
+    a, b = _pair(tmp_path)
+    assert _exits(["first-divergence", a, b, "--threshold", "-1"]) == 2
+    assert "rel_diff takes thresholds from 0" in capsys.readouterr().err
+    assert _exits(["first-divergence", a, b, "--metric", "cosine", "--threshold", "1.5"]) == 2
+    assert _exits(["first-divergence", a, b, "--threshold", "model.0=-1"]) == 2
+    assert _exits(["first-divergence", a, b, "--threshold", "0"]) == 0
+    assert _exits(["first-divergence", a, b, "--concat", "call:99999999999999999999"]) == 2
+    assert "no entry of either side has that many dims" in capsys.readouterr().err
+    assert _exits(["first-divergence", a, b, "--concat", "call:1"]) == 0
+    assert _exits(["suggest-mapping", a, b, "--min-confidence", "nan"]) == 2
+    assert _exits(["suggest-mapping", a, b, "--tol", "-1"]) == 2
+    assert _exits(["suggest-mapping", a, b]) == 0
+    with pytest.raises(ValueError, match="float can hold"):
+        check_factor(10**400)
+    with pytest.raises(ValueError, match="float can hold"):
+        DumpSet.open(a).diff(b).verdict(threshold=10**400)
+    with pytest.raises(ConfigError, match="more than"):
+        parse_memory(10**400)
+    with pytest.raises(ConfigError, match="more than"):
+        parse_memory("9" * 400 + "GB")
+    assert parse_memory(np.int64(4096)) == 4096
+    net = _net()
+    with tdinspect.capture(net, memory=np.int64(1 << 20)) as cap:
+        net(torch.randn(2, 4))
+        cap.step()
+    assert len(cap.passes) == 1
+
+
+def test_checksum_dim_on_expanded_and_sparse_outputs_says_why(tmp_path):
+    """Case 14: ``checksum_dim=0`` on an expanded or sparse output warned "no entry has that
+    dim (they have 2 dims at most) ... e.g. checksum_dim=0": it has, and 0 was given."""
+
+    class Expanded(nn.Module):
+        def forward(self, x):
+            return x[:1].expand(4, 3)
+
+    class Sparse(nn.Module):
+        def forward(self, x):
+            return x.to_sparse()
+
+    for i, m in enumerate((Expanded(), Sparse())):
+        with pytest.warns(RuntimeWarning) as seen:
+            with tdinspect.capture(m, tmp_path / str(i), checksum=True, checksum_dim=0) as c:
+                m(torch.randn(4, 3))
+                c.step()
+        text = " ".join(str(w.message) for w in seen if "checksum_dim" in str(w.message))
+        assert "1 entry with that dim, none of them a plain tensor" in text, text
+        assert "no entry" not in text
+
+
+@pytest.mark.parametrize("moment", ["listing", "listed", "grouping"])
+def test_a_run_removed_under_a_reader_is_a_dump_format_error_naming_it(tmp_path, monkeypatch, moment):
+    """Case 12: a reader racing ``overwrite=True`` got a bare ``FileNotFoundError`` (43 times in a
+    loop of opens). The removal is made to happen at each moment the race hit (while the rank
+    folder is listed, after it was listed, while the runs are ordered), deterministically: the
+    reader now gets a DumpFormatError naming what vanished."""
+    import os
+    import shutil
+
+    from tdinspect.store import format as fmt
+    from tdinspect.store import runs
+
+    root = tmp_path / "dump"
+    for _ in range(2):  # two runs: the second open orders them (by their first write)
+        _run(root, stop_at=None)
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    for f in folders:  # runs without manifests are ordered by their files' times
+        (f / "run.json").unlink()
+    victim = folders[-1]
+    if moment == "listing":
+        real = os.scandir
+
+        def scandir(path="."):
+            if not isinstance(path, int) and os.fspath(path) == os.fspath(victim) and victim.exists():
+                shutil.rmtree(victim)
+            return real(path)
+
+        monkeypatch.setattr(fmt.os, "scandir", scandir)
+    elif moment == "listed":
+        real_scan = runs.scan_rank_folder
+
+        def scan(path, rank, pid):
+            folder = real_scan(path, rank, pid)
+            if path == victim:
+                shutil.rmtree(victim)
+            return folder
+
+        monkeypatch.setattr(runs, "scan_rank_folder", scan)
+    else:
+        real_first = runs._first_write
+
+        def first_write(folder):
+            if folder.path == victim and victim.exists():
+                shutil.rmtree(victim)
+            return real_first(folder)
+
+        monkeypatch.setattr(runs, "_first_write", first_write)
+    with pytest.raises(tdinspect.DumpFormatError, match=f"{victim.name}.*vanished while being read"):
+        DumpSet.open(root)

@@ -44,8 +44,10 @@ def check_factor(factor) -> float:
         if isinstance(factor, bool):  # float(True) is 1.0
             raise TypeError
         out = float(factor)
-    except (TypeError, ValueError):
-        raise ValueError(f"baseline_factor: expected a number, got {factor!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: 10**400
+        raise ValueError(
+            f"baseline_factor: expected a number a float can hold, got {str(factor)[:40]!r}"
+        ) from None
     if not (math.isfinite(out) and out >= 1):
         raise ValueError(f"baseline_factor={factor!r}: expected a finite number of at least 1")
     return out

@@ -210,7 +210,9 @@ class Diff:
             over, dim = parse_concat(spec.concat)
             if not (names_dim(a.pass_map, dim) or names_dim(b.pass_map, dim)):
                 raise ValueError(
-                    f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
+                    f"concat dim {dim!r}: no entry of either side has that many dims"
+                    if isinstance(dim, int)
+                    else f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
                     "or DumpSet.open(dims=...)), or give dim as an int"
                 )
             a, b = a.concat(over, dim), b.concat(over, dim)
@@ -223,11 +225,19 @@ class Diff:
         self.align = spec.align
         self.client = client if client is not None else a.client
         self.chunk = chunk
+        if passes_in_flight is not None and (
+            isinstance(passes_in_flight, bool)
+            or not isinstance(passes_in_flight, int)
+            or passes_in_flight < 1
+        ):  # 0 became the default, silently
+            raise ValueError(f"passes_in_flight={passes_in_flight!r}: expected a whole number, 1 or more")
         self.passes_in_flight = passes_in_flight
         self.mode = "stats" if (a.stats_only or b.stats_only or mode == "stats") else "tensor"
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
-        self.default_metric = spec.metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
+        self.default_metric = (
+            spec.metric if spec.metric is not None else ("stats_rel" if self.mode == "stats" else "rel_diff")
+        )
         self._want_stats_rel = False  # tensor mode: statistics compared once that is asked for
         # one DataFrame per pass read, kept as typed columns until asked for (~560 B an
         # entry; row dictionaries took ~1.1 KB)
@@ -328,7 +338,7 @@ class Diff:
             rows.at[i, "stats_rel"] = stats_rel(sb, sa)
 
     def _compute(self, jobs: list[PassJob], growing: bool) -> Iterator[list[dict]]:
-        limit = self.passes_in_flight or default_wave(self.client)
+        limit = default_wave(self.client) if self.passes_in_flight is None else self.passes_in_flight
         if not growing:
             yield from map_in_waves(compare_pass, jobs, client=self.client, wave=limit)
             return
@@ -440,7 +450,7 @@ class Diff:
         >>> diff.thresholds().describe()          # doctest: +SKIP
         'auto (rel_diff: float32 1.5e-08)'
         """
-        return self._thresholds(threshold, metric or self.default_metric)
+        return self._thresholds(threshold, self.default_metric if metric is None else metric)
 
     def _thresholds(self, threshold, metric_name: str):
         """:meth:`thresholds` of ``metric_name``: the spec's threshold when ``threshold`` is
@@ -476,7 +486,7 @@ class Diff:
         )
 
     def _check_metric(self, metric_name):
-        metric_name = metric_name or self.default_metric
+        metric_name = self.default_metric if metric_name is None else metric_name
         self._want_stats_rel = self._want_stats_rel or metric_name == "stats_rel"
         if self.mode == "stats" and metric_name == "equal":
             for name, side in (("A", self.a), ("B", self.b)):
@@ -1201,7 +1211,7 @@ class Diff:
         :meth:`first_divergence`."""
         v = self.verdict(threshold, metric, structural, allow_uncompared=allow_uncompared)
         div = v.divergence  # the gap is in the answer here: no warning
-        name = div.metric if div else (metric or self.default_metric)
+        name = div.metric if div else (self.default_metric if metric is None else metric)
         out = {
             "a": str(self.a.path),
             "b": str(self.b.path),
@@ -1243,7 +1253,7 @@ class Diff:
         """``threshold`` in words (:meth:`Thresholds.describe`), with the ``"auto"`` values of
         the dtypes compared so far."""
         read = [f for f in self._results.values() if len(f)]
-        return self._thresholds(threshold, metric or self.default_metric).describe(
+        return self._thresholds(threshold, self.default_metric if metric is None else metric).describe(
             pd.concat(read) if read else None
         )
 
@@ -1268,7 +1278,7 @@ class Diff:
             return head + ")"
         if threshold is not None and not (isinstance(threshold, str) and threshold == AUTO):
             return head + ")"
-        return f"{head}, threshold: auto by default ({auto_rule(metric or self.default_metric)}))"
+        return f"{head}, threshold: auto by default ({auto_rule(self.default_metric if metric is None else metric)}))"
 
     def _repr_html_(self) -> str:
         from tdinspect.report import diff_html

@@ -616,9 +616,16 @@ class Recorder:
             p.header = {**p.header, "failed": failed}
         if self.checksum_dim is not None and p.keys and not p.row_checksums:
             ranks = [len(s) for s in p.columns["shape"] if isinstance(s, list)]
+            d = self.checksum_dim
+            having = sum(-r <= d < r for r in ranks)
             self._say_once(
                 "checksum_dim",
-                f"tdinspect: checksum_dim={self.checksum_dim}: no entry of pass {self.pass_index} has that "
+                f"tdinspect: checksum_dim={d}: pass {self.pass_index} has {having} "
+                f"entr{'y' if having == 1 else 'ies'} with that dim, none of them a plain tensor (an "
+                "expanded view, sparse, quantized, nested...): per-row fingerprints are taken of plain "
+                "tensors only, so none was written"
+                if having
+                else f"tdinspect: checksum_dim={d}: no entry of pass {self.pass_index} has that "
                 f"dim (they have {max(ranks, default=0)} dims at most), so no per-row fingerprints were "
                 "written; give the batch dim of the outputs, e.g. checksum_dim=0",
             )

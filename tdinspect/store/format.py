@@ -561,6 +561,15 @@ def _refuse_leaving(path: Path, root: str) -> None:
         )
 
 
+def vanished(path: str | os.PathLike) -> str:
+    """The message of a dump file or folder that vanished while it was read: a run replaced
+    by a capture with ``overwrite=True`` (or removed) under the reader's feet."""
+    return (
+        f"{path}: vanished while being read (its run was replaced by a capture with "
+        "overwrite=True, or removed); open the dump again"
+    )
+
+
 def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
     """List the complete passes of one folder (temporary files are ignored).
 
@@ -574,7 +583,11 @@ def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
     root = os.path.realpath(path.parent)
     _refuse_leaving(path, root)
     folder = RankFolder(path, rank, pid)
-    for entry in os.scandir(path):
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:  # a bare FileNotFoundError reached the reader
+        raise DumpFormatError(vanished(path)) from None
+    for entry in entries:
         index = pass_number(entry.name)
         if index is None:
             continue

@@ -51,6 +51,7 @@ from tdinspect.store.format import (
     atomic_write,
     pass_number,
     scan_rank_folder,
+    vanished,
 )
 from tdinspect.util.regularfile import open_regular
 from tdinspect.util.terminal import visible, warn
@@ -617,9 +618,12 @@ def _joins(current: tuple[Run, dict | None], started: float, folder: RankFolder,
 
 def rank_folders(path: Path) -> list[RankFolder] | None:
     """The ``rank*_pid*`` folders directly under ``path`` (``None`` when it has none)."""
-    dirs = sorted(
-        (p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)), key=lambda p: p.name
-    )
+    try:
+        dirs = sorted(
+            (p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)), key=lambda p: p.name
+        )
+    except FileNotFoundError:
+        raise DumpFormatError(vanished(path)) from None
     if not dirs:
         return None
     out = []
@@ -640,13 +644,16 @@ def list_runs(path: str | os.PathLike) -> list[Run]:
     >>> runs[-1].describe()                             # doctest: +SKIP
     'rank0_pid1_run2 (started 2026-11-30 17:40:01, 1 passes)'
     """
-    path = Path(path)
-    folders = discover_folders(path)
-    if path.is_dir() and any(RANK_DIR_RE.match(f.path.name) and f.path.parent == path for f in folders):
-        return group_runs(folders)
-    doc = read_manifest(folders[0].path)
-    run_id = doc["run_id"] if doc else f"legacy-{folders[0].path.name}"
-    started = float(doc["started"]) if doc else _first_write(folders[0])
+    path = Path(nonempty_path(path))
+    try:
+        folders = discover_folders(path)
+        if path.is_dir() and any(RANK_DIR_RE.match(f.path.name) and f.path.parent == path for f in folders):
+            return group_runs(folders)
+        doc = read_manifest(folders[0].path)
+        run_id = doc["run_id"] if doc else f"legacy-{folders[0].path.name}"
+        started = float(doc["started"]) if doc else _first_write(folders[0])
+    except FileNotFoundError as exc:  # a folder or file removed between listing and reading it
+        raise DumpFormatError(vanished(exc.filename or path)) from None
     return [Run(run_id, started, folders)]
 
 
@@ -688,9 +695,18 @@ def discover(path: str | os.PathLike, run: int | str | None = None) -> list[Rank
     return select_run(path, run)[0].folders
 
 
+def nonempty_path(path: str | os.PathLike) -> str | os.PathLike:
+    """``path``, unless it is empty (``DumpFormatError``): ``Path("")`` is the working folder,
+    so ``tdinspect first-divergence "" ""`` (two unset shell variables) compared the working
+    folder with itself and answered "matches"."""
+    if isinstance(path, (str, bytes)) and not path.strip():
+        raise DumpFormatError(f"{path!r}: an empty path names no dump (give '.' for the working folder)")
+    return path
+
+
 def discover_folders(path: str | os.PathLike) -> list[RankFolder]:
     """Every rank folder with passes under ``path``, whatever run wrote it."""
-    path = Path(path)
+    path = Path(nonempty_path(path))
     if not path.exists():
         raise DumpFormatError(f"{path}: no such file or folder")
     if path.is_file():
