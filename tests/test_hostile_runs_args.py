@@ -5,6 +5,7 @@ overwrite, sizes and depths taken from files."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,100 @@ def test_a_run_removed_under_a_reader_is_a_dump_format_error_naming_it(tmp_path,
         monkeypatch.setattr(runs, "_first_write", first_write)
     with pytest.raises(tdinspect.DumpFormatError, match=f"{victim.name}.*vanished while being read"):
         DumpSet.open(root)
+
+
+class _CountingPasses(dict):
+    """A DumpSet's passes, counting the walks over all of them (``iter``)."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_a_diff_walks_each_sides_passes_a_bounded_number_of_times(tmp_path):
+    """Case 8: a diff's time grew with the square of its passes (``DumpSet.ranks`` rebuilt from
+    every pass for every pass job: 64,004 times for 8,000 passes, 33 s). Now the walks over all
+    the passes are as many for 40 passes as for 10 (the time is measured by bench/passes.py)."""
+    from tdinspect.dumper.recorder import Recorder
+
+    walks = {}
+    for n in (10, 40):
+        sides = []
+        for side in "ab":
+            rec = Recorder(tmp_path / f"{side}{n}", level="module")
+            for _ in range(n):
+                rec.record("model.fc", torch.ones(2, 3), module_type="Linear")
+                rec.step()
+            rec.close()
+            ds = DumpSet.open(tmp_path / f"{side}{n}")
+            ds._passes = _CountingPasses(ds._passes)
+            sides.append(ds)
+        _CountingPasses.walks = 0
+        assert sides[0].diff(sides[1]).verdict().outcome == "matches"
+        walks[n] = _CountingPasses.walks
+    assert walks[40] == walks[10], walks
+
+
+_WRITER = """
+import sys, torch, tdinspect
+from torch import nn
+net = nn.Sequential(nn.Linear(4, 4))
+with torch.no_grad(), tdinspect.capture(net, sys.argv[1]) as dump:
+    net(torch.ones(2, 4)); dump.step()
+    print(dump.recorder.folder, flush=True)
+    sys.stdin.readline()  # still open (and writing) until told
+    net(torch.ones(2, 4)); dump.step()
+"""
+
+
+def test_overwrite_keeps_a_run_another_open_capture_writes_whatever_its_pid(tmp_path):
+    """Case 4: ``overwrite=True`` deleted a run another process with the same PID was still
+    writing (PID 1 in two containers, one host): passes gone. A capture now holds a lock on its
+    run folder while open; ``overwrite=True`` refuses to remove a folder whose lock is held (a
+    RunWarning naming it; its own capture goes on in a folder of its own), and replaces it once
+    that capture closed. The other process's manifest is given this
+    process's PID, as the second container sees it."""
+    import os
+    import subprocess
+    import sys
+
+    from tdinspect.errors import RunsNote, RunWarning
+
+    from .conftest import ROOT
+
+    root = tmp_path / "dump"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        theirs = Path(child.stdout.readline().strip())
+        manifest = theirs / "run.json"
+        doc = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**doc, "pid": os.getpid()}))  # the same PID, elsewhere
+        net = nn.Sequential(nn.Linear(4, 4))
+        with pytest.warns(
+            RunWarning, match=f"kept 1 run folder.*being written by another open.*{theirs.name}"
+        ):
+            with torch.no_grad(), tdinspect.capture(net, root, overwrite=True) as dump:
+                net(torch.ones(2, 4))
+                dump.step()
+        assert (theirs / "pass00000.pt").exists() and (theirs / "run.json").exists()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.wait(timeout=120) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert DumpSet.open(theirs).passes == [0, 1]  # its second pass was written
+    with pytest.warns(RunsNote, match=f"removed 2 earlier run.*{theirs.name}"):
+        with torch.no_grad(), tdinspect.capture(net, root, overwrite=True) as dump:  # closed: replaced
+            net(torch.ones(2, 4))
+            dump.step()
+    assert not theirs.exists()

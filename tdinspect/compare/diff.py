@@ -256,6 +256,11 @@ class Diff:
         passes_a, passes_b = self.a.pass_map, self.b.pass_map
         keys = sorted(set(passes_a) | set(passes_b), key=lambda k: (k[1], k[0]))
         ranks_a, ranks_b = set(self.a.ranks), set(self.b.ranks)
+        # each side's ranks, where it has more than the other (its peers are hinted as shards)
+        more = [
+            (s.pass_map, s.ranks) if len(s.ranks) > len(o.ranks) else None
+            for s, o in ((self.a, self.b), (self.b, self.a))
+        ]
         jobs = []
         for rank, p in keys:
             pa, pb = passes_a.get((rank, p)), passes_b.get((rank, p))
@@ -278,25 +283,10 @@ class Diff:
                     self.chunk,
                     reason,
                     self.mapping,
-                    *self._peers(rank, p, pa, pb),
+                    *_peers(more, rank, p, pa, pb),
                 )
             )
         return jobs
-
-    def _peers(self, rank: int, p: int, pa, pb) -> tuple[tuple, tuple]:
-        """Each side's pass ``p`` in its other ranks, where that side has more ranks than the
-        other (a tensor-parallel run against a smaller one): its shape mismatches are
-        hinted as shards (:func:`tdinspect.compare.passes._hint_shards`); ``((), ())`` else."""
-        if pa is None or pb is None:
-            return (), ()
-        out = []
-        for mine, theirs in ((self.a, self.b), (self.b, self.a)):
-            if len(mine.ranks) > len(theirs.ranks):
-                found = (mine.pass_map.get((r, p)) for r in mine.ranks if r != rank)
-                out.append(tuple(pi for pi in found if pi is not None))
-            else:
-                out.append(())
-        return out[0], out[1]
 
     def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], pd.DataFrame]]:
         """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached.
@@ -765,7 +755,7 @@ class Diff:
         cut: list[str] = []  # passes an error cut short: what ran may agree, the pass never ended
         for (rank, p), rows in self.iter_passes(growing=True):
             remaining[p] -= 1
-            cut += cut_short(self.a, self.b, rank, p, self._where(p, rank))
+            cut += cut_short(self.a, self.b, rank, p, self._where)
             hit = self._hits(rows, m, thr_fn)
             layout, never = self._layout_rows(rows), self._never_rows(rows)
             named = self._allowed(rows, allow_uncompared)
@@ -1284,6 +1274,24 @@ class Diff:
         from tdinspect.report import diff_html
 
         return diff_html(self)
+
+
+def _peers(more: list, rank: int, p: int, pa, pb) -> tuple[tuple, tuple]:
+    """Each side's pass ``p`` in its other ranks, where that side has more ranks than the
+    other (``more``: its ``(pass_map, ranks)``, else None; a tensor-parallel run against a
+    smaller one): its shape mismatches are hinted as shards
+    (:func:`tdinspect.compare.passes._hint_shards`); ``((), ())`` else. O(ranks) a pass."""
+    if pa is None or pb is None:
+        return (), ()
+    out = []
+    for side in more:
+        if side is None:
+            out.append(())
+            continue
+        pass_map, ranks = side
+        found = (pass_map.get((r, p)) for r in ranks if r != rank)
+        out.append(tuple(pi for pi in found if pi is not None))
+    return out[0], out[1]
 
 
 def _has_checksums(pi) -> bool:

@@ -306,13 +306,14 @@ def pass_frame(rows: list[dict[str, Any]]):
         return columns
 
 
-def cut_short(a, b, rank: int, pass_: int, where: str) -> list[str]:
+def cut_short(a, b, rank: int, pass_: int, where) -> list[str]:
     """For each side whose pass ``pass_`` of ``rank`` an error cut short (its sidecar's
     ``failed``): a sentence saying so. Such a pass never makes a verdict "matches": what ran
-    may agree, but the rest of the forward never ran (``a`` and ``b``: the DumpSets)."""
+    may agree, but the rest of the forward never ran (``a`` and ``b``: the DumpSets;
+    ``where(pass_, rank)`` names the pass)."""
     out = []
     for name, side in (("A", a), ("B", b)):
         failed = getattr(side.pass_map.get((rank, pass_)), "failed", None)
         if failed:
-            out.append(f"{where} of {name} was cut short by an error ({str(failed)[:120]})")
+            out.append(f"{where(pass_, rank)} of {name} was cut short by an error ({str(failed)[:120]})")
     return out
