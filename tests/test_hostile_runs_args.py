@@ -346,3 +346,28 @@ def test_overwrite_keeps_a_run_another_open_capture_writes_whatever_its_pid(tmp_
             net(torch.ones(2, 4))
             dump.step()
     assert not theirs.exists()
+
+
+def test_an_op_sidecar_whose_reference_points_at_itself_is_an_error_naming_it(tmp_path):
+    """Case 13: an op sidecar whose ``ref`` points at its own entry was ignored with a warning
+    (edited after it was sealed), and the entries it alone held then read "only in A" — a
+    wrong answer, not an error. Now a DumpFormatError naming the file, sealed or not."""
+    from .conftest import rewrite_sidecar
+
+    x = torch.arange(4.0)
+    for name in ("a", "b"):
+        with tdinspect.capture_ops(tmp_path / name, inputs=True) as dump:
+            (x * 2) + 1
+            dump.step()
+    sidecar = only_folder(tmp_path / "b") / "pass00000.json"
+    doc = json.loads(sidecar.read_text())
+    key = "model/aten.add.Tensor[in0]"
+    i = doc["entries"]["key"].index(key)
+    assert doc["entries"]["stored"][i] is False  # held by the sidecar alone: a reference
+    doc["entries"]["ref"][i] = {"kind": "same", "of": key}
+    for bind in (False, True):  # as an editor leaves it, and re-sealed as a forger would
+        rewrite_sidecar(sidecar, doc, bind=bind)
+        with pytest.raises(
+            tdinspect.DumpFormatError, match=r"pass00000\.json.*(held by it alone|refers to itself)"
+        ):
+            DumpSet.open(tmp_path / "a").diff(tmp_path / "b").verdict()

@@ -149,7 +149,7 @@ def new_run_folder(
     folder, lock = _new_folder_with_manifest(dump_dir, f"rank{rank}_pid{pid}", data)
     with _open_lock:
         _OPEN[_key(folder)] = _OPEN.get(_key(folder), 0) + 1
-        _LOCKS.setdefault(_key(folder), []).append(lock)
+        _LOCKS.setdefault(_key(folder), []).append((lock, os.getpid()))
     try:
         _older_runs(dump_dir, folder, rank, world, overwrite)
     except BaseException:  # refused: this capture leaves nothing behind
@@ -162,8 +162,9 @@ def new_run_folder(
 # Run folders of the captures open in this process: overwrite=True never removes them (it
 # removed a capture still running in this process: its next step failed, its pass 0 gone).
 _OPEN: dict[str, int] = {}
-# the run locks (:mod:`tdinspect.store.runlock`) those captures hold, released with the last
-_LOCKS: dict[str, list] = {}
+# the run locks (:mod:`tdinspect.store.runlock`) those captures hold, released with the last,
+# with the process that took each
+_LOCKS: dict[str, list[tuple[int | None, int]]] = {}
 _open_lock = threading.Lock()
 
 
@@ -183,8 +184,8 @@ def release_run_folder(folder: str | os.PathLike | None) -> None:
             _OPEN[key] = left
         else:
             _OPEN.pop(key, None)
-            for lock in _LOCKS.pop(key, ()):
-                runlock.release(lock, Path(folder))
+            for lock, owner in _LOCKS.pop(key, ()):  # a forked child never removes its parent's
+                runlock.release(lock, Path(folder) if owner == os.getpid() else None)
 
 
 def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> tuple[Path, int | None]:
