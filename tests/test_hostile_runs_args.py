@@ -162,7 +162,7 @@ def test_out_of_range_numbers_are_refused_exactly(tmp_path, capsys):
     assert _exits(["suggest-mapping", a, b, "--min-confidence", "nan"]) == 2
     assert _exits(["suggest-mapping", a, b, "--tol", "-1"]) == 2
     assert _exits(["suggest-mapping", a, b]) == 0
-    with pytest.raises(ValueError, match="float can hold"):
+    with pytest.raises(ValueError, match=r"baseline_factor: expected a number, got 1000000"):
         check_factor(10**400)
     with pytest.raises(ValueError, match="float can hold"):
         DumpSet.open(a).diff(b).verdict(threshold=10**400)
@@ -371,3 +371,22 @@ def test_an_op_sidecar_whose_reference_points_at_itself_is_an_error_naming_it(tm
             tdinspect.DumpFormatError, match=r"pass00000\.json.*(held by it alone|refers to itself)"
         ):
             DumpSet.open(tmp_path / "a").diff(tmp_path / "b").verdict()
+
+
+def test_a_transform_nested_hundreds_deep_is_a_transform_error_not_a_recursion_error(tmp_path):
+    """Case 13: a 400-deep transform (``-(-(...1))`` as an argument, within the 500-character
+    limit) ended in ``RecursionError``; a mapping file holding it broke the CLI the same way.
+    Now its depth is measured without recursion and refused, quoting the spec."""
+    from tdinspect.align.mapping import Mapping
+    from tdinspect.align.transforms import parse_transform
+    from tdinspect.errors import MappingError, TransformError
+
+    deep = "chunk(2, " + "-" * 400 + "1)[0]"
+    with pytest.raises(TransformError, match=r"nested \d+ deep \(at most 64\)"):
+        parse_transform(deep)
+    with pytest.raises(TransformError, match="nested"):
+        parse_transform("-" * 450 + "1")
+    long_chain = "chunk(2, -1)[0]" + ".chunk(2, -1)[0]" * 15  # the longest chain allowed still parses
+    assert len(parse_transform(long_chain).steps) == 16
+    with pytest.raises((MappingError, TransformError), match="nested"):
+        Mapping({r"model\.fc": ["model.fc", deep]})

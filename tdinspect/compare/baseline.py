@@ -45,9 +45,8 @@ def check_factor(factor) -> float:
             raise TypeError
         out = float(factor)
     except (TypeError, ValueError, OverflowError):  # OverflowError: 10**400
-        raise ValueError(
-            f"baseline_factor: expected a number a float can hold, got {str(factor)[:40]!r}"
-        ) from None
+        shown = repr(factor) if len(repr(factor)) <= 40 else repr(factor)[:37] + "..."
+        raise ValueError(f"baseline_factor: expected a number, got {shown}") from None
     if not (math.isfinite(out) and out >= 1):
         raise ValueError(f"baseline_factor={factor!r}: expected a finite number of at least 1")
     return out
