@@ -15,6 +15,7 @@ import tdinspect
 from tdinspect import DumpSet
 
 from .conftest import only_folder
+from .test_safety_dashboard import _get, dashboard  # noqa: F401  (a fixture)
 
 
 class _Stops(nn.Module):
@@ -390,3 +391,19 @@ def test_a_transform_nested_hundreds_deep_is_a_transform_error_not_a_recursion_e
     assert len(parse_transform(long_chain).steps) == 16
     with pytest.raises((MappingError, TransformError), match="nested"):
         Mapping({r"model\.fc": ["model.fc", deep]})
+
+
+def test_the_dashboard_page_loads_nothing_from_the_network(dashboard):  # noqa: F811  (the fixture)
+    """Case 14: the dashboard page loaded Font Awesome's stylesheets from a CDN (and
+    nbconvert's page imports mermaid.js from cdnjs): an offline page waited on them, and told
+    the CDN who looked at local dumps. The page tdinspect serves is Voilà's lab page without
+    them."""
+    import re
+
+    port, token = dashboard
+    status, body = _get(f"http://127.0.0.1:{port}/?token={token}")
+    assert status == 200 and "kernelId" in body, status
+    external = re.findall(r"""(?:href|src)=["'](https?://[^"']+)""", body) + re.findall(
+        r"""import[^;]*["'](https?://[^"']+)""", body
+    )
+    assert not external, external
