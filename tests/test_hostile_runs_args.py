@@ -407,3 +407,50 @@ def test_the_dashboard_page_loads_nothing_from_the_network(dashboard):  # noqa: 
         r"""import[^;]*["'](https?://[^"']+)""", body
     )
     assert not external, external
+
+
+_FORGED_ONES = """
+import json, resource, sys
+import torch, tdinspect
+from tdinspect.errors import ReplayRefused
+from tests.conftest import only_folder, rewrite_sidecar
+from pathlib import Path
+root = Path(sys.argv[1])
+with tdinspect.capture_ops(root, inputs=True) as dump:
+    torch.ones([2, 2]) + 1
+    dump.step()
+sidecar = only_folder(root) / "pass00000.json"
+doc = json.loads(sidecar.read_text())
+i = doc["entries"]["key"].index("model/aten.ones.default[out0]")
+doc["entries"]["call_args"][i]["leaves"][0:2] = [2**16, 2**17]  # 2**33 float32: 32 GiB
+rewrite_sidecar(sidecar, doc)
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # never more than 4 GiB here
+try:
+    tdinspect.replay(root, "model/aten.ones.default")
+except ReplayRefused as exc:
+    print("refused:", exc)
+except Exception as exc:
+    print("failed:", type(exc).__name__, str(exc)[:200])
+"""
+
+
+def test_a_replayed_factory_with_a_forged_size_is_refused_before_allocating(tmp_path):
+    """Case 13: replay of a forged ``aten.ones([2**33])`` allocated 34 GB: the run on meta
+    tensors that bounds a replay kept the factory's ``device="cpu"``, so it tried to make the
+    tensor for real, failed, and the real run went on. Now the factory runs on meta too and
+    the replay is refused from the size alone (in a subprocess held to 4 GiB)."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FORGED_ONES, str(tmp_path / "ones")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert "refused:" in done.stdout and "would make 34359738368 bytes" in done.stdout, (
+        done.stdout + done.stderr
+    )
