@@ -454,3 +454,30 @@ def test_a_replayed_factory_with_a_forged_size_is_refused_before_allocating(tmp_
     assert "refused:" in done.stdout and "would make 34359738368 bytes" in done.stdout, (
         done.stdout + done.stderr
     )
+
+
+def test_a_mapping_template_that_amplifies_is_refused_before_it_expands(tmp_path):
+    """Case 13: a 1.5 MB mapping template of group references (``\\1`` x 750,000) peaked at
+    1.6 GB expanding one A name. A template is one entry's name: at most 4,096 characters, and
+    what it would expand to is measured from its references and the match before it is built."""
+    import tracemalloc
+
+    from tdinspect.align.mapping import Mapping
+    from tdinspect.errors import MappingError
+
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({r"model\.(\w+)": "x" + "\\1" * 750_000}))
+    with pytest.raises(MappingError, match=r"a B template of 1500001 characters \(at most 4096"):
+        Mapping.from_file(path)
+    mapping = Mapping({r"model\.(\w+)": "x" + "\\1" * 2000})  # 4,001 characters: allowed
+    assert mapping.partner("model.fc")[0] == "x" + "fc" * 2000
+    tracemalloc.start()
+    try:
+        with pytest.raises(
+            MappingError, match=r"2000 group references\) would name a B entry of up to 6000001"
+        ):
+            mapping.partner("model." + "a" * 3000)
+        assert tracemalloc.get_traced_memory()[1] < 2 << 20  # nothing near the 6 MB name was built
+    finally:
+        tracemalloc.stop()
+    assert Mapping({r"(model)\.(\w+)": r"\g<2>.\g<1>"}).partner("model.fc")[0] == "fc.model"
