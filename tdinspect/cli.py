@@ -41,7 +41,7 @@ from typing import Any
 
 from tdinspect.numerics.metrics import METRICS
 from tdinspect.report import text_table
-from tdinspect.util.arguments import add_spec_arguments
+from tdinspect.util.arguments import add_spec_arguments, nonempty
 from tdinspect.util.terminal import visible, visible_streams
 
 
@@ -407,13 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p, two=False, json=True):
         if two:
-            p.add_argument("a", help="reference dump (folder, rank folder or pass file)")
-            p.add_argument("b", help="compared dump")
+            p.add_argument("a", type=nonempty, help="reference dump (folder, rank folder or pass file)")
+            p.add_argument("b", type=nonempty, help="compared dump")
             add_spec_arguments(p, METRICS)
         else:
-            p.add_argument("path", help="dump folder, rank folder or pass file")
+            p.add_argument("path", type=nonempty, help="dump folder, rank folder or pass file")
             p.add_argument(
                 "--run",
+                type=nonempty,
                 default=None,
                 help="which run of a folder holding several: "
                 "-1 the newest (default), -2 the one before, 0 the oldest, or a "
@@ -465,14 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common(p, two=True, json=False)
-    p.add_argument("-o", "--output", metavar="FILE", default=None, help="the HTML file (default: stdout)")
+    p.add_argument(
+        "-o", "--output", type=nonempty, metavar="FILE", default=None, help="the HTML file (default: stdout)"
+    )
     common(sub.add_parser("first-nonfinite", help="the first output holding NaN or Inf"))
     p = sub.add_parser(
         "suggest-mapping",
         help="propose mapping rules (YAML on stdout) pairing differently named entries of A and B",
     )
-    p.add_argument("a", help="reference dump")
-    p.add_argument("b", help="compared dump (a port, another engine)")
+    p.add_argument("a", type=nonempty, help="reference dump")
+    p.add_argument("b", type=nonempty, help="compared dump (a port, another engine)")
     p.add_argument("--pass", dest="pass_", type=int, default=None, help="pass to learn from")
     p.add_argument("--rank", type=int, default=None, help="rank to learn from")
     p.add_argument("--tol", type=float, default=1e-6, help="rel_diff at which values count as equal")
@@ -488,8 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
         "dashboard",
         help="serve a dashboard of two dumps in the browser (Voila: pip install 'tdinspect[dashboard]')",
     )
-    p.add_argument("a", help="reference dump")
-    p.add_argument("b", help="compared dump")
+    p.add_argument("a", type=nonempty, help="reference dump")
+    p.add_argument("b", type=nonempty, help="compared dump")
     add_spec_arguments(p, METRICS)
     p.add_argument("--port", type=_port, default=8866, help="0 to 65535 (default 8866; 0: any free port)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
@@ -497,7 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
     )
     p = sub.add_parser("demo", help="capture two runs of the bundled model, diff them, plot")
-    p.add_argument("--out", default=None, help="folder for the dumps and the PNG (default: temporary)")
+    p.add_argument(
+        "--out", type=nonempty, default=None, help="folder for the dumps and the PNG (default: temporary)"
+    )
     p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too"
     )

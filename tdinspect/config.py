@@ -30,6 +30,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import operator
 import os
 import re
 import warnings
@@ -62,6 +63,9 @@ DEFAULT_MEMORY_LIMIT = 2 << 30  # what ``capture(..., memory=True)`` may hold: 2
 _UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 
 
+MAX_MEMORY_LIMIT = 2**63 - 1  # bytes: what a byte count of the process can be
+
+
 def parse_memory(value) -> int | None:
     """The byte limit of a capture to memory: ``None`` (off) for ``None``/``False``,
     :data:`DEFAULT_MEMORY_LIMIT` for ``True``, else a byte count or a size such as ``"2GB"``,
@@ -76,13 +80,22 @@ def parse_memory(value) -> int | None:
         return None
     if value is True:
         return DEFAULT_MEMORY_LIMIT
-    if isinstance(value, int) and value > 0:
-        return value
+    count = None
+    if not isinstance(value, (str, float)):
+        try:
+            count = operator.index(value)  # int, numpy.int64, torch's: an exact whole number
+        except TypeError:
+            pass
     if isinstance(value, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*", value.upper())
         if m and float(m.group(1)) > 0:
             unit = (m.group(2) + "B") if m.group(2) else ""
-            return max(int(float(m.group(1)) * _UNITS[unit]), 1)
+            size = float(m.group(1)) * _UNITS[unit]  # inf for 400 digits: refused below
+            count = max(int(size), 1) if size <= MAX_MEMORY_LIMIT else MAX_MEMORY_LIMIT + 1
+    if count is not None and 0 < count <= MAX_MEMORY_LIMIT:
+        return count
+    if count is not None and count > MAX_MEMORY_LIMIT:  # 10**400 raised OverflowError later
+        raise ConfigError(f"memory={str(value)[:40]}: more than {MAX_MEMORY_LIMIT} bytes (8 EiB)")
     raise ConfigError(
         f"memory={value!r}: expected True (a {DEFAULT_MEMORY_LIMIT >> 30} GB limit), a byte count "
         "or a size such as '2GB' or '512MB'"

@@ -232,7 +232,7 @@ class DiffSummary:
         structural: str | None = None,
     ):
         self.diff = diff
-        self.metric = metric or diff.default_metric
+        self.metric = diff.default_metric if metric is None else metric
         self.threshold = threshold
         # the summary says what was not compared (self.verdict), not a warning
         self.verdict = diff.verdict(threshold, self.metric, structural)

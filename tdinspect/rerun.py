@@ -189,7 +189,9 @@ REPLAY_FLOOR_BYTES = 256 << 20  # ...or this many, whichever is more
 def _refuse_outsized(op, args: Any, kwargs: dict, where: str) -> None:
     """Refuse a re-run whose outputs would be far larger than its inputs (sizes are the file's
     text: ``aten.new_zeros`` with a forged size asked for 34 GB). The outputs' sizes come from
-    running the op on meta tensors first, which allocates nothing."""
+    running the op on meta tensors first, which allocates nothing; a factory's ``device=`` is
+    made ``"meta"`` too (``aten.ones([2**33], device="cpu")`` was made for real in that run,
+    failed, and the real run went on to ask for 34 GB)."""
     leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     given = sum(t.numel() * t.element_size() for t in leaves)
     limit = max(REPLAY_FLOOR_BYTES, REPLAY_FACTOR * given)
@@ -197,6 +199,8 @@ def _refuse_outsized(op, args: Any, kwargs: dict, where: str) -> None:
         meta_args, meta_kwargs = tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
         )
+        if "device" in meta_kwargs:  # a factory (aten.ones([2**33]), device="cpu") made it for real
+            meta_kwargs = {**meta_kwargs, "device": "meta"}
         outputs = tree_flatten(op(*meta_args, **meta_kwargs))[0]
     except Exception:  # noqa: BLE001 - no meta kernel: the real run says what is wrong
         return

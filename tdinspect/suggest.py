@@ -202,6 +202,17 @@ class Suggestion:
         )
 
 
+def _check_unit(name: str, value, low: float, high: float) -> None:
+    """``ValueError`` unless ``value`` is a number from ``low`` to ``high`` (NaN compares false
+    with everything: ``--min-confidence nan`` used no pair and said nothing)."""
+    try:
+        ok = not isinstance(value, bool) and low <= float(value) <= high
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}={str(value)[:40]}: expected a number from {low:g} to {high:g}")
+
+
 def suggest_mapping(
     a,
     b,
@@ -240,6 +251,8 @@ def suggest_mapping(
 
     from tdinspect.dumpset import DumpSet
 
+    _check_unit("min_confidence", min_confidence, 0.0, 1.0)  # NaN: every pair "not used"
+    _check_unit("tol", tol, 0.0, math.inf)
     a = DumpSet.coerce(a)
     b = DumpSet.coerce(b, client=a.client)
     common = sorted(set(a._passes) & set(b._passes), key=lambda k: (k[1], k[0]))

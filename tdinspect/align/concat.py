@@ -69,10 +69,12 @@ def dim_index(dim: int | str, spec: str | None, ndim: int | None, key: str) -> i
 
 
 def names_dim(passes: dict[tuple[int, int], PassIndex], dim: int | str) -> bool:
-    """Whether ``dim`` is an int, or a name some entry's dims hold (``False`` for a typo such as
-    ``--concat call:x``, which should be an error rather than every entry's reason)."""
+    """Whether ``dim`` is an int some entry has (``-ndim <= dim < ndim``), or a name some entry's
+    dims hold (``False`` for a typo such as ``--concat call:x`` or ``call:99999999999999999999``,
+    which should be an error rather than every entry's reason: a divergence, exit 1)."""
     if not isinstance(dim, str):
-        return True
+        shapes = [s for pi in passes.values() for s in getattr(pi, "shape", None) or [None]]
+        return any(not isinstance(s, (list, tuple)) or -len(s) <= dim < len(s) for s in shapes)
     for pi in passes.values():
         for spec in pi.dims:
             if spec is None:

@@ -37,6 +37,8 @@ from tdinspect.errors import (
 from tdinspect.naming import make_key, split_call
 from tdinspect.util.regularfile import open_regular
 
+MAX_NAME_CHARS = 4096  # a B template, and the name it expands to: entry names are far shorter
+_GROUP_REF = re.compile(r"\\(?:\d+|g<[^>]*>)")  # \1, \g<1>, \g<name> in a template
 MAX_FILE_BYTES = 16 << 20  # a mapping file is rules: kilobytes (a FIFO or /dev/zero: refused)
 _SHOWN = reprlib.Repr()  # values quoted in messages, cut short (Python 3.11 takes no arguments)
 _SHOWN.maxstring = _SHOWN.maxother = 80
@@ -69,6 +71,23 @@ def _loader() -> type:
             return super().compose_node(parent, index)
 
     return Loader
+
+
+def _bound_expansion(rule, m, a_base: str) -> None:
+    """``MappingError`` when ``rule``'s template would expand to more than
+    :data:`MAX_NAME_CHARS` for this match: measured from its group references and the longest
+    group before anything is built (each reference is one group's text)."""
+    refs = len(_GROUP_REF.findall(rule.template))
+    if not refs:
+        return
+    longest = max((len(g) for g in m.groups() if g), default=len(m.group(0)))
+    longest = max(longest, len(m.group(0)) if "g<0>" in rule.template else 0)
+    most = len(_GROUP_REF.sub("", rule.template)) + refs * longest
+    if most > MAX_NAME_CHARS:
+        raise MappingError(
+            f"rule '{quoted_rule(rule.source)}': its template ({refs} group references) would name a "
+            f"B entry of up to {most} characters for {_SHOWN.repr(a_base)} (at most {MAX_NAME_CHARS})"
+        )
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,7 @@ class Mapping:
                         "nested repeats"
                     ) from None
                 if m is not None:
+                    _bound_expansion(rule, m, a_base)
                     try:
                         hit = (m.expand(rule.template), rule.transform, n)
                     except (regex.error, IndexError) as exc:
@@ -245,6 +265,11 @@ def _rule(pattern: Any, target: Any) -> Rule:
     if not isinstance(target, str) or not target:
         raise MappingError(
             f"rule '{quoted_rule(pattern)}': the B template must be a non-empty string, got {_SHOWN.repr(target)}"
+        )
+    if len(target) > MAX_NAME_CHARS:  # a 1.5 MB template of group references peaked at 1.6 GB
+        raise MappingError(
+            f"rule '{quoted_rule(pattern)}': a B template of {len(target)} characters (at most "
+            f"{MAX_NAME_CHARS}: it names one entry)"
         )
     try:
         plain = re.compile(pattern)  # group references are checked as re checks them (regex: on a match)

@@ -36,6 +36,7 @@ from tdinspect.errors import TransformError
 
 MAX_SPEC_CHARS = 500
 MAX_STEPS = 16
+MAX_DEPTH = 64  # of the syntax tree: 16 steps of a chain, each a call with a subscript, nest ~50
 MAX_INT = 1 << 31
 
 # method -> (least, most) positional arguments; "ints" = the arguments may also be one tuple
@@ -214,6 +215,17 @@ def _call(node: ast.AST, spec: str) -> tuple[ast.AST | None, Step]:
     return inner, Step(name, args, index)
 
 
+def _depth(tree: ast.AST) -> int:
+    """How deep ``tree`` nests, walked without recursion (``-(-(...1))`` 400 deep ended in
+    ``RecursionError``)."""
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def parse_transform(spec: str) -> Transform:
     """Parse a transform string (never evaluated); see the module docstring.
 
@@ -238,6 +250,11 @@ def parse_transform(spec: str) -> Transform:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
         raise TransformError(f"transform {spec!r}: not valid syntax ({exc.msg})") from None
+    except (RecursionError, MemoryError):  # the parser's own stack
+        raise TransformError(f"transform {spec!r}: nested too deeply to parse") from None
+    depth = _depth(tree)
+    if depth > MAX_DEPTH:  # the checks below (ast.unparse in their messages) recurse
+        raise TransformError(f"transform {spec!r}: nested {depth} deep (at most {MAX_DEPTH})")
     steps = []
     node: ast.AST | None = tree.body
     while node is not None:

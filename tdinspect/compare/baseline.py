@@ -76,8 +76,9 @@ def check_factor(factor) -> float:
         if isinstance(factor, bool):  # float(True) is 1.0
             raise TypeError
         out = float(factor)
-    except (TypeError, ValueError):
-        raise ValueError(f"baseline_factor: expected a number, got {factor!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: 10**400
+        shown = repr(factor) if len(repr(factor)) <= 40 else repr(factor)[:37] + "..."
+        raise ValueError(f"baseline_factor: expected a number, got {shown}") from None
     if not (math.isfinite(out) and out >= 1):
         raise ValueError(f"baseline_factor={factor!r}: expected a finite number of at least 1")
     return out

@@ -48,7 +48,7 @@ from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
 from tdinspect.compare.padhint import pad_hint
 from tdinspect.compare.pairing import assembled, layout, pairs
-from tdinspect.compare.passes import PassJob, compare_pass, pass_frame, rank_hint
+from tdinspect.compare.passes import PassJob, compare_pass, cut_short, pass_frame, rank_hint
 from tdinspect.compare.passframes import PassFrames
 from tdinspect.compare.rows import rows_text
 from tdinspect.compare.rule import COLUMNS, STRUCTURAL_COLUMNS, apply_transform, problem_of
@@ -214,7 +214,9 @@ class Diff:
             over, dim = parse_concat(spec.concat)
             if not (names_dim(a.pass_map, dim) or names_dim(b.pass_map, dim)):
                 raise ValueError(
-                    f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
+                    f"concat dim {dim!r}: no entry of either side has that many dims"
+                    if isinstance(dim, int)
+                    else f"concat dim {dim!r}: no entry of either side has dims naming it (capture(dims=...) "
                     "or DumpSet.open(dims=...)), or give dim as an int"
                 )
             a, b = a.concat(over, dim), b.concat(over, dim)
@@ -227,11 +229,19 @@ class Diff:
         self.align = spec.align
         self.client = client if client is not None else a.client
         self.chunk = chunk
+        if passes_in_flight is not None and (
+            isinstance(passes_in_flight, bool)
+            or not isinstance(passes_in_flight, int)
+            or passes_in_flight < 1
+        ):  # 0 became the default, silently
+            raise ValueError(f"passes_in_flight={passes_in_flight!r}: expected a whole number, 1 or more")
         self.passes_in_flight = passes_in_flight
         self.mode = "stats" if (a.stats_only or b.stats_only or mode == "stats") else "tensor"
         if self.mode == "stats" and mode == "tensor":
             raise ValueError("a side is statistics-only: tensors cannot be compared (mode='stats')")
-        self.default_metric = spec.metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
+        self.default_metric = (
+            spec.metric if spec.metric is not None else ("stats_rel" if self.mode == "stats" else "rel_diff")
+        )
         self._want_stats_rel = False  # tensor mode: statistics compared once that is asked for
         # one DataFrame per pass read, kept as typed columns until asked for (~560 B an
         # entry; row dictionaries took ~1.1 KB)
@@ -250,6 +260,11 @@ class Diff:
         passes_a, passes_b = self.a.pass_map, self.b.pass_map
         keys = sorted(set(passes_a) | set(passes_b), key=lambda k: (k[1], k[0]))
         ranks_a, ranks_b = set(self.a.ranks), set(self.b.ranks)
+        # each side's ranks, where it has more than the other (its peers are hinted as shards)
+        more = [
+            (s.pass_map, s.ranks) if len(s.ranks) > len(o.ranks) else None
+            for s, o in ((self.a, self.b), (self.b, self.a))
+        ]
         jobs = []
         for rank, p in keys:
             pa, pb = passes_a.get((rank, p)), passes_b.get((rank, p))
@@ -272,26 +287,11 @@ class Diff:
                     self.chunk,
                     reason,
                     self.mapping,
-                    *self._peers(rank, p, pa, pb),
+                    *_peers(more, rank, p, pa, pb),
                     pattern_b=self.b.op_pattern,
                 )
             )
         return jobs
-
-    def _peers(self, rank: int, p: int, pa, pb) -> tuple[tuple, tuple]:
-        """Each side's pass ``p`` in its other ranks, where that side has more ranks than the
-        other (a tensor-parallel run against a smaller one): its shape mismatches are
-        hinted as shards (:func:`tdinspect.compare.passes._hint_shards`); ``((), ())`` else."""
-        if pa is None or pb is None:
-            return (), ()
-        out = []
-        for mine, theirs in ((self.a, self.b), (self.b, self.a)):
-            if len(mine.ranks) > len(theirs.ranks):
-                found = (mine.pass_map.get((r, p)) for r in mine.ranks if r != rank)
-                out.append(tuple(pi for pi in found if pi is not None))
-            else:
-                out.append(())
-        return out[0], out[1]
 
     def iter_passes(self, *, growing: bool = False) -> Iterator[tuple[tuple[int, int], pd.DataFrame]]:
         """``((rank, pass), rows)`` in order, computing (in waves) only what is not cached.
@@ -333,7 +333,7 @@ class Diff:
             rows.at[i, "stats_rel"] = stats_rel(sb, sa)
 
     def _compute(self, jobs: list[PassJob], growing: bool) -> Iterator[list[dict]]:
-        limit = self.passes_in_flight or default_wave(self.client)
+        limit = default_wave(self.client) if self.passes_in_flight is None else self.passes_in_flight
         if not growing:
             yield from map_in_waves(compare_pass, jobs, client=self.client, wave=limit)
             return
@@ -445,7 +445,7 @@ class Diff:
         >>> diff.thresholds().describe()          # doctest: +SKIP
         'auto (rel_diff: float32 1.5e-08)'
         """
-        return self._thresholds(threshold, metric or self.default_metric)
+        return self._thresholds(threshold, self.default_metric if metric is None else metric)
 
     def _thresholds(self, threshold, metric_name: str):
         """:meth:`thresholds` of ``metric_name``: the spec's threshold when ``threshold`` is
@@ -478,7 +478,7 @@ class Diff:
         return hit | slice_hits(rows, m, thresholds, skip, thr_fn)
 
     def _check_metric(self, metric_name):
-        metric_name = metric_name or self.default_metric
+        metric_name = self.default_metric if metric_name is None else metric_name
         self._want_stats_rel = self._want_stats_rel or metric_name == "stats_rel"
         if self.mode == "stats" and metric_name == "equal":
             for name, side in (("A", self.a), ("B", self.b)):
@@ -762,8 +762,10 @@ class Diff:
         remaining: dict[int, int] = {}  # pass -> ranks not yet seen
         for job in self._jobs():
             remaining[job.pass_] = remaining.get(job.pass_, 0) + 1
+        cut: list[str] = []  # passes an error cut short: what ran may agree, the pass never ended
         for (rank, p), rows in self.iter_passes(growing=True):
             remaining[p] -= 1
+            cut += cut_short(self.a, self.b, rank, p, self._where)
             hit = self._hits(rows, m, thr_fn)
             layout, never = self._layout_rows(rows), self._never_rows(rows)
             named = self._allowed(rows, allow_uncompared)
@@ -790,14 +792,16 @@ class Diff:
             if best is not None and remaining[p] == 0:
                 break  # every rank of the first divergent pass is in: later passes stay unread
         if best is None:
-            if not counts["uncompared"] and counts["compared"]:
-                return Verdict("matches", **counts)
-            if not counts["uncompared"]:  # the ledger holds nothing compared: never "matches"
+            if not counts["uncompared"] and not cut:
+                if counts["compared"]:
+                    return Verdict("matches", **counts)
+                # the ledger holds nothing compared: never "matches"
                 return Verdict("incomplete", None, self._nothing_compared(counts), **counts)
             stopped = self.uncompared_after(progress=False, allow_uncompared=allow_uncompared)
-            return Verdict(
-                "incomplete", None, self._gap_text(unseen, counts, stopped), **counts, stopped=stopped
+            gap = "; ".join(
+                cut[:3] + ([self._gap_text(unseen, counts, stopped)] if counts["uncompared"] else [])
             )
+            return Verdict("incomplete", None, gap, **counts, stopped=stopped)
         _, rank, n, rows = best
         row = rows.iloc[n].to_dict()
         if not row["structural"] and self.mode == "tensor":
@@ -1250,7 +1254,7 @@ class Diff:
         :meth:`first_divergence`."""
         v = self.verdict(threshold, metric, structural, allow_uncompared=allow_uncompared)
         div = v.divergence  # the gap is in the answer here: no warning
-        name = div.metric if div else (metric or self.default_metric)
+        name = div.metric if div else (self.default_metric if metric is None else metric)
         out = {
             "a": str(self.a.path),
             "b": str(self.b.path),
@@ -1292,7 +1296,7 @@ class Diff:
         """``threshold`` in words (:meth:`Thresholds.describe`), with the ``"auto"`` values of
         the dtypes compared so far."""
         read = [f for f in self._results.values() if len(f)]
-        return self._thresholds(threshold, metric or self.default_metric).describe(
+        return self._thresholds(threshold, self.default_metric if metric is None else metric).describe(
             pd.concat(read) if read else None
         )
 
@@ -1317,12 +1321,30 @@ class Diff:
             return head + ")"
         if threshold is not None and not (isinstance(threshold, str) and threshold == AUTO):
             return head + ")"
-        return f"{head}, threshold: auto by default ({auto_rule(metric or self.default_metric)}))"
+        return f"{head}, threshold: auto by default ({auto_rule(self.default_metric if metric is None else metric)}))"
 
     def _repr_html_(self) -> str:
         from tdinspect.report import diff_html
 
         return diff_html(self)
+
+
+def _peers(more: list, rank: int, p: int, pa, pb) -> tuple[tuple, tuple]:
+    """Each side's pass ``p`` in its other ranks, where that side has more ranks than the
+    other (``more``: its ``(pass_map, ranks)``, else None; a tensor-parallel run against a
+    smaller one): its shape mismatches are hinted as shards
+    (:func:`tdinspect.compare.passes._hint_shards`); ``((), ())`` else. O(ranks) a pass."""
+    if pa is None or pb is None:
+        return (), ()
+    out = []
+    for side in more:
+        if side is None:
+            out.append(())
+            continue
+        pass_map, ranks = side
+        found = (pass_map.get((r, p)) for r in ranks if r != rank)
+        out.append(tuple(pi for pi in found if pi is not None))
+    return out[0], out[1]
 
 
 def _has_checksums(pi) -> bool:

@@ -67,6 +67,16 @@ class PassJob:
     def transform(self, a_key: str):
         return None if self.mapping is None else self.mapping.partner(split_call(a_key)[0])[1]
 
+    def cut_short(self, ia: int | None, ib: int | None) -> str:
+        """Where the side lacking the entry (B when ``ib`` is None) had its pass cut short by an
+        error (its sidecar's ``failed``): why it never reached the entry; ``""`` else."""
+        lacking = self.b if ib is None else self.a
+        failed = getattr(lacking, "failed", None)
+        if not failed:
+            return ""
+        side = "B" if ib is None else "A"
+        return f"not reached in {side}: its pass was cut short by an error ({str(failed)[:120]})"
+
     def unmatched(self, ia: int | None, ib: int | None) -> str:
         """Why entry ``ia`` of A (``ib`` None) or ``ib`` of B (``ia`` None) has no partner."""
         if self.missing_reason:
@@ -164,7 +174,8 @@ def _plain_first(job: PassJob, files: dict[str, Any], loaders) -> tuple[list, li
         )
         rows.append(row)
         if ia is None or ib is None:
-            row.update(structural=True, reason=job.unmatched(ia, ib))
+            cut = job.cut_short(ia, ib)  # never compared, not a structural divergence
+            row.update(structural=not cut, reason=cut or job.unmatched(ia, ib))
             continue
         if not (pa.uninitialized[ia] or pb.uninitialized[ib]):
             same = unchanged_since(pa, ia, pb, ib)
@@ -327,3 +338,16 @@ def pass_frame(rows: list[dict[str, Any]]):
             return frame
         columns["upstream"] = upstream_of(columns["dtype_a"], columns["dtype_b"])
         return columns
+
+
+def cut_short(a, b, rank: int, pass_: int, where) -> list[str]:
+    """For each side whose pass ``pass_`` of ``rank`` an error cut short (its sidecar's
+    ``failed``): a sentence saying so. Such a pass never makes a verdict "matches": what ran
+    may agree, but the rest of the forward never ran (``a`` and ``b``: the DumpSets;
+    ``where(pass_, rank)`` names the pass)."""
+    out = []
+    for name, side in (("A", a), ("B", b)):
+        failed = getattr(side.pass_map.get((rank, pass_)), "failed", None)
+        if failed:
+            out.append(f"{where(pass_, rank)} of {name} was cut short by an error ({str(failed)[:120]})")
+    return out

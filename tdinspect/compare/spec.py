@@ -30,6 +30,8 @@ from typing import Any
 
 from tdinspect.align.mapping import Mapping
 from tdinspect.compare.baseline import FACTOR, check_factor
+from tdinspect.compare.thresholds import allowed_pattern
+from tdinspect.numerics.metrics import metric as metric_named
 from tdinspect.util.arguments import threshold_values
 
 ALIGNS = ("name", "sequence")
@@ -97,6 +99,8 @@ class CompareSpec:
         set_("mapping", Mapping.coerce(self.mapping))
         if self.mapping is not None and self.align != "name":
             raise ValueError("mapping= pairs entries by rule: use it with align='name'")
+        if self.metric is not None:
+            metric_named(self.metric)  # "" became the default metric, silently
         set_("threshold", "auto" if self.threshold is None else self.threshold)
         allow = self.allow_uncompared
         if allow is None:
@@ -108,10 +112,7 @@ class CompareSpec:
         else:  # a hand-edited spec: tuple(5) raised "'int' object is not iterable"
             raise ValueError(f"allow_uncompared={allow!r}: expected a regex or a list of them")
         for p in allow:
-            try:
-                re.compile(p)
-            except (re.error, TypeError) as exc:
-                raise ValueError(f"allow_uncompared {p!r}: not a regular expression ({exc})") from None
+            allowed_pattern(p)
         set_("allow_uncompared", tuple(p.pattern if isinstance(p, re.Pattern) else p for p in allow))
         if isinstance(self.concat, list):
             set_("concat", tuple(self.concat))
@@ -162,9 +163,9 @@ class CompareSpec:
         (``ValueError`` naming the flag for a bad value)."""
         for p in args.allow_uncompared or ():
             try:
-                re.compile(p)
-            except re.error as exc:
-                raise ValueError(f"--allow-uncompared {p!r}: invalid regular expression ({exc})") from None
+                allowed_pattern(p)
+            except ValueError as exc:
+                raise ValueError(f"--{exc}".replace("allow_uncompared", "allow-uncompared", 1)) from None
         mapping = getattr(args, "mapping", None)
         if mapping is not None:
             mapping = Mapping.from_file(mapping)
@@ -179,7 +180,9 @@ class CompareSpec:
             threshold=threshold_values(args.threshold),
             allow_uncompared=tuple(args.allow_uncompared or ()),
             baseline=getattr(args, "baseline", None),
-            baseline_factor=getattr(args, "baseline_factor", None) or FACTOR,
+            baseline_factor=FACTOR
+            if getattr(args, "baseline_factor", None) is None
+            else args.baseline_factor,
         )
 
     # -- handing it on --------------------------------------------------------------------

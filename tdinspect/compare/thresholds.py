@@ -19,7 +19,15 @@ import pandas as pd
 
 from tdinspect.compare.rule import NONFINITE
 from tdinspect.naming import split_call
-from tdinspect.numerics.metrics import AUTO, auto_rule, auto_threshold, dtype_named, metric, unit_roundoff
+from tdinspect.numerics.metrics import (
+    AUTO,
+    Metric,
+    auto_rule,
+    auto_threshold,
+    dtype_named,
+    metric,
+    unit_roundoff,
+)
 from tdinspect.util.terminal import visible
 
 BEFORE = 5  # entries listed before a divergence
@@ -204,14 +212,15 @@ class Thresholds:
             )
         if isinstance(threshold, dict):
             self.rules = [
-                (_valid_regex(k), None if v == AUTO else _valid_threshold(v, k)) for k, v in threshold.items()
+                (_valid_regex(k), None if v == AUTO else _valid_threshold(v, k, self.metric))
+                for k, v in threshold.items()
             ]
         elif threshold is not None and threshold != AUTO:
             if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
                 raise TypeError(
                     f"threshold must be 'auto', a number or a {{regex: number}} dict, got {threshold!r}"
                 )
-            self.fixed = _valid_threshold(threshold)
+            self.fixed = _valid_threshold(threshold, metric=self.metric)
         self._cache: dict[tuple, tuple[float, str]] = {}
 
     def lookup(self, op: str, dtype_a, dtype_b, upstream="") -> tuple[float, str]:
@@ -456,11 +465,23 @@ def allowed_patterns(patterns) -> list[re.Pattern]:
         if isinstance(p, re.Pattern):
             out.append(p)
             continue
-        try:
-            out.append(re.compile(p))
-        except (re.error, TypeError) as exc:
-            raise ValueError(f"allow_uncompared {p!r}: not a regular expression ({exc})") from None
+        out.append(allowed_pattern(p))
     return out
+
+
+def allowed_pattern(p) -> re.Pattern:
+    """One ``allow_uncompared`` regex, compiled; an empty one is refused (``ValueError``): it
+    names every entry (an unset shell variable, ``--allow-uncompared ""``), so a B missing
+    most of A's entries answered "matches"; ``".*"`` says so on purpose."""
+    if isinstance(p, str) and not p.strip():
+        raise ValueError(
+            f"allow_uncompared {p!r}: an empty pattern would allow every entry; name the entries "
+            "(e.g. 'rotary_emb'), or give '.*' to allow all of them"
+        )
+    try:
+        return re.compile(p)
+    except (re.error, TypeError) as exc:
+        raise ValueError(f"allow_uncompared {p!r}: not a regular expression ({exc})") from None
 
 
 def allowed_rows(patterns: list[re.Pattern], ops, keys_b, keys=None) -> np.ndarray:
@@ -602,14 +623,30 @@ def divergence_of(row: dict, m, thr_fn, before: list, listed=None, located: str 
     )
 
 
-def _valid_threshold(value, pattern: str | None = None) -> float:
+# the thresholds a metric's values can meet: outside, every entry diverges (a negative rel_diff,
+# a cosine above 1) or none can (a cosine below -1)
+_RANGES = {"cosine": (-1.0, 1.0), "equal": (0.0, 1.0)}
+
+
+def _valid_threshold(value, pattern: str | None = None, metric: Metric | None = None) -> float:
     where = f"threshold for {pattern!r}" if pattern is not None else "threshold"
     try:
+        if isinstance(value, bool):  # float(True) is 1.0
+            raise TypeError
         out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: 10**400
+        raise ValueError(f"{where}: expected a number a float can hold, got {str(value)[:40]!r}") from None
     if math.isnan(out):
         raise ValueError(f"{where}: NaN compares false with everything (nothing would diverge)")
+    if metric is None:
+        return out
+    low, high = _RANGES.get(metric.name, (0.0 if metric.higher_is_worse else -math.inf, math.inf))
+    if not low <= out <= high:
+        raise ValueError(
+            f"{where}={value!r}: {metric.name} takes thresholds from {low:g} to {high:g} (outside, "
+            f"{'every entry or none' if metric.name in _RANGES else 'every entry, identical ones too,'} "
+            "would diverge)"
+        )
     return out
 
 

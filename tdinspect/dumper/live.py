@@ -214,7 +214,7 @@ class LiveCompare:
         self.set_aside: list[dict[str, Any]] = []  # structural rows, with structural="report"
         self.ref = reference if isinstance(reference, DumpSet) else DumpSet.open(reference)
         self.mode = "stats" if self.ref.stats_only else "tensor"
-        name = metric or ("stats_rel" if self.mode == "stats" else "rel_diff")
+        name = metric if metric is not None else ("stats_rel" if self.mode == "stats" else "rel_diff")
         if self.mode == "stats" and name != "stats_rel":
             raise ValueError(
                 f"compare_to={str(self.ref.path)!r} holds statistics only: "

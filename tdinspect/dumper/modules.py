@@ -46,7 +46,7 @@ from tdinspect.config import DumpConfig, FilterSpec, parse_memory, parse_record
 from tdinspect.dumper import compiled as graphs
 from tdinspect.dumper.checks import Guarded, HealthCheck, StopsOnCheck, live_options, open_live
 from tdinspect.dumper.memory import InMemory
-from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
+from tdinspect.dumper.recorder import Recorder, current_rank, failed_text, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
 from tdinspect.dumper.stance import hold_eager, release
 from tdinspect.errors import ConfigError
@@ -718,8 +718,10 @@ class ModuleCapture(StopsOnCheck, InMemory):
         )
         return name if ran is None else f"{name} (its weights are {ran}'s, which ran)"
 
-    def close(self, write_pending: bool = True, warn: bool = True) -> None:
-        """Write a pending non-empty pass, remove every hook, wait for the writer."""
+    def close(self, write_pending: bool = True, warn: bool = True, *, failed: str | None = None) -> None:
+        """Write a pending non-empty pass, remove every hook, wait for the writer.
+
+        ``failed`` (an error's text) marks that pending pass cut short, as :meth:`step` does."""
         if not self.enabled or self.recorder is None:
             return
         graphs.flush()
@@ -739,7 +741,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
             graphs.drop_compiled_code()
         rec, self.recorder = self.recorder, None
         unfired = self.unfired
-        rec.close(write_pending=write_pending)
+        rec.close(write_pending=write_pending, failed=failed)
         if warn and self._warn_unfired and unfired and rec.pass_index:
             shown = ", ".join(self._why_unfired(n) for n in unfired[:5]) + (
                 " ..." if len(unfired) > 5 else ""
@@ -761,7 +763,7 @@ class ModuleCapture(StopsOnCheck, InMemory):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        self.close(failed=failed_text(exc))
 
     def __repr__(self) -> str:
         if not self.enabled:

@@ -56,7 +56,7 @@ from tdinspect.dumper.checks import HealthCheck, StopsOnCheck, any_nonfinite, li
 from tdinspect.dumper.kinds import holds_no_data
 from tdinspect.dumper.memory import InMemory
 from tdinspect.dumper.modules import eager_name, memory_limit, resolve_config, unwrap_compiled
-from tdinspect.dumper.recorder import Recorder, current_rank, parallel_coords
+from tdinspect.dumper.recorder import Recorder, current_rank, failed_text, parallel_coords
 from tdinspect.dumper.reruns import close_reruns
 from tdinspect.dumper.stance import hold_eager, release
 from tdinspect.errors import ConfigError
@@ -394,8 +394,9 @@ class OpCapture(StopsOnCheck, InMemory):
         if rec is not None:
             rec.close(write_pending=False)
 
-    def close(self, write_pending: bool = True) -> None:
-        """Stop recording, write a pending non-empty pass, wait for the writer."""
+    def close(self, write_pending: bool = True, *, failed: str | None = None) -> None:
+        """Stop recording, write a pending non-empty pass, wait for the writer (``failed``: the
+        error that cut that pass short, marked in its sidecar as :meth:`step` does)."""
         _UNMANAGED.discard(self)
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
@@ -406,14 +407,14 @@ class OpCapture(StopsOnCheck, InMemory):
             self._stance = None
         rec, self.recorder = self.recorder, None
         if rec is not None:
-            rec.close(write_pending=write_pending)
+            rec.close(write_pending=write_pending, failed=failed)
 
     def __enter__(self) -> OpCapture:
         self._managed = True  # a with block closes it: not a stale capture
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        self.close(failed=failed_text(exc))
 
     def __repr__(self) -> str:
         where = "memory" if self._writer_args["memory"] is not None else self.folder

@@ -158,6 +158,14 @@ def host_copy(t: torch.Tensor, pool: BufferPool | None = None) -> tuple[torch.Te
     return t.to("cpu"), False
 
 
+def failed_text(exc: BaseException | None) -> str | None:
+    """The ``failed`` mark of a pass an exception cut short (``None``: none did): the error's
+    type and text, as ``%%tdi_capture`` writes it, at most 300 characters."""
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 class Recorder:
     """Entries of the current pass of one capture, written on :meth:`step`.
 
@@ -626,9 +634,16 @@ class Recorder:
             p.header = {**p.header, "failed": failed}
         if self.checksum_dim is not None and p.keys and not p.row_checksums:
             ranks = [len(s) for s in p.columns["shape"] if isinstance(s, list)]
+            d = self.checksum_dim
+            having = sum(-r <= d < r for r in ranks)
             self._say_once(
                 "checksum_dim",
-                f"tdinspect: checksum_dim={self.checksum_dim}: no entry of pass {self.pass_index} has that "
+                f"tdinspect: checksum_dim={d}: pass {self.pass_index} has {having} "
+                f"entr{'y' if having == 1 else 'ies'} with that dim, none of them a plain tensor (an "
+                "expanded view, sparse, quantized, nested...): per-row fingerprints are taken of plain "
+                "tensors only, so none was written"
+                if having
+                else f"tdinspect: checksum_dim={d}: no entry of pass {self.pass_index} has that "
                 f"dim (they have {max(ranks, default=0)} dims at most), so no per-row fingerprints were "
                 "written; give the batch dim of the outputs, e.g. checksum_dim=0",
             )
@@ -665,13 +680,14 @@ class Recorder:
         self._in_flight = True
         return host
 
-    def close(self, write_pending: bool = True) -> None:
-        """Write a pending non-empty pass (if asked), wait for the writer, stop it."""
+    def close(self, write_pending: bool = True, failed: str | None = None) -> None:
+        """Write a pending non-empty pass (if asked; ``failed`` marks it cut short by that
+        error), wait for the writer, stop it."""
         if self._forked_from is not None:
             return  # the writer is the parent's
         try:
             if write_pending and len(self):
-                self.step()
+                self.step(failed)
         finally:
             try:
                 if self.writer is not None:

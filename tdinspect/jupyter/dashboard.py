@@ -13,6 +13,7 @@ Examples
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import ipywidgets as W
@@ -228,6 +229,9 @@ def serve(
         json.dump(config, f)
     env = {**os.environ, **page_environment(a, b, spec)}
     env.pop("JUPYTER_TOKEN", None)
+    template = offline_template(folder)
+    if template is not None:  # Voilà looks for templates in JUPYTER_PATH's voila/templates
+        env["JUPYTER_PATH"] = os.pathsep.join(p for p in (str(folder), env.get("JUPYTER_PATH")) if p)
     cmd = [
         sys.executable,
         "-m",
@@ -238,6 +242,7 @@ def serve(
         "--strip_sources=True",
         "--preheat_kernel=True",
         "--no-browser",
+        *([f"--template={template}"] if template is not None else []),
     ]
     print(
         f"tdinspect: serving the dashboard of {a} vs {b} (Ctrl-C stops); open it at\n    {url}",
@@ -252,6 +257,42 @@ def serve(
         return 0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+OFFLINE_TEMPLATE = "tdinspect-offline"
+# what Voilà's lab page loads from the network: Font Awesome's stylesheets (a CDN), and the
+# mermaid.js that nbconvert's page imports from cdnjs
+_EXTERNAL = re.compile(r"""^.*(href|src)=["']https?://.*$\n?""", re.MULTILINE)
+_NO_MERMAID = "{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}\n"
+
+
+def offline_template(folder) -> str | None:
+    """Write, under ``folder/voila/templates``, Voilà's ``lab`` page without what it loads from
+    the network (a page of local dumps on a machine without one waited on a CDN, and told it
+    who was looking); returns its name for ``--template``, or ``None`` when Voilà's own ``lab``
+    template cannot be found (its page is then served as it is)."""
+    from pathlib import Path
+
+    try:
+        from jupyter_core.paths import jupyter_path
+    except ImportError:
+        return None
+    source = next(
+        (
+            Path(p) / "index.html.j2"
+            for p in jupyter_path("voila", "templates", "lab")
+            if (Path(p) / "index.html.j2").is_file()
+        ),
+        None,
+    )
+    if source is None:
+        return None
+    page = _EXTERNAL.sub("", source.read_text(encoding="utf-8")) + _NO_MERMAID
+    out = Path(folder) / "voila" / "templates" / OFFLINE_TEMPLATE
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "index.html.j2").write_text(page, encoding="utf-8")
+    (out / "conf.json").write_text('{"base_template": "lab"}', encoding="utf-8")
+    return OFFLINE_TEMPLATE
 
 
 def _open_when_up(port: int, url: str, folder, proc) -> None:

@@ -313,7 +313,7 @@ def divergence(
     """
     from tdinspect.numerics.metrics import metric as get_metric
 
-    m = get_metric(metric or diff.default_metric)
+    m = get_metric(diff.default_metric if metric is None else metric)
     df = sorted_table(diff)
     if pass_ is not None:
         df = df[df["pass"] == pass_]
@@ -387,7 +387,7 @@ def heatmap(source, variable: str | None = None, *, pass_: int = 0, call: int = 
 
     plt = _plt()
     if isinstance(source, Diff):
-        variable = variable or source.default_metric
+        variable = source.default_metric if variable is None else variable
         df = source.table(progress=False)
     else:
         variable = variable or "absmax"
@@ -684,7 +684,7 @@ def rank_pass(diff, metric: str | None = None, threshold=None, ax=None):
     from tdinspect.numerics.metrics import metric as get_metric
 
     plt = _plt()
-    m = get_metric(metric or diff.default_metric)
+    m = get_metric(diff.default_metric if metric is None else metric)
     by = diff.by_rank_pass(threshold, m.name)
     thrs = np.unique(np.atleast_1d(drawn_threshold(diff, threshold, m.name, diff.table(progress=False))))
     ranks = sorted({r for r, _ in by.index})
@@ -762,7 +762,7 @@ def per_position(diff, dim: int | str = 1, keys=None, metric: str | None = None,
     from tdinspect.numerics.metrics import metric as get_metric
 
     plt = _plt()
-    m = get_metric(metric or diff.default_metric)
+    m = get_metric(diff.default_metric if metric is None else metric)
     if keys is None:
         table = diff.table(progress=False)
         table = table[~table["structural"]].sort_values(["pass", "order", "rank"])

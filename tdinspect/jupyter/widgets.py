@@ -220,7 +220,9 @@ class DiffExplorer(_Quiet):
         self.diff = diff
         self.timings: dict[str, float] = {}
         names = ["stats_rel"] if diff.mode == "stats" else [m for m in METRICS if m != "stats_rel"]
-        metric = metric or diff.default_metric  # the diff's own spec, unless told otherwise
+        metric = (
+            diff.default_metric if metric is None else metric
+        )  # the diff's own spec, unless told otherwise
         if threshold is None and metric == diff.default_metric:
             threshold = diff.spec.threshold
         self.metric = W.Dropdown(options=names, value=metric, description="metric")

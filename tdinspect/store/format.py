@@ -243,6 +243,13 @@ def read_sidecar(
     if pass_file is not None:
         reason = mismatch(raw, doc, Path(pass_file), index)
         if reason is not None:
+            alone = _held_by_sidecar_alone(doc)
+            if alone:  # ignored, they read as missing: "only in A", a wrong answer
+                raise DumpFormatError(
+                    f"{path}: sidecar {reason}, and {len(alone)} of its entries ({', '.join(alone[:3])}"
+                    f"{', ...' if len(alone) > 3 else ''}) are held by it alone (references to other "
+                    "entries, outputs not stored): the pass cannot be read without it; refused (capture again)"
+                )
             warn_ignored(path, reason)
             return None
     elif edited(raw, doc):
@@ -252,6 +259,18 @@ def read_sidecar(
         )
     validate(path, doc, len(STAT_NAMES))
     return _stats_as_read(doc)
+
+
+def _held_by_sidecar_alone(doc: dict) -> list[str]:
+    """The keys (shown safely, at most a few hundred checked) of entries a sidecar lists as not
+    stored in the pass file: without the sidecar, the pass holds no such entry."""
+    entries = doc.get("entries")
+    if not isinstance(entries, dict):
+        return []
+    keys, stored = entries.get("key"), entries.get("stored")
+    if not isinstance(keys, list) or not isinstance(stored, list):
+        return []
+    return [repr(str(k)[:60]) for k, s in zip(keys, stored) if s is False]
 
 
 def save_pass(
@@ -561,6 +580,15 @@ def _refuse_leaving(path: Path, root: str) -> None:
         )
 
 
+def vanished(path: str | os.PathLike) -> str:
+    """The message of a dump file or folder that vanished while it was read: a run replaced
+    by a capture with ``overwrite=True`` (or removed) under the reader's feet."""
+    return (
+        f"{path}: vanished while being read (its run was replaced by a capture with "
+        "overwrite=True, or removed); open the dump again"
+    )
+
+
 def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
     """List the complete passes of one folder (temporary files are ignored).
 
@@ -574,7 +602,11 @@ def scan_rank_folder(path: Path, rank: int, pid: int | None) -> RankFolder:
     root = os.path.realpath(path.parent)
     _refuse_leaving(path, root)
     folder = RankFolder(path, rank, pid)
-    for entry in os.scandir(path):
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:  # a bare FileNotFoundError reached the reader
+        raise DumpFormatError(vanished(path)) from None
+    for entry in entries:
         index = pass_number(entry.name)
         if index is None:
             continue

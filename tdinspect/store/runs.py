@@ -43,6 +43,7 @@ from tdinspect.errors import (
     RunsNote,
     RunWarning,
 )
+from tdinspect.store import runlock
 from tdinspect.store.format import (
     PASS_RE,
     RANK_DIR_RE,
@@ -51,6 +52,7 @@ from tdinspect.store.format import (
     atomic_write,
     pass_number,
     scan_rank_folder,
+    vanished,
 )
 from tdinspect.util.regularfile import open_regular
 from tdinspect.util.terminal import visible, warn
@@ -144,16 +146,25 @@ def new_run_folder(
         "group": group,
     }
     data = json.dumps(manifest, indent=1).encode()
-    folder = _new_folder_with_manifest(dump_dir, f"rank{rank}_pid{pid}", data)
+    folder, lock = _new_folder_with_manifest(dump_dir, f"rank{rank}_pid{pid}", data)
     with _open_lock:
         _OPEN[_key(folder)] = _OPEN.get(_key(folder), 0) + 1
-    _older_runs(dump_dir, folder, rank, world, overwrite)
+        _LOCKS.setdefault(_key(folder), []).append((lock, os.getpid()))
+    try:
+        _older_runs(dump_dir, folder, rank, world, overwrite)
+    except BaseException:  # refused: this capture leaves nothing behind
+        release_run_folder(folder)
+        remove_run_folder(folder)
+        raise
     return folder, manifest
 
 
 # Run folders of the captures open in this process: overwrite=True never removes them (it
 # removed a capture still running in this process: its next step failed, its pass 0 gone).
 _OPEN: dict[str, int] = {}
+# the run locks (:mod:`tdinspect.store.runlock`) those captures hold, released with the last,
+# with the process that took each
+_LOCKS: dict[str, list[tuple[int | None, int]]] = {}
 _open_lock = threading.Lock()
 
 
@@ -173,13 +184,17 @@ def release_run_folder(folder: str | os.PathLike | None) -> None:
             _OPEN[key] = left
         else:
             _OPEN.pop(key, None)
+            for lock, owner in _LOCKS.pop(key, ()):  # a forked child never removes its parent's
+                runlock.release(lock, Path(folder) if owner == os.getpid() else None)
 
 
-def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
+def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> tuple[Path, int | None]:
     """``parent/name`` (or ``name_run2``...), created holding its manifest: made under a
     temporary name with ``run.json`` inside, then renamed into place, so that no run folder is
     ever seen without its manifest (``overwrite=True`` in another process took such a young
     folder for an old one and removed it). A rename never replaces a folder holding anything.
+    Returns the folder and its run lock (:func:`tdinspect.store.runlock.take`), taken before
+    the rename: no run folder is ever seen unlocked while its capture is open.
 
     Raises
     ------
@@ -201,8 +216,10 @@ def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
     except OSError as exc:
         raise CaptureWriteError(f"creating the dump folder {parent} failed: {_reason(exc)}") from exc
     tmp = parent / f".{name}.{secrets.token_hex(6)}.new"  # not a rank folder: no reader sees it
+    lock = None
     try:
         tmp.mkdir()
+        lock = runlock.take(tmp)
         atomic_write(tmp / RUN_FILENAME, lambda f: f.write(manifest))
         n = _next_run_number(parent, name)
         while True:
@@ -212,11 +229,12 @@ def _new_folder_with_manifest(parent: Path, name: str, manifest: bytes) -> Path:
                 continue
             try:
                 os.rename(tmp, folder)  # fails when it exists and holds anything
-                return folder
+                return folder, lock
             except OSError as exc:
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                     raise
     except BaseException as exc:
+        runlock.release(lock)
         shutil.rmtree(tmp, ignore_errors=True)  # only what this call made
         for p in made:  # the dump folder (and those above it) if this call made them
             try:
@@ -296,7 +314,17 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
                 RunWarning,
                 stacklevel=6,
             )
-        live = [p for p in others if p not in mine and _running_elsewhere(p)]
+        locked = [p for p in others if p not in mine and runlock.held(p)]
+        if locked:  # written by an open capture, whatever its PID (PID 1 in two containers)
+            warn(
+                f"tdinspect: overwrite=True kept {len(locked)} run folder(s) in {dump_dir} whose "
+                f"capture is still running, being written by another open capture (its lock "
+                f"{runlock.LOCK_FILENAME} is held, whatever its PID): "
+                f"{', '.join(p.name for p in locked)} (close that capture to replace its run)",
+                RunWarning,
+                stacklevel=6,
+            )
+        live = [p for p in others if p not in mine and p not in locked and _running_elsewhere(p)]
         if live:
             warn(
                 f"tdinspect: overwrite=True kept {len(live)} run folder(s) in {dump_dir} whose "
@@ -305,7 +333,7 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
                 RunWarning,
                 stacklevel=6,
             )
-        young = [p for p in others if p not in mine and p not in live and not _is_old_run(p)]
+        young = [p for p in others if p not in mine + locked + live and not _is_old_run(p)]
         if young:
             warn(
                 f"tdinspect: overwrite=True kept {len(young)} folder(s) in {dump_dir} holding "
@@ -314,7 +342,7 @@ def _older_runs(dump_dir: Path, folder: Path, rank: int, world: int | None, over
                 RunWarning,
                 stacklevel=6,
             )
-        others = [p for p in others if p not in mine and p not in live and p not in young]
+        others = [p for p in others if p not in mine + locked + live + young]
     if not others:
         return
     names = ", ".join(p.name for p in others)
@@ -358,7 +386,7 @@ def _ours(name: str) -> bool:
     """Whether a file of a rank folder is one tdinspect writes there: its manifest, pass files,
     sidecars and their temporary files (``format.atomic_write``)."""
     return (
-        name == RUN_FILENAME
+        name in (RUN_FILENAME, runlock.LOCK_FILENAME)
         or bool(PASS_RE.match(name) or SIDECAR_RE.match(name) or _TEMPORARY_RE.match(name))
         and "\n" not in name
     )
@@ -536,6 +564,9 @@ def _running_elsewhere(folder: Path) -> bool:
     """Whether ``folder``'s manifest names another process of this host that is still alive
     (a capture that may be writing there). A pid reused since reads as alive: the folder is
     then kept, the safe side."""
+    lock = runlock.held(folder)
+    if lock is not None:  # the lock says it, whatever the PID: a free one, the capture closed
+        return lock
     doc = read_manifest(folder)
     pid = doc.get("pid") if doc else None
     if type(pid) is not int or pid <= 0 or pid == os.getpid() or doc.get("host") != socket.gethostname():
@@ -617,9 +648,12 @@ def _joins(current: tuple[Run, dict | None], started: float, folder: RankFolder,
 
 def rank_folders(path: Path) -> list[RankFolder] | None:
     """The ``rank*_pid*`` folders directly under ``path`` (``None`` when it has none)."""
-    dirs = sorted(
-        (p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)), key=lambda p: p.name
-    )
+    try:
+        dirs = sorted(
+            (p for p in path.iterdir() if p.is_dir() and RANK_DIR_RE.match(p.name)), key=lambda p: p.name
+        )
+    except FileNotFoundError:
+        raise DumpFormatError(vanished(path)) from None
     if not dirs:
         return None
     out = []
@@ -640,13 +674,16 @@ def list_runs(path: str | os.PathLike) -> list[Run]:
     >>> runs[-1].describe()                             # doctest: +SKIP
     'rank0_pid1_run2 (started 2026-11-30 17:40:01, 1 passes)'
     """
-    path = Path(path)
-    folders = discover_folders(path)
-    if path.is_dir() and any(RANK_DIR_RE.match(f.path.name) and f.path.parent == path for f in folders):
-        return group_runs(folders)
-    doc = read_manifest(folders[0].path)
-    run_id = doc["run_id"] if doc else f"legacy-{folders[0].path.name}"
-    started = float(doc["started"]) if doc else _first_write(folders[0])
+    path = Path(nonempty_path(path))
+    try:
+        folders = discover_folders(path)
+        if path.is_dir() and any(RANK_DIR_RE.match(f.path.name) and f.path.parent == path for f in folders):
+            return group_runs(folders)
+        doc = read_manifest(folders[0].path)
+        run_id = doc["run_id"] if doc else f"legacy-{folders[0].path.name}"
+        started = float(doc["started"]) if doc else _first_write(folders[0])
+    except FileNotFoundError as exc:  # a folder or file removed between listing and reading it
+        raise DumpFormatError(vanished(exc.filename or path)) from None
     return [Run(run_id, started, folders)]
 
 
@@ -688,9 +725,18 @@ def discover(path: str | os.PathLike, run: int | str | None = None) -> list[Rank
     return select_run(path, run)[0].folders
 
 
+def nonempty_path(path: str | os.PathLike) -> str | os.PathLike:
+    """``path``, unless it is empty (``DumpFormatError``): ``Path("")`` is the working folder,
+    so ``tdinspect first-divergence "" ""`` (two unset shell variables) compared the working
+    folder with itself and answered "matches"."""
+    if isinstance(path, (str, bytes)) and not path.strip():
+        raise DumpFormatError(f"{path!r}: an empty path names no dump (give '.' for the working folder)")
+    return path
+
+
 def discover_folders(path: str | os.PathLike) -> list[RankFolder]:
     """Every rank folder with passes under ``path``, whatever run wrote it."""
-    path = Path(path)
+    path = Path(nonempty_path(path))
     if not path.exists():
         raise DumpFormatError(f"{path}: no such file or folder")
     if path.is_file():

@@ -252,6 +252,9 @@ def validate(path: Path, doc: Any, stat_width: int) -> dict:
                 )
     if len(set(keys)) != n:
         raise DumpFormatError(f"{path}: sidecar lists a key twice")
+    for key, ref in zip(keys, entries.get("ref", ())):
+        if isinstance(ref, dict) and ref.get("of") == key and ref.get("pass") is None:
+            raise DumpFormatError(f"{path}: sidecar entry {key[:80]!r} refers to itself")
     _rows_fit_shapes(path, keys, entries)
     _tokens_lead_an_entry(path, doc.get("tokens"), entries.get("shape"))
     return doc

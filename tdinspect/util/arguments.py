@@ -32,6 +32,14 @@ def number_or_auto(text: str) -> float | str:
     return value
 
 
+def nonempty(text: str) -> str:
+    """A path, regex or name given on the command line, refused when empty (an argparse type):
+    ``""`` (an unset shell variable) named the working folder, or allowed every entry."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty value names nothing")
+    return text
+
+
 def threshold_arg(text: str) -> float | str:
     """One ``--threshold`` value: ``auto`` or a number (an argparse type)."""
     try:
@@ -102,6 +110,7 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (
         ("--mapping",),
         dict(
+            type=nonempty,
             metavar="FILE",
             default=None,
             help="YAML/JSON rules {a_regex: b_template | [b_template, transform]} pairing "
@@ -115,6 +124,7 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (
         ("--concat",),
         dict(
+            type=nonempty,
             metavar="pass:DIM|call:DIM",
             default=None,
             help="put consecutive passes or calls end to end along DIM on both sides (a decode "
@@ -143,6 +153,7 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (
         ("--allow-uncompared",),
         dict(
+            type=nonempty,
             action="append",
             metavar="REGEX",
             default=None,
@@ -154,6 +165,7 @@ SPEC_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (
         ("--baseline",),
         dict(
+            type=nonempty,
             metavar="DIR",
             default=None,
             help="a baseline run (the trusted implementation in the working precision, e.g. the "

@@ -146,7 +146,9 @@ def map_in_waves(
     if scheduler not in ("threads", "sync"):
         raise ValueError(f"scheduler={scheduler!r}: expected 'threads' or 'sync'")
     items = list(items)
-    wave = wave or default_wave(client)
+    wave = default_wave(client) if wave is None else wave
+    if isinstance(wave, bool) or not isinstance(wave, int) or wave < 1:
+        raise ValueError(f"wave={wave!r}: expected a whole number of items, 1 or more")
     inline = client is None and (scheduler == "sync" or in_pool())
     for start in range(0, len(items), wave):
         chunk = items[start : start + wave]
