@@ -28,8 +28,9 @@ def pad_hint(pa: PassIndex, pb: PassIndex, key_a: str, key_b: str, m, thr: float
     row by row (no transform), or ``""`` where there is nothing checked to say.
 
     - both layouts the same, with pad rows, the entry led by their token rows: the metric
-      ``m`` on the real token rows alone; when it is within ``thr``, the divergence is the
-      pads' and the hint says so (when the real tokens diverge too, nothing is added);
+      ``m`` on the real token rows alone, and on each of them; when one real row diverges the
+      hint names its (request, position); when all are within ``thr``, the divergence is the
+      pads' and the hint says so (when the real tokens diverge as a whole, nothing is added);
     - the two layouts differ: row by row the diff meets rows the layouts place elsewhere; the
       hint says so.
     """
@@ -55,6 +56,13 @@ def pad_hint(pa: PassIndex, pb: PassIndex, key_a: str, key_b: str, m, thr: float
     value = compare_tensors(x, y, chunk=chunk)[m.name]
     if m.diverges(value, thr):
         return ""
+    # the whole of the real rows is within: a divergence there is one token row's (every
+    # slice judged, compare/padrows.py), never the pads'
+    where = [(r, p + j) for r, p, n in la.segments if r is not None for j in range(n)]
+    for (request, position), xr, yr in zip(where, x.unbind(0), y.unbind(0)):
+        one = compare_tensors(xr, yr, chunk=chunk)[m.name]
+        if m.diverges(one, thr):
+            return f"; in a real token row (request {request}, position {position}): {m.name} {one:.3g}"
     return (
         f"; on pad rows only: its {int(keep.sum())} real token rows (of {len(real)}) give "
         f"{m.name} {value:.3g}, within the threshold; both dumps carry token layouts: "

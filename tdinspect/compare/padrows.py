@@ -7,7 +7,8 @@ rel_diff 0.013 on its pad rows, 3e-15 on its real ones). Where both passes carry
 token layout (``dump.step(tokens=...)``) with pad rows, every entry led by those rows is
 compared on its real rows alone: pads are not tokens (GUIDE, soundness), and identical pads
 no longer dilute a fault in a real row either. The row's metrics are those of its real rows
-(its ``reason`` stays empty: a row compared in numbers, judged by its metric like any other).
+(its ``reason`` stays empty: a row compared in numbers, judged by its metric like any other),
+and each real token row is judged as a slice too (``slice_<metric>``), as ``tokens=True`` judges it.
 Statistics-only dumps hold no rows to leave out: their statistics are of whole tensors, pads
 included.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tdinspect.compare.rule import NONFINITE
+from tdinspect.compare.rule import NONFINITE, _worst_apart
 from tdinspect.numerics.metrics import compare_tensors
 
 
@@ -54,5 +55,8 @@ def compare_real_rows(rows: list[dict[str, Any]], pa, pb, fetch_a, fetch_b, chun
         y = ya.reshape(n, *ya.shape[len(lead) :])[keep]
         x = xb.reshape(n, *xb.shape[len(lead) :])[keep]
         row.update(compare_tensors(x, y, chunk=chunk))
+        # each real token row judged too (every slice judged): a fault in one token is not
+        # diluted by the others, as with tokens=True on the same dumps
+        row.update(_worst_apart(list(zip(x.unbind(0), y.unbind(0))), chunk))
         if row.pop("nonfinite_mismatch", 0):  # NaN/Inf on one side in a real row (pads: no token's)
             row.update(structural=True, reason=f"{NONFINITE} (in real token rows)")

@@ -1,0 +1,74 @@
+"""What a new user met on the merged release, tried on tiny Hugging Face models (random weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tdinspect
+from tdinspect import DumpSet
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen2():
+    cfg = transformers.Qwen2Config(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def _padded_batch():
+    """Two prompts (6 and 9 tokens) left-padded to 9."""
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, 100, (n,)) for n in (6, 9)]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, 9 - len(s) :] = s
+        mask[i, 9 - len(s) :] = 1
+    return ids, mask
+
+
+def _capture(model, path, ids, mask):
+    with torch.no_grad(), tdinspect.capture(model, path) as dump:
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        dump.step(tokens=tdinspect.tokens(attention_mask=mask))
+    return DumpSet.open(path)
+
+
+def test_padded_plain_diff_names_a_fault_in_one_real_token_row(tmp_path):
+    """A padded batch compared plainly (pads left out) judges each real token row too: a fault
+    in one real token (request 0, position 5) of ``layers.1.mlp.down_proj``, diluted below the
+    threshold over the 15 real rows, used to read "matches" (``tokens=True`` on the same dumps
+    named it), and the hint then said the divergence was the pads'. Eager against SDPA (pads
+    filled differently) still matches."""
+    model = _qwen2()
+    ids, mask = _padded_batch()
+    ref = _capture(model, tmp_path / "eager", ids, mask)
+
+    def one_row(module, args, out):
+        out = out.clone()
+        out[0, 8] *= 1.0003  # request 0's last real token (position 5)
+        return out
+
+    model.set_attn_implementation("sdpa")
+    assert ref.diff(_capture(model, tmp_path / "sdpa", ids, mask)).verdict().outcome == "matches"
+    hook = model.model.layers[1].mlp.down_proj.register_forward_hook(one_row)
+    try:
+        faulty = _capture(model, tmp_path / "fault", ids, mask)
+    finally:
+        hook.remove()
+    assert ref.diff(faulty, tokens=True).verdict().outcome == "diverges"
+    verdict = ref.diff(faulty).verdict()
+    assert verdict.outcome == "diverges"
+    assert verdict.divergence.op == "model.model.layers.1.mlp.down_proj"
+    assert "request 0, position 5" in verdict.text
+    assert "pad rows only" not in verdict.text
