@@ -56,7 +56,7 @@ def test_padded_plain_diff_names_a_fault_in_one_real_token_row(tmp_path):
 
     def one_row(module, args, out):
         out = out.clone()
-        out[0, 8] *= 1.0003  # request 0's last real token (position 5)
+        out[0, 8] *= 1.0006  # request 0's last real token (position 5)
         return out
 
     model.set_attn_implementation("sdpa")
@@ -70,5 +70,35 @@ def test_padded_plain_diff_names_a_fault_in_one_real_token_row(tmp_path):
     verdict = ref.diff(faulty).verdict()
     assert verdict.outcome == "diverges"
     assert verdict.divergence.op == "model.model.layers.1.mlp.down_proj"
-    assert "request 0, position 5" in verdict.text
+    assert "in request 0's real token rows" in verdict.text and "position 5" in verdict.text
     assert "pad rows only" not in verdict.text
+
+
+def test_padded_moe_flattened_token_rows_leave_their_pads_out(tmp_path):
+    """A Qwen2-MoE block flattens the batch (``[b*s, h]``: its router, shared expert and experts'
+    output): those rows are the layout's token rows in row-major order (as ``tokens=True`` reads
+    them), so a plain diff of a left-padded batch compares them on real tokens too. Eager against
+    SDPA (pads filled differently) used to diverge at ``shared_expert.gate_proj`` (rel_diff 6e-3,
+    pads alone); now only the experts' inner rows, gathered by the routing (``[b*s*k, ...]``, no
+    token's rows), are left to differ."""
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids, mask = _padded_batch()
+    ref = _capture(model, tmp_path / "eager", ids, mask)
+    model.set_attn_implementation("sdpa")
+    diff = ref.diff(_capture(model, tmp_path / "sdpa", ids, mask))
+    flagged = set(diff.divergences()["op"])
+    assert not {op for op in flagged if not op.endswith("mlp.experts.act_fn")}, flagged
