@@ -80,7 +80,8 @@ def test_padded_moe_flattened_token_rows_leave_their_pads_out(tmp_path):
     them), so a plain diff of a left-padded batch compares them on real tokens too. Eager against
     SDPA (pads filled differently) used to diverge at ``shared_expert.gate_proj`` (rel_diff 6e-3,
     pads alone); now only the experts' inner rows, gathered by the routing (``[b*s*k, ...]``, no
-    token's rows), are left to differ."""
+    token's rows), are left to differ. A fault in one token of the shared expert (flattened row
+    8) read "matches"; it is named with its request and position."""
     cfg = transformers.Qwen2MoeConfig(
         vocab_size=100,
         hidden_size=32,
@@ -98,6 +99,18 @@ def test_padded_moe_flattened_token_rows_leave_their_pads_out(tmp_path):
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     ids, mask = _padded_batch()
     ref = _capture(model, tmp_path / "eager", ids, mask)
+
+    def one_token(module, args, out):  # flattened row 8: request 0's last token (position 5)
+        return out.index_put((torch.tensor([8]),), out[8] * 1.0006)
+
+    hook = model.model.layers[1].mlp.shared_expert.down_proj.register_forward_hook(one_token)
+    try:
+        verdict = ref.diff(_capture(model, tmp_path / "fault", ids, mask)).verdict()
+    finally:
+        hook.remove()
+    assert verdict.outcome == "diverges"  # before: "matches", the fault diluted by the pads and the batch
+    assert verdict.divergence.op == "model.model.layers.1.mlp.shared_expert.down_proj"
+    assert "request 0's real token rows" in verdict.text and "position 5" in verdict.text
     model.set_attn_implementation("sdpa")
     diff = ref.diff(_capture(model, tmp_path / "sdpa", ids, mask))
     flagged = set(diff.divergences()["op"])
