@@ -115,3 +115,21 @@ def test_padded_moe_flattened_token_rows_leave_their_pads_out(tmp_path):
     diff = ref.diff(_capture(model, tmp_path / "sdpa", ids, mask))
     flagged = set(diff.divergences()["op"])
     assert not {op for op in flagged if not op.endswith("mlp.experts.act_fn")}, flagged
+
+
+def test_padded_batch_against_one_request_at_a_time_points_to_tokens(tmp_path):
+    """A padded batch against the same prompts run one at a time, both with token layouts, in a
+    plain diff: the shapes differ ([2, 9, 32] vs [1, 6, 32]) and the answer said only that; it
+    now says the layouts differ and that ``tokens=True`` lines them up (which then matches)."""
+    model = _qwen2()
+    ids, mask = _padded_batch()
+    ref = _capture(model, tmp_path / "batch", ids, mask)
+    with torch.no_grad(), tdinspect.capture(model, tmp_path / "one") as dump:
+        for i in range(2):
+            real = ids[i][mask[i].bool()]
+            model(real[None])
+            dump.step(tokens=tdinspect.tokens(request_ids=[i], seq_lens=[len(real)], shape=(1, len(real))))
+    verdict = ref.diff(tmp_path / "one").verdict()
+    assert verdict.outcome == "diverges" and "shape [2, 9, 32] vs [1, 6, 32]" in verdict.text
+    assert "tokens=True lines them up" in verdict.text
+    assert ref.diff(tmp_path / "one", tokens=True).verdict().outcome == "matches"

@@ -39,11 +39,7 @@ def pad_hint(pa: PassIndex, pb: PassIndex, key_a: str, key_b: str, m, thr: float
     if la is None or lb is None:
         return ""
     if la != lb:
-        return (
-            f"; both dumps carry token layouts and they differ (A {la!r}, B {lb!r}): row by row "
-            "this meets rows the layouts give to another (request, position) or to padding; "
-            "tokens=True lines them up by (request, position)"
-        )
+        return layouts_hint(pa, pb)
     real = [request is not None for request, _, n in la.segments for _ in range(n)]
     if all(real):
         return ""
@@ -74,4 +70,17 @@ def pad_hint(pa: PassIndex, pb: PassIndex, key_a: str, key_b: str, m, thr: float
         f"; on pad rows only: its {int(keep.sum())} real token rows (of {len(real)}) give "
         f"{m.name} {value:.3g}, within the threshold; both dumps carry token layouts: "
         "tokens=True compares the real tokens only"
+    )
+
+
+def layouts_hint(pa: PassIndex, pb: PassIndex) -> str:
+    """When both passes carry token layouts and they differ (a padded batch against one request
+    at a time: shapes that differ too), that ``tokens=True`` lines them up; ``""`` otherwise."""
+    la, lb = getattr(pa, "tokens", None), getattr(pb, "tokens", None)
+    if la is None or lb is None or la == lb:
+        return ""
+    return (
+        f"; both dumps carry token layouts and they differ (A {la!r}, B {lb!r}): row by row "
+        "this meets rows the layouts give to another (request, position) or to padding; "
+        "tokens=True lines them up by (request, position)"
     )
