@@ -46,7 +46,7 @@ from tdinspect.align.logical import LogicalPass, primary, slices_of
 from tdinspect.align.mapping import mapped_key, quoted_rule
 from tdinspect.compare import cube, entries, growth
 from tdinspect.compare.baseline import FACTOR, LACKING, Budget
-from tdinspect.compare.padhint import pad_hint
+from tdinspect.compare.padhint import layouts_hint, pad_hint
 from tdinspect.compare.pairing import assembled, layout, pairs
 from tdinspect.compare.passes import PassJob, compare_pass, cut_short, pass_frame, rank_hint
 from tdinspect.compare.passframes import PassFrames
@@ -808,7 +808,7 @@ class Diff:
             self._check_records(row)
         copy = str(row["reason"]).startswith(REPLICA)  # against its own side: no A and B parts
         located = (
-            ""
+            ("" if copy else self._layouts_hint(row))
             if row["structural"] or copy
             else self._locate(row, m, thr_fn(row)) + self._pad_hint(row, m, thr_fn(row))
         )
@@ -919,6 +919,14 @@ class Diff:
             if bad:
                 return "; in " + ", ".join(bad) + self._fused_hint(row, pi, key, node, side is self.b, ya, xb)
         return ""
+
+    def _layouts_hint(self, row: dict) -> str:
+        """A structural row of two passes with other token layouts: ``tokens=True`` (:mod:`.padhint`)."""
+        pa = self.a.pass_map.get((row["rank"], row["pass"]))
+        pb = self.b.pass_map.get((row["rank"], row["pass"]))
+        if pa is None or pb is None or getattr(self, "token_aligned", False):
+            return ""
+        return layouts_hint(pa, pb)
 
     def _pad_hint(self, row: dict, m, thr: float) -> str:
         """Pad rows of two token-laid-out passes compared row by row (:mod:`.padhint`)."""
