@@ -133,3 +133,77 @@ def test_padded_batch_against_one_request_at_a_time_points_to_tokens(tmp_path):
     assert verdict.outcome == "diverges" and "shape [2, 9, 32] vs [1, 6, 32]" in verdict.text
     assert "tokens=True lines them up" in verdict.text
     assert ref.diff(tmp_path / "one", tokens=True).verdict().outcome == "matches"
+
+
+# -- a correct MoE run against its bfloat16 and one-request-at-a-time variants, tokens=True ------
+@pytest.fixture(scope="module")
+def qwen_moe(tmp_path_factory):
+    """A tiny Qwen2-MoE (random weights): a left-padded batch of two prompts in float32, the same
+    in bfloat16, and the prompts one request at a time."""
+    import copy
+
+    import transformers
+
+    root = tmp_path_factory.mktemp("qwen_moe")
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 100, (n,), generator=gen) for n in (6, 9)]
+    ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, 9 - len(s) :], mask[i, 9 - len(s) :] = s, 1
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def batch(m, name):
+        with torch.no_grad(), tdinspect.capture(m, root / name) as dump:
+            m(ids, attention_mask=mask, position_ids=position)
+            dump.step(tokens=tdinspect.tokens(attention_mask=mask))
+        return tdinspect.DumpSet.open(root / name)
+
+    def one_at_a_time(m, name):
+        with torch.no_grad(), tdinspect.capture(m, root / name) as dump:
+            for i, s in enumerate(seqs):
+                m(s[None])
+                dump.step(tokens=tdinspect.tokens(request_ids=[i], seq_lens=[len(s)], shape=(1, len(s))))
+        return tdinspect.DumpSet.open(root / name)
+
+    return {
+        "f32": batch(model, "f32"),
+        "bf16": batch(copy.deepcopy(model).to(torch.bfloat16), "bf16"),
+        "one": one_at_a_time(model, "one"),
+    }
+
+
+def test_a_per_token_gate_near_zero_is_judged_at_the_entrys_scale(qwen_moe):
+    """float32 against bfloat16 with tokens=True: the shared expert's gate is one value per token;
+    a slice that small, near 0, read its own roundings as 1.3x bfloat16's threshold (a false
+    alarm). Each slice's energy is now at least its share of the pair's: no alarm; the experts'
+    rows gathered by the routing are set aside, never compared (incomplete, never diverges)."""
+    v = qwen_moe["f32"].diff(qwen_moe["bf16"], tokens=True).verdict()
+    assert v.outcome != "diverges", v.text
+    assert v.outcome == "matches" or "not token-major" in v.gap, v.text
+    assert v.compared > 0
+
+
+def test_entries_token_major_on_neither_side_are_set_aside_not_a_divergence(qwen_moe):
+    """A batch against one request at a time: the experts' activations ([tokens * k, ...], rows
+    gathered by the routing) are token-major on neither side: "incomplete" with that reason (it
+    read "diverges ... (set aside, not compared)", an outcome contradicting its own reason);
+    allowing them by name gives "matches"."""
+    d = qwen_moe["f32"].diff(qwen_moe["one"], tokens=True)
+    v = d.verdict()
+    assert v.outcome == "incomplete" and "not token-major" in v.gap, v.text
+    assert d.verdict(allow_uncompared=r"experts\.act_fn").outcome == "matches"

@@ -120,6 +120,10 @@ class TokenPlan:
         return text + (f"; {'; '.join(self.one_sided)}" if self.one_sided else "") + ")"
 
 
+# the reason of an entry whose leading dims are not the pass's token rows (it cannot be lined up)
+NOT_TOKEN_MAJOR = "not token-major"
+
+
 def spans(values: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
     out: list[list[int]] = []
@@ -601,7 +605,7 @@ def _token_rows(pi: PassIndex, p: int, key: str) -> tuple[dict, int, list[int], 
         lead = [shape[0]]  # its token rows already flattened, row-major (MoE routers, experts)
     else:
         return (
-            f"not token-major: shape {None if shape is None else list(shape)} in pass {p} "
+            f"{NOT_TOKEN_MAJOR}: shape {None if shape is None else list(shape)} in pass {p} "
             f"does not lead with its token rows {lead} (set aside, not compared)"
         )
     dtype = getattr(torch, str(pi.dtype[i]).removeprefix("torch."), None)

@@ -17,7 +17,7 @@ import torch
 
 from tdinspect.align.args import arg_difference
 from tdinspect.align.logical import LogicalPass, matching_slices
-from tdinspect.align.tokens import RequestPass
+from tdinspect.align.tokens import NOT_TOKEN_MAJOR, RequestPass
 from tdinspect.compare.pairing import layout_shapes
 from tdinspect.compare.rows import differing_rows, paired_rows
 from tdinspect.errors import AlignError
@@ -124,6 +124,11 @@ def compare_pair(row: dict[str, Any], a: Side, b: Side, transform, mode: str, ch
     if a.problem or b.problem:
         if NOT_STORED in a.problem and NOT_STORED in b.problem:  # nothing to compare, alike
             row["reason"] = a.problem.split(": ", 1)[1]
+            return
+        if NOT_TOKEN_MAJOR in a.problem and NOT_TOKEN_MAJOR in b.problem:
+            # neither side's rows are tokens (weights, rotary tables, rows gathered by routing):
+            # not lined up by tokens, never compared (an incomplete verdict), alike on both sides
+            row["reason"] = f"set aside, not compared: {a.problem}"
             return
         row.update(structural=True, reason=a.problem or b.problem)
         return
@@ -245,6 +250,18 @@ def _worst_apart(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk: int) -> 
     if len(pairs) < 2:
         return {}
     found = [compare_tensors(x, y, chunk=chunk) for x, y in pairs]
+    # relative metrics at least at the pair's scale (tdinspect.numerics.slices.floored): from
+    # each slice's rel_diff and energy, as the one-read road's sums give them
+    energy = [float(x.double().square().sum() + y.double().square().sum()) for x, y in pairs]
+    counts = [y.numel() for _, y in pairs]
+    mean = sum(energy) / max(sum(counts), 1)
+    for f, e, n in zip(found, energy, counts):
+        floor = n * mean
+        if e < floor and not math.isnan(f["rel_diff"]):
+            for name in ("rel_diff", "rel_diff_cast"):
+                f[name] = f[name] * e / floor
+            if floor > 0 and f["sqnr_db"] != math.inf:
+                f["sqnr_db"] = f["sqnr_db"] + 10 * math.log10(floor / max(e, 1e-300))
     out = {}
     for name in SLICE_METRICS:
         values = [f[name] for f in found if not math.isnan(f[name])]
