@@ -54,13 +54,14 @@ def rows_text(shape_a, shape_b, rows_a: Any, rows_b: Any) -> str:
     sizes = f"{n} {'row' if n == 1 else 'rows'} compared, {shape_a[d]} vs {shape_b[d]}"
     if not bad:
         return f"; rows along dim {d} hold the same bits ({sizes})"
+    verb = "differs in its" if len(bad) == 1 else "differ in their"
+    return f"; not batch-invariant: {_rows_named(bad, d)} {verb} bits ({sizes})"
+
+
+def _rows_named(bad: list[int], d: int) -> str:
+    """``row 3 of dim 0``, ``rows 1, 2 of dim 0`` (the first five, then ``...``)."""
     shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-    which = (
-        f"row {shown} of dim {d} differs in its"
-        if len(bad) == 1
-        else f"rows {shown} of dim {d} differ in their"
-    )
-    return f"; not batch-invariant: {which} bits ({sizes})"
+    return f"{'row' if len(bad) == 1 else 'rows'} {shown} of dim {d}"
 
 
 def _same_shape_rows(shape_a, shape_b, rows_a: Any, rows_b: Any) -> str:
@@ -78,10 +79,4 @@ def _same_shape_rows(shape_a, shape_b, rows_a: Any, rows_b: Any) -> str:
     bad = differing_rows(rows_a, rows_b, n)
     if not bad or len(bad) == n:
         return ""  # every row: the whole entry says it
-    shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-    which = (
-        f"row {shown} of dim {d} (its bits differ"
-        if len(bad) == 1
-        else f"rows {shown} of dim {d} (their bits differ"
-    )
-    return f"; in {which}; {n} rows)"
+    return f"; in {_rows_named(bad, d)} ({'its' if len(bad) == 1 else 'their'} bits differ; {n} rows)"
