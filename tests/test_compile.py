@@ -132,3 +132,24 @@ def test_a_plain_capture_never_loads_dynamo_and_a_later_compile_still_runs_eager
         "traced into: []",
         "same output, entries, values: True True True",
     ], out.stdout
+
+
+def test_the_recompile_count_counts_recompiles_not_guard_failures(tmp_path):
+    """A compiled model called at four batch sizes (static shapes) is compiled four times: three
+    recompiles, one a pass. Dynamo records the failure of every cached graph at each recompile
+    (1 + 2 + 3 = 6 failures): the capture counted those and warned of 2 and 3 recompiles at the
+    third and fourth passes."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad(), tdinspect.capture(compiled, tmp_path / "run") as dump:
+            for n in (1, 2, 3, 4):
+                compiled(torch.randn(n, 4))
+                dump.step()
+    assert dump.compile_counts["recompiles"] == 3 and dump.compile_counts["graphs"] == 4
+    said = [str(w.message) for w in seen if "recompile(s)" in str(w.message)]
+    assert len(said) == 3 and all("1 recompile(s)" in m for m in said), said

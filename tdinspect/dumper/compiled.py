@@ -319,8 +319,7 @@ class CompileCounter:
         return {
             "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()),
-            # a recompile is a cached graph whose guards failed: dynamo keeps why
-            "recompiles": sum(map(len, guard_failures.values())),
+            "recompiles": recompiles(guard_failures),
         }
 
     def mark(self) -> None:
@@ -329,6 +328,20 @@ class CompileCounter:
     def since(self) -> dict[str, int]:
         now = self._now()
         return {k: now[k] - self._at[k] for k in self.FIELDS}
+
+
+def recompiles(failures: dict) -> int:
+    """Recompiles from dynamo's ``guard_failures`` (``{code: ["<frame>/<n>: reason", ...]}``).
+
+    Each recompile of a frame checks, and records the failure of, every graph cached for it so
+    far, so the failures grow as the square of the recompiles (a function recompiled at three new
+    shapes: six failures). The k-th recompile is the first to see graph ``k - 1`` fail: the
+    recompiles of a frame are the cached graphs whose guards ever failed.
+
+    >>> recompiles({"f": ["0/0: x.size()[0] == 3", "0/1: ...", "0/0: ...", "0/2: ...", "0/1: ...", "0/0: ..."]})
+    3
+    """
+    return sum(len({reason.split(":", 1)[0] for reason in found}) for found in failures.values())
 
 
 def graph_break_reasons(limit: int = 3) -> list[str]:
