@@ -82,21 +82,7 @@ def test_padded_moe_flattened_token_rows_leave_their_pads_out(tmp_path):
     pads alone); now only the experts' inner rows, gathered by the routing (``[b*s*k, ...]``, no
     token's rows), are left to differ. A fault in one token of the shared expert (flattened row
     8) read "matches"; it is named with its request and position."""
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = _tiny_qwen_moe()
     ids, mask = _padded_batch()
     ref = _capture(model, tmp_path / "eager", ids, mask)
 
@@ -142,24 +128,8 @@ def qwen_moe(tmp_path_factory):
     in bfloat16, and the prompts one request at a time."""
     import copy
 
-    import transformers
-
     root = tmp_path_factory.mktemp("qwen_moe")
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = _tiny_qwen_moe()
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 100, (n,), generator=gen) for n in (6, 9)]
     ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
@@ -207,3 +177,24 @@ def test_entries_token_major_on_neither_side_are_set_aside_not_a_divergence(qwen
     v = d.verdict()
     assert v.outcome == "incomplete" and "not token-major" in v.gap, v.text
     assert d.verdict(allow_uncompared=r"experts\.act_fn").outcome == "matches"
+
+
+def _tiny_qwen_moe():
+    """A tiny Qwen2-MoE built from its config (random weights, seed 0), eager attention."""
+    import transformers
+
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
